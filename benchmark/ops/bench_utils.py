@@ -1,0 +1,132 @@
+"""Shared benchmark plumbing: timing, FLOP/byte accounting, CSV schema, run metadata.
+
+Every bench script times turbo and the best torch path in the same process on the same inputs
+with ``triton.testing.do_bench`` medians, and writes one CSV plus a ``<name>.meta.json`` (device,
+versions, date, commit) into ``--out`` (default ``benchmark/results/<gpu>/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+GEMM_COLUMNS = [
+    "label",
+    "B",
+    "M",
+    "N",
+    "K",
+    "Check",
+    "Forward TFLOPS",
+    "Forward TFLOPS_stddev",
+    "Backward TFLOPS",
+    "Backward TFLOPS_stddev",
+    "Forward Time (ms)",
+    "Backward Time (ms)",
+    "out_snr",
+    "da_snr",
+    "db_snr",
+]
+MEMORY_COLUMNS = [
+    "label",
+    "shape",
+    "dtype",
+    "Check",
+    "Forward GB/s",
+    "Forward Time (ms)",
+    "Backward GB/s",
+    "Backward Time (ms)",
+]
+
+
+def gpu_slug() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h200", "h100", "h800", "h20", "a100", "b200"):
+        if tag in name:
+            return tag
+    return name.replace(" ", "_")
+
+
+def run_metadata() -> dict:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit or os.environ.get("PRIMUS_TURBO_COMMIT", "unknown"),
+    }
+
+
+def bench_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", type=Path, default=None, help="output folder (default benchmark/results/<gpu>)")
+    p.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
+    return p
+
+
+def out_dir(args) -> Path:
+    d = args.out or Path(__file__).resolve().parents[1] / "results" / gpu_slug()
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float]:
+    """(median ms, stddev ms) with triton.testing.do_bench (CUDA events, cache flushed)."""
+    import triton.testing
+
+    times = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+    t = torch.tensor(times, dtype=torch.float64)
+    return float(t.median()), float(t.std()) if t.numel() > 1 else 0.0
+
+
+def tflops(flop: float, ms: float) -> float:
+    return flop / (ms * 1e-3) / 1e12
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def write_csv(path: Path, rows: list[dict], columns: list[str] | None = None) -> None:
+    columns = columns or list(rows[0].keys())
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    meta = run_metadata()
+    Path(str(path).rsplit(".", 1)[0] + ".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"wrote {path} ({len(rows)} rows) on {meta['device']}")
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c, ""))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c, "")).ljust(widths[c]) for c in columns))
+
+
+def _fmt(v) -> str:
+    return f"{v:.2f}" if isinstance(v, float) else str(v)

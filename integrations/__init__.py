@@ -1,0 +1,1 @@
+"""Framework integrations, installed as ``primus_turbo.integrations``."""

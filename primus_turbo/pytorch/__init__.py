@@ -1,0 +1,21 @@
+"""PyTorch frontend: ``import primus_turbo.pytorch as turbo``; ``turbo.ops.*``, ``turbo.modules.*``."""
+
+from primus_turbo.pytorch import modules, ops
+from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+from primus_turbo.pytorch.core.low_precision import (
+    Float8QuantConfig,
+    Format,
+    ScalingGranularity,
+    ScalingStrategy,
+)
+
+__all__ = [
+    "ops",
+    "modules",
+    "BackendType",
+    "GlobalBackendManager",
+    "Float8QuantConfig",
+    "Format",
+    "ScalingGranularity",
+    "ScalingStrategy",
+]

@@ -1,0 +1,382 @@
+"""Backend selection for multi-backend ops.
+
+Every multi-backend op (GEMM, grouped GEMM, attention, MoE dispatch/combine) has one
+``AutoKernelDispatcher`` subclass that knows its ``KernelBackend`` implementations. The dispatcher
+resolves a backend per call with this priority:
+
+    code setter (GlobalBackendManager.set_*_backend)
+    > environment variable (PRIMUS_TURBO_<OP>_BACKEND)
+    > autotune (timed once per ``make_key``, cached in a bounded LRU)
+    > the dispatcher's in-code default
+    > fallback: the first registered backend whose ``can_handle`` is True.
+
+A backend pinned by the user (setter or env var) that cannot handle the inputs raises
+``ValueError``: we never silently run something other than what was asked for.
+
+Environment value syntax (case-insensitive): ``TRITON`` (all precisions) or per precision
+``fp8:TRITON,bf16:CUBLAS,other:TORCH``. Precision keys: fp8, bf16, fp16, fp32, other.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from enum import Enum
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = [
+    "BackendType",
+    "GlobalBackendManager",
+    "KernelBackend",
+    "AutoKernelDispatcher",
+    "PRECISION_KEYS",
+    "precision_of_dtype",
+]
+
+
+class BackendType(Enum):
+    TORCH = "TORCH"  # eager reference; runs on CPU
+    CUBLAS = "CUBLAS"  # torch.mm / torch._scaled_mm
+    CUTLASS = "CUTLASS"  # torch._grouped_mm / torch._scaled_grouped_mm
+    CUDNN = "CUDNN"  # SDPA with the cuDNN backend forced
+    FLASH = "FLASH"  # SDPA with the flash backend forced
+    TRITON = "TRITON"  # our Triton kernels
+    TURBO = "TURBO"  # our CUDA C++ kernels (csrc/)
+    NCCL = "NCCL"  # torch.distributed collectives (gloo on CPU)
+    SYMM_MEM = "SYMM_MEM"  # torch symmetric-memory fused ops
+    DEEP_EP = "DEEP_EP"  # the external deep_ep package, when importable
+
+    @classmethod
+    def parse(cls, value: BackendType | str, *, source: str) -> BackendType:
+        if isinstance(value, BackendType):
+            return value
+        if isinstance(value, str):
+            name = value.strip().upper()
+            if name in cls.__members__:
+                return cls[name]
+        raise ValueError(
+            f"{source}: unknown backend {value!r}; accepted: {', '.join(cls.__members__)} (case-insensitive)"
+        )
+
+
+PRECISION_KEYS = ("fp8", "bf16", "fp16", "fp32", "other")
+
+_FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+def precision_of_dtype(dtype: torch.dtype) -> str:
+    """Map a tensor dtype to its precision key for backend selection."""
+    if dtype in _FP8_DTYPES:
+        return "fp8"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "other")
+
+
+# op name -> environment variable
+_OP_ENV = {
+    "gemm": "PRIMUS_TURBO_GEMM_BACKEND",
+    "grouped_gemm": "PRIMUS_TURBO_GROUPED_GEMM_BACKEND",
+    "attention": "PRIMUS_TURBO_ATTENTION_BACKEND",
+    "moe_dispatch_combine": "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND",
+}
+ENV_AUTO_TUNE = "PRIMUS_TURBO_AUTO_TUNE"
+
+
+def parse_backend_spec(value: str, *, source: str) -> dict[str, BackendType]:
+    """Parse ``TRITON`` or ``fp8:TRITON,bf16:CUBLAS,other:TORCH`` into {precision: backend}.
+
+    A bare backend name maps to every precision under the key ``"*"``.
+    """
+    value = value.strip()
+    if not value:
+        return {}
+    if ":" not in value:
+        return {"*": BackendType.parse(value, source=source)}
+    spec: dict[str, BackendType] = {}
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if ":" not in item:
+            raise ValueError(
+                f"{source}: entry {item!r} has no precision; write 'precision:BACKEND' for every entry "
+                f"(precisions: {', '.join(PRECISION_KEYS)}) or a single backend name for all"
+            )
+        precision, backend = (part.strip() for part in item.split(":", 1))
+        precision = precision.lower()
+        if precision not in PRECISION_KEYS:
+            raise ValueError(
+                f"{source}: unknown precision {precision!r}; accepted: {', '.join(PRECISION_KEYS)}"
+            )
+        spec[precision] = BackendType.parse(backend, source=source)
+    return spec
+
+
+def _lookup(spec: dict[str, BackendType], precision: str) -> BackendType | None:
+    if precision in spec:
+        return spec[precision]
+    if "*" in spec:
+        return spec["*"]
+    return spec.get("other")
+
+
+def _parse_bool_env(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "off", "no"):
+        return False
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"{name}: expected one of 1/0/true/false/on/off/yes/no, got {raw!r}")
+
+
+class GlobalBackendManager:
+    """Process-wide backend choices by op x precision, and the autotune switch."""
+
+    _code: ClassVar[dict[str, dict[str, BackendType]]] = {}
+    _auto_tune: ClassVar[bool | None] = None
+    _env_cache: ClassVar[dict[tuple[str, str], dict[str, BackendType]]] = {}
+
+    # -- setters --------------------------------------------------------------------------------
+    @classmethod
+    def _set(cls, op: str, backend: BackendType | str | None, precision: str | None) -> None:
+        if precision is not None:
+            precision = precision.lower()
+            if precision not in PRECISION_KEYS:
+                raise ValueError(f"precision: unknown {precision!r}; accepted: {', '.join(PRECISION_KEYS)}")
+        key = precision or "*"
+        table = cls._code.setdefault(op, {})
+        if backend is None:
+            if precision is None:
+                table.clear()
+            else:
+                table.pop(key, None)
+            return
+        table[key] = BackendType.parse(backend, source=f"set_{op}_backend(backend=...)")
+
+    @classmethod
+    def set_gemm_backend(cls, backend: BackendType | str | None, precision: str | None = None) -> None:
+        cls._set("gemm", backend, precision)
+
+    @classmethod
+    def set_grouped_gemm_backend(
+        cls, backend: BackendType | str | None, precision: str | None = None
+    ) -> None:
+        cls._set("grouped_gemm", backend, precision)
+
+    @classmethod
+    def set_attention_backend(cls, backend: BackendType | str | None, precision: str | None = None) -> None:
+        cls._set("attention", backend, precision)
+
+    @classmethod
+    def set_moe_dispatch_combine_backend(
+        cls, backend: BackendType | str | None, precision: str | None = None
+    ) -> None:
+        cls._set("moe_dispatch_combine", backend, precision)
+
+    @classmethod
+    def set_auto_tune(cls, enabled: bool | None) -> None:
+        cls._auto_tune = enabled
+
+    @classmethod
+    def reset(cls) -> None:
+        """Clear code-set backends, the autotune switch and every dispatcher's autotune cache."""
+        cls._code = {}
+        cls._auto_tune = None
+        cls._env_cache = {}
+        for dispatcher in AutoKernelDispatcher.registry():
+            dispatcher.clear_cache()
+
+    # -- getters --------------------------------------------------------------------------------
+    @classmethod
+    def user_backend(cls, op: str, precision: str) -> tuple[BackendType | None, str]:
+        """The backend the user pinned for (op, precision) and where it came from ('code'/'env')."""
+        backend = _lookup(cls._code.get(op, {}), precision)
+        if backend is not None:
+            return backend, "code"
+        env = _OP_ENV.get(op)
+        if env is None:
+            return None, ""
+        raw = os.environ.get(env, "")
+        cached = cls._env_cache.get((env, raw))
+        if cached is None:
+            cached = parse_backend_spec(raw, source=env)
+            cls._env_cache[(env, raw)] = cached
+        backend = _lookup(cached, precision)
+        return backend, ("env " + env) if backend is not None else ""
+
+    @classmethod
+    def auto_tune_enabled(cls) -> bool:
+        if cls._auto_tune is not None:
+            return cls._auto_tune
+        return _parse_bool_env(ENV_AUTO_TUNE)
+
+
+class KernelBackend:
+    """One implementation of an op. Subclasses override both methods as staticmethods/classmethods.
+
+    ``can_handle`` returns False (never raises) for inputs it cannot serve; ``execute`` must not
+    mutate its inputs (the autotuner runs every candidate on the same inputs).
+    """
+
+    @staticmethod
+    def can_handle(**kwargs: Any) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @staticmethod
+    def execute(**kwargs: Any) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def _is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _on_cuda(kwargs: dict[str, Any]) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in kwargs.values())
+
+
+class AutoKernelDispatcher:
+    """Base class of a per-op dispatcher. Subclasses set the class attributes and ``make_key``."""
+
+    op_name: ClassVar[str] = ""
+    backends: ClassVar[dict[BackendType, type[KernelBackend]]] = {}
+    autotune_warmup: ClassVar[int] = 3
+    autotune_iters: ClassVar[int] = 10
+    cache_size: ClassVar[int] = 1024
+
+    _registry: ClassVar[list[type[AutoKernelDispatcher]]] = []
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls._cache: OrderedDict[tuple, BackendType] = OrderedDict()
+        cls.last_backend: BackendType | None = None
+        AutoKernelDispatcher._registry.append(cls)
+
+    @classmethod
+    def registry(cls) -> list[type[AutoKernelDispatcher]]:
+        return list(cls._registry)
+
+    @classmethod
+    def clear_cache(cls) -> None:
+        cls._cache.clear()
+        cls.last_backend = None
+
+    # -- to override ----------------------------------------------------------------------------
+    @classmethod
+    def make_key(cls, **kwargs: Any) -> tuple:
+        """Everything that changes the best kernel: shapes, dtypes, layouts, key scalars."""
+        raise NotImplementedError
+
+    @classmethod
+    def precision(cls, **kwargs: Any) -> str:
+        """Precision key of this call; default: dtype of the first tensor argument."""
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor):
+                return precision_of_dtype(v.dtype)
+        return "other"
+
+    @classmethod
+    def default_backend(cls, **kwargs: Any) -> BackendType | None:
+        """In-code default for these inputs (None: use the fallback order)."""
+        return None
+
+    # -- resolution -----------------------------------------------------------------------------
+    @classmethod
+    def candidates(cls, **kwargs: Any) -> list[BackendType]:
+        return [b for b, impl in cls.backends.items() if impl.can_handle(**kwargs)]
+
+    @classmethod
+    def resolve(cls, **kwargs: Any) -> BackendType:
+        precision = cls.precision(**kwargs)
+        pinned, source = GlobalBackendManager.user_backend(cls.op_name, precision)
+        if pinned is not None:
+            impl = cls.backends.get(pinned)
+            if impl is None:
+                raise ValueError(
+                    f"{cls.op_name}: backend {pinned.name} (from {source}) is not implemented for this op; "
+                    f"available: {', '.join(b.name for b in cls.backends)}"
+                )
+            if not impl.can_handle(**kwargs):
+                raise ValueError(
+                    f"{cls.op_name}: backend {pinned.name} (from {source}) cannot handle these inputs "
+                    f"({cls.describe(**kwargs)}); backends that can: "
+                    f"{', '.join(b.name for b in cls.candidates(**kwargs)) or 'none'}"
+                )
+            return pinned
+
+        if GlobalBackendManager.auto_tune_enabled() and not _is_capturing():
+            key = (precision,) + tuple(cls.make_key(**kwargs))
+            with cls._lock:
+                hit = cls._cache.get(key)
+                if hit is not None:
+                    cls._cache.move_to_end(key)
+                    return hit
+            best = cls._autotune(**kwargs)
+            if best is not None:
+                with cls._lock:
+                    cls._cache[key] = best
+                    while len(cls._cache) > cls.cache_size:
+                        cls._cache.popitem(last=False)
+                return best
+
+        default = cls.default_backend(**kwargs)
+        if default is not None and default in cls.backends and cls.backends[default].can_handle(**kwargs):
+            return default
+        for backend, impl in cls.backends.items():
+            if impl.can_handle(**kwargs):
+                return backend
+        raise ValueError(f"{cls.op_name}: no backend can handle these inputs ({cls.describe(**kwargs)})")
+
+    @classmethod
+    def dispatch(cls, **kwargs: Any) -> Any:
+        backend = cls.resolve(**kwargs)
+        cls.last_backend = backend
+        return cls.backends[backend].execute(**kwargs)
+
+    @classmethod
+    def describe(cls, **kwargs: Any) -> str:
+        parts = []
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                parts.append(f"{k}={tuple(v.shape)} {str(v.dtype).replace('torch.', '')} {v.device.type}")
+            elif isinstance(v, (int, float, bool, str, torch.dtype)) or v is None:
+                parts.append(f"{k}={v}")
+        return ", ".join(parts)
+
+    # -- autotune -------------------------------------------------------------------------------
+    @classmethod
+    def _time(cls, fn: Callable[[], Any], on_cuda: bool) -> float:
+        for _ in range(cls.autotune_warmup):
+            fn()
+        if on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(cls.autotune_iters):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / cls.autotune_iters
+        t0 = time.perf_counter()
+        for _ in range(cls.autotune_iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / cls.autotune_iters
+
+    @classmethod
+    def _autotune(cls, **kwargs: Any) -> BackendType | None:
+        on_cuda = _on_cuda(kwargs)
+        best, best_ms = None, float("inf")
+        for backend in cls.candidates(**kwargs):
+            impl = cls.backends[backend]
+            try:
+                ms = cls._time(lambda impl=impl: impl.execute(**kwargs), on_cuda)
+            except Exception:  # a candidate that fails to compile/run is simply not chosen
+                continue
+            if ms < best_ms:
+                best, best_ms = backend, ms
+        return best

@@ -1,0 +1,27 @@
+"""Small helpers shared by kernels and ops."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def triton_interpret_enabled() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_can_run_on(*tensors: torch.Tensor) -> bool:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
+    if triton_interpret_enabled():
+        return all(t.device.type in ("cpu", "cuda") for t in tensors)
+    return all(t.is_cuda for t in tensors)
+
+
+def is_hopper(device: torch.device | None = None) -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b

@@ -1,0 +1,2 @@
+"""nn.Module wrappers over turbo ops."""
+# One import line per module file; keep sorted.

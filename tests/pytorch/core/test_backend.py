@@ -1,0 +1,206 @@
+"""Backend-manager semantics: priority order, env parsing, pinned refusal, autotune cache."""
+
+import pytest
+import torch
+
+from primus_turbo.pytorch.core.backend import (
+    AutoKernelDispatcher,
+    BackendType,
+    GlobalBackendManager,
+    KernelBackend,
+    parse_backend_spec,
+)
+
+CALLS: list[str] = []
+
+
+class _Fast(KernelBackend):
+    @staticmethod
+    def can_handle(x, **kw):
+        return x.shape[0] <= 64
+
+    @staticmethod
+    def execute(x, **kw):
+        CALLS.append("fast")
+        return x + 1
+
+
+class _Slow(KernelBackend):
+    @staticmethod
+    def can_handle(x, **kw):
+        return True
+
+    @staticmethod
+    def execute(x, **kw):
+        CALLS.append("slow")
+        # Much more work than _Fast so that autotune reliably prefers _Fast.
+        y = x
+        for _ in range(200):
+            y = (y @ torch.eye(y.shape[-1])).contiguous()
+        return y + 1
+
+
+class _Ref(KernelBackend):
+    @staticmethod
+    def can_handle(x, **kw):
+        return True
+
+    @staticmethod
+    def execute(x, **kw):
+        CALLS.append("ref")
+        return x + 1
+
+
+class _ToyDispatcher(AutoKernelDispatcher):
+    op_name = "gemm"  # shares the GEMM env var / setter for the test
+    backends = {BackendType.TORCH: _Ref, BackendType.CUBLAS: _Slow, BackendType.TRITON: _Fast}
+    autotune_warmup = 1
+    autotune_iters = 2
+
+    @classmethod
+    def make_key(cls, x, **kw):
+        return (tuple(x.shape), x.dtype)
+
+    @classmethod
+    def default_backend(cls, x, **kw):
+        return BackendType.CUBLAS
+
+
+@pytest.fixture(autouse=True)
+def _clear(monkeypatch):
+    for var in ("PRIMUS_TURBO_GEMM_BACKEND", "PRIMUS_TURBO_AUTO_TUNE"):
+        monkeypatch.delenv(var, raising=False)
+    CALLS.clear()
+    yield
+
+
+def _x(n=32):
+    return torch.randn(n, 16)
+
+
+def test_default_then_fallback():
+    assert _ToyDispatcher.resolve(x=_x()) is BackendType.CUBLAS
+
+
+def test_env_beats_default_and_code_beats_env(monkeypatch):
+    monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "triton")
+    assert _ToyDispatcher.resolve(x=_x()) is BackendType.TRITON
+    GlobalBackendManager.set_gemm_backend(BackendType.TORCH)
+    assert _ToyDispatcher.resolve(x=_x()) is BackendType.TORCH
+    GlobalBackendManager.set_gemm_backend(None)
+    assert _ToyDispatcher.resolve(x=_x()) is BackendType.TRITON
+
+
+def test_per_precision_env(monkeypatch):
+    monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "fp8:TRITON, fp32:torch, other:CUBLAS")
+    assert _ToyDispatcher.resolve(x=_x()) is BackendType.TORCH  # fp32 entry
+    assert _ToyDispatcher.resolve(x=_x().double()) is BackendType.CUBLAS  # falls to 'other'
+
+
+def test_per_precision_code_setter():
+    GlobalBackendManager.set_gemm_backend("triton", precision="fp32")
+    assert _ToyDispatcher.resolve(x=_x()) is BackendType.TRITON
+    assert _ToyDispatcher.resolve(x=_x().to(torch.bfloat16)) is BackendType.CUBLAS
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ("NOPE", "unknown backend 'NOPE'"),
+        ("fp9:TRITON", "unknown precision 'fp9'"),
+        ("fp8:TRITON,CUBLAS", "has no precision"),
+        ("bf16:WHAT", "unknown backend 'WHAT'"),
+    ],
+)
+def test_bad_env_values_name_the_variable(monkeypatch, value, fragment):
+    monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", value)
+    with pytest.raises(ValueError, match="PRIMUS_TURBO_GEMM_BACKEND") as err:
+        _ToyDispatcher.resolve(x=_x())
+    assert fragment in str(err.value)
+
+
+def test_bad_auto_tune_env(monkeypatch):
+    monkeypatch.setenv("PRIMUS_TURBO_AUTO_TUNE", "maybe")
+    with pytest.raises(ValueError, match="PRIMUS_TURBO_AUTO_TUNE"):
+        _ToyDispatcher.resolve(x=_x())
+
+
+def test_bad_setter_values():
+    with pytest.raises(ValueError, match="unknown backend"):
+        GlobalBackendManager.set_gemm_backend("cuda")
+    with pytest.raises(ValueError, match="precision"):
+        GlobalBackendManager.set_gemm_backend("TRITON", precision="int4")
+
+
+def test_pinned_backend_that_cannot_handle_raises():
+    GlobalBackendManager.set_gemm_backend(BackendType.TRITON)
+    with pytest.raises(ValueError, match="TRITON .*cannot handle"):
+        _ToyDispatcher.dispatch(x=_x(128))
+    assert CALLS == []  # nothing ran: no silent fallback
+
+
+def test_pinned_backend_not_implemented_raises():
+    GlobalBackendManager.set_gemm_backend(BackendType.CUDNN)
+    with pytest.raises(ValueError, match="CUDNN .*not implemented"):
+        _ToyDispatcher.dispatch(x=_x())
+
+
+def test_unhandled_default_falls_back_in_order():
+    class _D(_ToyDispatcher):
+        @classmethod
+        def default_backend(cls, x, **kw):
+            return BackendType.TRITON
+
+    assert _D.resolve(x=_x(128)) is BackendType.TORCH  # TRITON refuses 128 rows; TORCH is first
+
+
+def test_autotune_picks_fastest_and_caches_per_key():
+    GlobalBackendManager.set_auto_tune(True)
+    out = _ToyDispatcher.dispatch(x=_x(32))
+    assert _ToyDispatcher.last_backend is BackendType.TRITON
+    torch.testing.assert_close(out, _x(32) * 0 + out)  # shape sanity
+    n_calls = len(CALLS)
+    assert {"fast", "slow", "ref"} <= set(CALLS)  # every candidate was timed
+    _ToyDispatcher.dispatch(x=_x(32))
+    assert len(CALLS) == n_calls + 1  # cached: one execution, no re-tuning
+    # A new shape is a new key: it is tuned again, and a shape TRITON refuses gets another winner.
+    CALLS.clear()
+    _ToyDispatcher.dispatch(x=_x(128))
+    assert "fast" not in CALLS and _ToyDispatcher.last_backend in (BackendType.TORCH, BackendType.CUBLAS)
+    assert len(_ToyDispatcher._cache) == 2
+
+
+def test_autotune_cache_is_bounded():
+    class _Small(_ToyDispatcher):
+        cache_size = 3
+
+    GlobalBackendManager.set_auto_tune(True)
+    for n in range(1, 7):
+        _Small.resolve(x=_x(n))
+    assert len(_Small._cache) == 3
+
+
+def test_setter_beats_autotune():
+    GlobalBackendManager.set_auto_tune(True)
+    GlobalBackendManager.set_gemm_backend("CUBLAS")
+    assert _ToyDispatcher.resolve(x=_x()) is BackendType.CUBLAS
+    assert len(_ToyDispatcher._cache) == 0
+
+
+def test_reset_clears_everything(monkeypatch):
+    GlobalBackendManager.set_auto_tune(True)
+    GlobalBackendManager.set_gemm_backend("TORCH")
+    _ToyDispatcher._cache[("k",)] = BackendType.TORCH
+    GlobalBackendManager.reset()
+    assert not GlobalBackendManager.auto_tune_enabled()
+    assert len(_ToyDispatcher._cache) == 0
+    assert _ToyDispatcher.resolve(x=_x()) is BackendType.CUBLAS
+
+
+def test_parse_spec_forms():
+    assert parse_backend_spec("triton", source="X") == {"*": BackendType.TRITON}
+    assert parse_backend_spec("", source="X") == {}
+    assert parse_backend_spec("FP8:cublas,Other:torch", source="X") == {
+        "fp8": BackendType.CUBLAS,
+        "other": BackendType.TORCH,
+    }

@@ -1,0 +1,1 @@
+"""Reference implementations (fp32/fp64 eager PyTorch) that tests compare kernels against."""
