@@ -1,0 +1,101 @@
+"""Gated-activation kernels as torch custom ops (Triton, with an eager fallback off-GPU).
+
+Direct-Triton op (no dispatcher): the Triton kernel is memory-bound and always the right choice on
+a GPU; the eager path only serves CPUs without the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from primus_turbo.pytorch.core.utils import triton_can_run_on
+
+_ACTS = {"silu": 0, "gelu": 1}
+
+
+def _eager_act(gate: torch.Tensor, act: str) -> torch.Tensor:
+    return F.silu(gate) if act == "silu" else F.gelu(gate)
+
+
+@torch.library.custom_op("primus_turbo::glu_fwd", mutates_args=())
+def glu_fwd(x: torch.Tensor, probs: torch.Tensor | None, act: str) -> torch.Tensor:
+    n, two_h = x.shape
+    h = two_h // 2
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    if n == 0 or h == 0:
+        return out
+    if not triton_can_run_on(x):
+        gate, up = x.float().chunk(2, dim=-1)
+        y = _eager_act(gate, act) * up
+        if probs is not None:
+            y = y * probs.float().unsqueeze(-1)
+        return out.copy_(y)
+    from primus_turbo.triton.activation.activation_kernel import block_h_for, glu_fwd_kernel
+
+    glu_fwd_kernel[(n,)](
+        x,
+        probs if probs is not None else x,
+        out,
+        h,
+        x.stride(0),
+        out.stride(0),
+        ACT=_ACTS[act],
+        HAS_PROBS=probs is not None,
+        BLOCK_H=block_h_for(h),
+    )
+    return out
+
+
+@glu_fwd.register_fake
+def _(x, probs, act):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+
+@torch.library.custom_op("primus_turbo::glu_bwd", mutates_args=())
+def glu_bwd(
+    grad_out: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, act: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n, two_h = x.shape
+    h = two_h // 2
+    grad_x = torch.empty_like(x)
+    grad_probs = torch.zeros((n,) if probs is None else probs.shape, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return grad_x, grad_probs
+    if h == 0 or not triton_can_run_on(x):
+        with torch.enable_grad():
+            xf = x.detach().float().requires_grad_(True)
+            pf = probs.detach().float().requires_grad_(True) if probs is not None else None
+            gate, up = xf.chunk(2, dim=-1)
+            y = _eager_act(gate, act) * up
+            if pf is not None:
+                y = y * pf.unsqueeze(-1)
+            grads = torch.autograd.grad(y, [xf] + ([pf] if pf is not None else []), grad_out.float())
+        grad_x.copy_(grads[0])
+        if probs is not None:
+            grad_probs.copy_(grads[1])
+        return grad_x, grad_probs
+    from primus_turbo.triton.activation.activation_kernel import block_h_for, glu_bwd_kernel
+
+    grad_out = grad_out.contiguous()
+    glu_bwd_kernel[(n,)](
+        grad_out,
+        x,
+        probs if probs is not None else x,
+        grad_x,
+        grad_probs,
+        h,
+        grad_out.stride(0),
+        x.stride(0),
+        grad_x.stride(0),
+        ACT=_ACTS[act],
+        HAS_PROBS=probs is not None,
+        BLOCK_H=block_h_for(h),
+    )
+    return grad_x, grad_probs
+
+
+@glu_bwd.register_fake
+def _(grad_out, x, probs, act):
+    shape = (x.shape[0],) if probs is None else probs.shape
+    return torch.empty_like(x), x.new_empty(shape, dtype=torch.float32)
