@@ -1,2 +1,4 @@
 """User-facing ops: thin functions over torch.autograd.Function (forward + backward)."""
 # One import line per op module; keep sorted.
+from primus_turbo.pytorch.ops.gemm import gemm  # noqa: F401
+from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm  # noqa: F401

@@ -1,0 +1,215 @@
+"""Grouped GEMM (bf16/fp16/fp32) backends, dispatchers and torch.library custom ops.
+
+Two problems, one dispatcher each (both answer to PRIMUS_TURBO_GROUPED_GEMM_BACKEND):
+
+* grouped GEMM (forward and dgrad): ``out[rows_g] = a[rows_g] @ B_g`` with B_g = b[g] ([K, N]) or
+  b[g]^T when ``trans_b`` (b is then [G, N, K]);
+* variable-K grouped GEMM (wgrad): ``out[g] = x[rows_g]^T @ y[rows_g]`` -> [G, P, Q].
+
+Backends:
+  CUTLASS  torch._grouped_mm (bf16, 16-byte aligned strides: K and N multiples of 8). Offsets are
+           clamped to M and the last one forced to M so no output row is left unwritten; wgrad
+           outputs of empty groups are masked to exact zeros.
+  TRITON   persistent sync-free kernels (primus_turbo/triton/grouped_gemm).
+  TORCH    a per-group loop of matmuls; the reference and the CPU default. It is the ONLY backend
+           that synchronises with the host (it reads group_lens with .tolist()).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.utils import triton_can_run_on
+from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
+    launch_grouped_gemm,
+    launch_grouped_gemm_variable_k,
+)
+
+__all__ = [
+    "GroupedGemmDispatcher",
+    "GroupedGemmVariableKDispatcher",
+    "grouped_gemm_impl",
+    "grouped_gemm_variable_k_impl",
+    "cutlass_offsets",
+]
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _b_view(b: torch.Tensor, trans_b: bool) -> torch.Tensor:
+    """b as [G, K, N] (a strided view, no copy)."""
+    return b.transpose(1, 2) if trans_b else b
+
+
+def cutlass_offsets(group_lens: torch.Tensor, total: int) -> torch.Tensor:
+    """int32 end offsets for torch._grouped_mm, clamped to ``total`` with the last one == total.
+
+    With consistent inputs this is exactly cumsum(group_lens). With inconsistent ones (unchecked
+    unless PRIMUS_TURBO_DEBUG_CHECKS=1) every row is still covered, so nothing is left
+    uninitialised. Device-side only: no host sync.
+    """
+    offs = torch.cumsum(group_lens, 0).clamp_(0, total).to(torch.int32)
+    offs[-1:] = total
+    return offs
+
+
+def _is_sm90_plus(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+# -- forward / dgrad ------------------------------------------------------------------------------
+class GroupedGemmTorchBackend(KernelBackend):
+    @staticmethod
+    def can_handle(a, b, **kw) -> bool:
+        return a.dtype in _FLOAT_DTYPES
+
+    @staticmethod
+    def execute(a, b, group_lens, trans_b, **kw):
+        bv = _b_view(b, trans_b)
+        out = torch.zeros(a.shape[0], bv.shape[2], dtype=a.dtype, device=a.device)
+        start = 0
+        for g, n in enumerate(group_lens.tolist()):  # host sync: reference backend only
+            if n > 0:
+                torch.mm(a[start : start + n], bv[g], out=out[start : start + n])
+            start += n
+        return out
+
+
+class GroupedGemmCutlassBackend(KernelBackend):
+    @staticmethod
+    def can_handle(a, b, trans_b, **kw) -> bool:
+        if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+            return False
+        if not (_is_sm90_plus(a) or a.device.type == "cpu"):
+            return False
+        n = b.shape[1] if trans_b else b.shape[2]
+        return a.shape[1] % 8 == 0 and n % 8 == 0 and a.shape[0] > 0
+
+    @staticmethod
+    def execute(a, b, group_lens, trans_b, **kw):
+        offs = cutlass_offsets(group_lens, a.shape[0])
+        return torch._grouped_mm(a, _b_view(b, trans_b), offs=offs)
+
+
+class GroupedGemmTritonBackend(KernelBackend):
+    @staticmethod
+    def can_handle(a, b, group_lens, **kw) -> bool:
+        return a.dtype in _FLOAT_DTYPES and triton_can_run_on(a, b, group_lens) and b.shape[0] < 4096
+
+    @staticmethod
+    def execute(a, b, group_lens, trans_b, **kw):
+        bv = _b_view(b, trans_b)
+        out = torch.empty(a.shape[0], bv.shape[2], dtype=a.dtype, device=a.device)
+        if out.numel() == 0:
+            return out
+        return launch_grouped_gemm(a, bv, out, group_lens)
+
+
+class GroupedGemmDispatcher(AutoKernelDispatcher):
+    op_name = "grouped_gemm"
+    backends = {
+        BackendType.CUTLASS: GroupedGemmCutlassBackend,
+        BackendType.TRITON: GroupedGemmTritonBackend,
+        BackendType.TORCH: GroupedGemmTorchBackend,
+    }
+
+    @classmethod
+    def make_key(cls, a, b, trans_b, **kw) -> tuple:
+        return ("fwd", tuple(a.shape), tuple(b.shape), a.dtype, bool(trans_b), a.device.type)
+
+    @classmethod
+    def default_backend(cls, a, **kw):
+        if a.device.type == "cpu":
+            return BackendType.TORCH
+        return BackendType.CUTLASS if a.dtype == torch.bfloat16 else BackendType.TRITON
+
+
+# -- variable-K (wgrad) ---------------------------------------------------------------------------
+class VariableKTorchBackend(KernelBackend):
+    @staticmethod
+    def can_handle(x, **kw) -> bool:
+        return x.dtype in _FLOAT_DTYPES
+
+    @staticmethod
+    def execute(x, y, group_lens, **kw):
+        out = torch.zeros(group_lens.shape[0], x.shape[1], y.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for g, n in enumerate(group_lens.tolist()):  # host sync: reference backend only
+            if n > 0:
+                torch.mm(x[start : start + n].t(), y[start : start + n], out=out[g])
+            start += n
+        return out
+
+
+class VariableKCutlassBackend(KernelBackend):
+    @staticmethod
+    def can_handle(x, y, **kw) -> bool:
+        if x.dtype != torch.bfloat16 or y.dtype != torch.bfloat16:
+            return False
+        if not (_is_sm90_plus(x) or x.device.type == "cpu"):
+            return False
+        return x.shape[1] % 8 == 0 and y.shape[1] % 8 == 0 and x.shape[0] > 0
+
+    @staticmethod
+    def execute(x, y, group_lens, **kw):
+        offs = cutlass_offsets(group_lens, x.shape[0])
+        out = torch._grouped_mm(x.t(), y, offs=offs)
+        # empty groups: guarantee exact zeros whatever the library leaves there
+        return torch.where((group_lens > 0).view(-1, 1, 1), out, out.new_zeros(()))
+
+
+class VariableKTritonBackend(KernelBackend):
+    @staticmethod
+    def can_handle(x, y, group_lens, **kw) -> bool:
+        return x.dtype in _FLOAT_DTYPES and triton_can_run_on(x, y, group_lens) and group_lens.shape[0] < 4096
+
+    @staticmethod
+    def execute(x, y, group_lens, **kw):
+        out = torch.empty(group_lens.shape[0], x.shape[1], y.shape[1], dtype=x.dtype, device=x.device)
+        if out.numel() == 0:
+            return out
+        return launch_grouped_gemm_variable_k(x, y, out, group_lens)
+
+
+class GroupedGemmVariableKDispatcher(AutoKernelDispatcher):
+    op_name = "grouped_gemm"
+    backends = {
+        BackendType.CUTLASS: VariableKCutlassBackend,
+        BackendType.TRITON: VariableKTritonBackend,
+        BackendType.TORCH: VariableKTorchBackend,
+    }
+
+    @classmethod
+    def make_key(cls, x, y, group_lens, **kw) -> tuple:
+        return ("wgrad", tuple(x.shape), tuple(y.shape), int(group_lens.shape[0]), x.dtype, x.device.type)
+
+    @classmethod
+    def default_backend(cls, x, **kw):
+        if x.device.type == "cpu":
+            return BackendType.TORCH
+        return BackendType.CUTLASS if x.dtype == torch.bfloat16 else BackendType.TRITON
+
+
+# -- custom ops (torch.compile traces through these) ----------------------------------------------
+@torch.library.custom_op("primus_turbo::grouped_gemm", mutates_args=())
+def grouped_gemm_impl(
+    a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor, trans_b: bool
+) -> torch.Tensor:
+    return GroupedGemmDispatcher.dispatch(a=a, b=b, group_lens=group_lens, trans_b=trans_b)
+
+
+@grouped_gemm_impl.register_fake
+def _(a, b, group_lens, trans_b):
+    n = b.shape[1] if trans_b else b.shape[2]
+    return a.new_empty(a.shape[0], n)
+
+
+@torch.library.custom_op("primus_turbo::grouped_gemm_variable_k", mutates_args=())
+def grouped_gemm_variable_k_impl(x: torch.Tensor, y: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
+    return GroupedGemmVariableKDispatcher.dispatch(x=x, y=y, group_lens=group_lens)
+
+
+@grouped_gemm_variable_k_impl.register_fake
+def _(x, y, group_lens):
+    return x.new_empty(group_lens.shape[0], x.shape[1], y.shape[1])

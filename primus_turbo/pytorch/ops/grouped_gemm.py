@@ -1,0 +1,166 @@
+"""Grouped GEMM for MoE experts: ``turbo.ops.grouped_gemm`` (forward + backward), sync-free."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
+    grouped_gemm_impl,
+    grouped_gemm_variable_k_impl,
+)
+
+__all__ = ["grouped_gemm", "validate_grouped_gemm_args", "debug_checks_enabled"]
+
+ENV_DEBUG_CHECKS = "PRIMUS_TURBO_DEBUG_CHECKS"
+
+
+def debug_checks_enabled() -> bool:
+    return os.environ.get(ENV_DEBUG_CHECKS, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def validate_grouped_gemm_args(
+    op: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_lens: torch.Tensor,
+    group_offs: torch.Tensor | None,
+    trans_b: bool,
+    float_dtypes: tuple[torch.dtype, ...],
+) -> None:
+    """Shape/dtype/device checks shared by grouped_gemm and grouped_gemm_fp8 (no host sync).
+
+    Value checks on group_lens (non-negative, summing to a.shape[0]) and group_offs (equal to the
+    exclusive cumsum) need a host sync and run only with PRIMUS_TURBO_DEBUG_CHECKS=1.
+    """
+    for name, t in (("a", a), ("b", b), ("group_lens", group_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dim() != 2:
+        raise ValueError(f"{op}: a must be 2-D [sum(M_i), K], got shape {tuple(a.shape)}")
+    if b.dim() != 3:
+        raise ValueError(
+            f"{op}: b must be 3-D [G, {'N, K' if trans_b else 'K, N'}] (trans_b={trans_b}), "
+            f"got shape {tuple(b.shape)}"
+        )
+    if a.dtype not in float_dtypes or b.dtype != a.dtype:
+        raise TypeError(
+            f"{op}: a and b must share one dtype among {[str(d) for d in float_dtypes]}, "
+            f"got a {a.dtype}, b {b.dtype}"
+        )
+    k_b = b.shape[2] if trans_b else b.shape[1]
+    if k_b != a.shape[1]:
+        raise ValueError(
+            f"{op}: reduction dims differ: a is {tuple(a.shape)} (K={a.shape[1]}) but b is "
+            f"{tuple(b.shape)} with trans_b={trans_b} (K={k_b})"
+        )
+    if group_lens.dtype != torch.int64 or group_lens.dim() != 1:
+        raise TypeError(
+            f"{op}: group_lens must be a 1-D int64 tensor, got dtype {group_lens.dtype}, "
+            f"shape {tuple(group_lens.shape)}"
+        )
+    if group_lens.shape[0] != b.shape[0]:
+        raise ValueError(
+            f"{op}: group_lens has {group_lens.shape[0]} groups but b has G={b.shape[0]} (b.shape[0])"
+        )
+    if group_lens.shape[0] == 0:
+        raise ValueError(f"{op}: need at least one group, got G=0")
+    if group_lens.device != a.device or b.device != a.device:
+        raise ValueError(
+            f"{op}: a, b and group_lens must be on one device, got a on {a.device}, b on {b.device}, "
+            f"group_lens on {group_lens.device}"
+        )
+    if group_offs is not None:
+        if group_offs.dtype != torch.int64 or tuple(group_offs.shape) != (b.shape[0] + 1,):
+            raise ValueError(
+                f"{op}: group_offs must be int64 of shape ({b.shape[0] + 1},) (exclusive cumsum of "
+                f"group_lens with a leading 0), got {group_offs.dtype} {tuple(group_offs.shape)}"
+            )
+        if group_offs.device != a.device:
+            raise ValueError(f"{op}: group_offs is on {group_offs.device}, expected {a.device}")
+    if debug_checks_enabled():
+        _debug_check_values(op, a, group_lens, group_offs)
+
+
+def _debug_check_values(op, a, group_lens, group_offs) -> None:
+    """Host-syncing value checks (PRIMUS_TURBO_DEBUG_CHECKS=1 only)."""
+    lens = group_lens.cpu()
+    if (lens < 0).any():
+        raise ValueError(f"{op}: group_lens has negative lengths: {lens.tolist()}")
+    if int(lens.sum()) != a.shape[0]:
+        raise ValueError(
+            f"{op}: group_lens sums to {int(lens.sum())} but a has {a.shape[0]} rows (a.shape[0])"
+        )
+    if group_offs is not None:
+        expect = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        if not torch.equal(group_offs.cpu(), expect):
+            raise ValueError(f"{op}: group_offs {group_offs.tolist()} != exclusive cumsum {expect.tolist()}")
+
+
+class GroupedGemmFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group_lens, trans_b):
+        ctx.save_for_backward(a, b, group_lens)
+        ctx.trans_b = trans_b
+        if b.shape[0] == 1:  # one expert: a dense GEMM (cuBLAS), group_lens[0] == M by contract
+            return a @ (b[0].t() if trans_b else b[0])
+        return grouped_gemm_impl(a, b, group_lens, trans_b)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b, group_lens = ctx.saved_tensors
+        trans_b = ctx.trans_b
+        grad_out = grad_out.contiguous()
+        grad_a = grad_b = None
+        if b.shape[0] == 1:
+            b0 = b[0]
+            if ctx.needs_input_grad[0]:
+                grad_a = grad_out @ (b0 if trans_b else b0.t())
+            if ctx.needs_input_grad[1]:
+                grad_b = (grad_out.t() @ a if trans_b else a.t() @ grad_out).unsqueeze(0)
+            return grad_a, grad_b, None, None
+        if ctx.needs_input_grad[0]:
+            # dA = dC @ B_g^T: the same grouped kernel with b read the other way round
+            grad_a = grouped_gemm_impl(grad_out, b, group_lens, not trans_b)
+        if ctx.needs_input_grad[1]:
+            # dB_g = A_g^T @ dC_g ([K, N]) or dC_g^T @ A_g ([N, K] when trans_b): variable-K
+            if trans_b:
+                grad_b = grouped_gemm_variable_k_impl(grad_out, a, group_lens)
+            else:
+                grad_b = grouped_gemm_variable_k_impl(a, grad_out, group_lens)
+        return grad_a, grad_b, None, None
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_lens: torch.Tensor,
+    group_offs: torch.Tensor | None = None,
+    trans_b: bool = False,
+) -> torch.Tensor:
+    """Grouped GEMM: ``out[rows_g] = a[rows_g] @ b[g]`` (``@ b[g].T`` when ``trans_b``).
+
+    Args:
+        a: [sum(M_i), K], bf16/fp16/fp32; rows sorted by group (group g owns rows
+            ``[offs_g, offs_g + group_lens[g])``).
+        b: [G, K, N], or [G, N, K] with ``trans_b=True`` (the Megatron/TE weight layout).
+        group_lens: [G] int64 on a's device; zero-length groups are fine.
+        group_offs: optional [G + 1] int64 exclusive cumsum of group_lens (AMD-API compatible);
+            every backend derives offsets from group_lens on the device, so it is only validated.
+        trans_b: see ``b``.
+
+    Returns [sum(M_i), N] in a's dtype; differentiable in a and b (dgrad is a grouped GEMM, wgrad
+    a variable-K grouped GEMM; an empty expert's weight gradient is exactly zero).
+
+    No host synchronisation on group_lens in forward or backward (CUDA-graph capturable) except
+    with the TORCH backend (the CPU default). G == 1 runs a dense matmul. Checks: shapes, dtypes,
+    devices and G always (no sync); negative lengths, sum(group_lens) != a.shape[0] and a wrong
+    group_offs only with PRIMUS_TURBO_DEBUG_CHECKS=1 (they need a sync). Without it, inconsistent
+    lengths give wrong values but never out-of-bounds accesses or uninitialised output rows.
+    Backend: PRIMUS_TURBO_GROUPED_GEMM_BACKEND = CUTLASS | TRITON | TORCH.
+    """
+    validate_grouped_gemm_args(
+        "grouped_gemm", a, b, group_lens, group_offs, trans_b, (torch.bfloat16, torch.float16, torch.float32)
+    )
+    return GroupedGemmFunction.apply(a.contiguous(), b.contiguous(), group_lens, bool(trans_b))

@@ -1,0 +1,268 @@
+"""Persistent grouped GEMM kernels for MoE experts (bf16/fp16/fp32 and FP8), sync-free.
+
+Two kernels cover forward, dgrad and wgrad:
+
+* ``grouped_gemm_kernel``: ``C[rows_g, :] = A[rows_g, :] @ B[g]`` for every group g, where the
+  rows of group g are ``[offs_g, offs_g + len_g)`` of A and C. Forward (B = weight) and dgrad
+  (B = weight viewed transposed through its strides) are the same kernel.
+* ``grouped_gemm_variable_k_kernel``: ``C[g] = X[rows_g, :]^T @ Y[rows_g, :]`` (wgrad: the
+  reduction axis is the variable per-group token count).
+
+Tile scheduling happens on the device, so nothing ever reads group_lens on the host (CUDA-graph
+capturable): every program loads the (<= BLOCK_G) group lengths, computes per-group tile counts
+and their prefix sum with ``tl.cumsum``, and walks tile ids ``pid, pid + NUM_PROGS, ...`` up to
+the real tile count. A tile id maps to its group by counting prefix sums <= tile id (a vector
+compare over BLOCK_G lanes, cheaper than a host-built schedule and no prologue launch).
+
+Rows of C past ``sum(group_lens)`` (only possible with inconsistent inputs) belong to an implicit
+"tail" group that is written with zeros, and all row indices are clamped to M, so a bad
+group_lens can give wrong numbers but never out-of-bounds accesses or uninitialised output.
+
+FP8 scaling (``SCALE_MODE``), for the forward kernel:
+  0 none; 1 TENSORWISE: a_scale[0] * b_scale[g];
+  2 ROWWISE: a_scale[row] * b_scale[g, n] (scales along the reduction axis);
+  3 BLOCKWISE: a_scale[row, k // 128] * b_scale[g, k // 128, n // 128], applied per K step
+    (requires BLOCK_K == BLOCK_N == 128).
+For the variable-K kernel: 0 none, 1 per-group scalars x_scale[g] * y_scale[g].
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SCALE_NONE = 0
+SCALE_TENSORWISE = 1
+SCALE_ROWWISE = 2
+SCALE_BLOCKWISE = 3
+
+
+@triton.jit
+def _group_schedule(group_lens_ptr, G, M, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, num_n_tiles):
+    """Per-lane (group) lengths, row offsets and inclusive tile prefix sums; lane G is the tail."""
+    gidx = tl.arange(0, BLOCK_G)
+    lens = tl.load(group_lens_ptr + gidx, mask=gidx < G, other=0)
+    lens = tl.maximum(lens, 0)
+    ends = tl.minimum(tl.cumsum(lens, axis=0), M)  # clamp: never touch rows >= M
+    starts = ends - tl.minimum(lens, ends)
+    starts = tl.where(gidx < G, starts, 0)
+    covered = tl.max(tl.where(gidx < G, ends, 0), axis=0)
+    # the tail lane G zero-fills rows [covered, M)
+    starts = tl.where(gidx == G, covered, starts)
+    lens = tl.where(gidx < G, ends - starts, tl.where(gidx == G, M - covered, 0))
+    tiles = tl.cdiv(lens, BLOCK_M) * num_n_tiles
+    cum_tiles = tl.cumsum(tiles, axis=0)
+    return gidx, starts, lens, tiles, cum_tiles
+
+
+@triton.jit
+def _pick(gidx, values, g):
+    return tl.sum(tl.where(gidx == g, values, 0), axis=0)
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, group_lens_ptr, a_scale_ptr, b_scale_ptr,
+    G, M, N, K,
+    stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bsg, stride_bsk, stride_bsn,
+    NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    gidx, starts, lens, tiles, cum_tiles = _group_schedule(group_lens_ptr, G, M, BLOCK_G, BLOCK_M, num_n)
+    total_tiles = tl.sum(tiles, axis=0)
+    offs_bm = tl.arange(0, BLOCK_M)
+    offs_bn = tl.arange(0, BLOCK_N)
+    offs_bk = tl.arange(0, BLOCK_K)
+    for tile in range(pid, total_tiles, NUM_PROGS):
+        g = tl.sum((cum_tiles <= tile).to(tl.int32), axis=0)
+        local = tile - (_pick(gidx, cum_tiles, g) - _pick(gidx, tiles, g))
+        row_start = _pick(gidx, starts, g)
+        row_end = row_start + _pick(gidx, lens, g)
+        tile_m = local // num_n
+        tile_n = local % num_n
+        rows = row_start + tile_m * BLOCK_M + offs_bm
+        cols = tile_n * BLOCK_N + offs_bn
+        row_mask = rows < row_end
+        col_mask = cols < N
+        rows64 = rows.to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if g < G:
+            a_ptrs = a_ptr + rows64[:, None] * stride_am + offs_bk[None, :] * stride_ak
+            b_ptrs = (
+                b_ptr + g.to(tl.int64) * stride_bg + offs_bk[:, None] * stride_bk + cols[None, :] * stride_bn
+            )
+            for k0 in range(0, K, BLOCK_K):
+                k_mask = (k0 + offs_bk) < K
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                if UPCAST:  # CPU interpreter: no native fp8/bf16 dot
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                if SCALE_MODE == 3:
+                    kb = k0 // BLOCK_K
+                    sa = tl.load(
+                        a_scale_ptr + rows64 * stride_asm + kb * stride_ask, mask=row_mask, other=0.0
+                    )
+                    sb = tl.load(b_scale_ptr + g * stride_bsg + kb * stride_bsk + tile_n * stride_bsn)
+                    acc += tl.dot(a, b) * (sa[:, None] * sb)
+                else:
+                    acc = tl.dot(a, b, acc)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            if SCALE_MODE == 1:
+                acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr + g * stride_bsg))
+            if SCALE_MODE == 2:
+                sa = tl.load(a_scale_ptr + rows64 * stride_asm, mask=row_mask, other=0.0)
+                sb = tl.load(b_scale_ptr + g * stride_bsg + cols * stride_bsn, mask=col_mask, other=0.0)
+                acc = acc * sa[:, None] * sb[None, :]
+        c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def grouped_gemm_variable_k_kernel(
+    x_ptr, y_ptr, c_ptr, group_lens_ptr, x_scale_ptr, y_scale_ptr,
+    G, M, P, Q,
+    stride_xm, stride_xp, stride_ym, stride_yq, stride_cg, stride_cp, stride_cq,
+    NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """C[g] = X[rows_g]^T @ Y[rows_g]; an empty group's C[g] is written as exact zeros."""
+    pid = tl.program_id(0)
+    gidx, starts, lens, _, _ = _group_schedule(group_lens_ptr, G, M, BLOCK_G, 1, 1)
+    num_p = tl.cdiv(P, BLOCK_P)
+    num_q = tl.cdiv(Q, BLOCK_Q)
+    tiles_per_group = num_p * num_q
+    offs_bp = tl.arange(0, BLOCK_P)
+    offs_bq = tl.arange(0, BLOCK_Q)
+    offs_bk = tl.arange(0, BLOCK_K)
+    for tile in range(pid, G * tiles_per_group, NUM_PROGS):
+        g = tile // tiles_per_group
+        local = tile % tiles_per_group
+        tile_p = local // num_q
+        tile_q = local % num_q
+        row_start = _pick(gidx, starts, g)
+        row_end = row_start + _pick(gidx, lens, g)
+        ps = tile_p * BLOCK_P + offs_bp
+        qs = tile_q * BLOCK_Q + offs_bq
+        p_mask = ps < P
+        q_mask = qs < Q
+        acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+        for k0 in range(row_start, row_end, BLOCK_K):
+            rows = k0 + offs_bk
+            r_mask = rows < row_end
+            rows64 = rows.to(tl.int64)
+            x = tl.load(
+                x_ptr + rows64[None, :] * stride_xm + ps[:, None] * stride_xp,
+                mask=p_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            y = tl.load(
+                y_ptr + rows64[:, None] * stride_ym + qs[None, :] * stride_yq,
+                mask=r_mask[:, None] & q_mask[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                x = x.to(tl.float32)
+                y = y.to(tl.float32)
+            acc = tl.dot(x, y, acc)
+        if SCALE_MODE == 1:
+            acc = acc * (tl.load(x_scale_ptr + g) * tl.load(y_scale_ptr + g))
+        c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+
+
+# -- launchers ------------------------------------------------------------------------------------
+# Tile choices (H100/H200, masked-pointer loads, one CTA per SM): 128x256x64 / 8 warps / 3 stages
+# is the Triton matmul tutorial's best bf16 config on sm_90 (147 KB smem); FP8 uses 128x128x128
+# (BLOCKWISE needs BLOCK_N == BLOCK_K == 128 so one weight scale covers a tile's K step).
+# The CPU interpreter gets small tiles (speed of the numpy emulation, not of a GPU).
+
+
+def _num_programs(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _block_g(num_groups: int) -> int:
+    return max(16, triton.next_power_of_2(num_groups + 1))  # +1: the zero-filled tail lane
+
+
+def _fwd_config(is_fp8: bool, scale_mode: int, n: int, on_gpu: bool) -> dict:
+    if scale_mode == SCALE_BLOCKWISE:
+        return dict(BLOCK_M=128 if on_gpu else 32, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
+    if not on_gpu:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=1)
+    if is_fp8:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
+    if n >= 256:
+        return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+
+
+def _wgrad_config(is_fp8: bool, on_gpu: bool) -> dict:
+    if not on_gpu:
+        return dict(BLOCK_P=32, BLOCK_Q=64, BLOCK_K=32, num_warps=4, num_stages=1)
+    if is_fp8:
+        return dict(BLOCK_P=128, BLOCK_Q=128, BLOCK_K=128, num_warps=8, num_stages=4)
+    return dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def launch_grouped_gemm(a, b_view, out, group_lens, a_scale=None, b_scale=None, scale_mode=SCALE_NONE):
+    """out[rows_g] = a[rows_g] @ b_view[g] (b_view: [G, K, N], any strides); out is fully written.
+
+    a_scale/b_scale strides follow the layouts in the module docstring (b_scale may be a strided
+    view, e.g. the transpose used by dgrad).
+    """
+    m, k = a.shape
+    g, _, n = b_view.shape
+    on_gpu = a.is_cuda
+    cfg = _fwd_config(a.element_size() == 1, scale_mode, n, on_gpu)
+    a_scale = a_scale if a_scale is not None else out
+    b_scale = b_scale if b_scale is not None else out
+    a_s = list(a_scale.stride()) + [0, 0] if scale_mode >= SCALE_ROWWISE else [0, 0]
+    if scale_mode == SCALE_BLOCKWISE:
+        b_s = list(b_scale.stride())
+    elif scale_mode == SCALE_ROWWISE:
+        b_s = [b_scale.stride(0), 0, b_scale.stride(1)]
+    elif scale_mode == SCALE_TENSORWISE:
+        b_s = [b_scale.stride(0), 0, 0]
+    else:
+        b_s = [0, 0, 0]
+    grouped_gemm_kernel[(_num_programs(a.device),)](
+        a, b_view, out, group_lens, a_scale, b_scale,
+        g, m, n, k,
+        a.stride(0), a.stride(1), b_view.stride(0), b_view.stride(1), b_view.stride(2),
+        out.stride(0), out.stride(1),
+        a_s[0], a_s[1], b_s[0], b_s[1], b_s[2],
+        NUM_PROGS=_num_programs(a.device), BLOCK_G=_block_g(g),
+        SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
+    )  # fmt: skip
+    return out
+
+
+def launch_grouped_gemm_variable_k(x, y, out, group_lens, x_scale=None, y_scale=None):
+    """out[g] = x[rows_g]^T @ y[rows_g] for g < G (out: [G, P, Q]); empty groups get zeros."""
+    m, p = x.shape
+    q = y.shape[1]
+    g = out.shape[0]
+    on_gpu = x.is_cuda
+    cfg = _wgrad_config(x.element_size() == 1, on_gpu)
+    scale_mode = SCALE_TENSORWISE if x_scale is not None else SCALE_NONE
+    grouped_gemm_variable_k_kernel[(_num_programs(x.device),)](
+        x, y, out, group_lens,
+        x_scale if x_scale is not None else out, y_scale if y_scale is not None else out,
+        g, m, p, q,
+        x.stride(0), x.stride(1), y.stride(0), y.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        NUM_PROGS=_num_programs(x.device), BLOCK_G=_block_g(g),
+        SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,275 @@
+"""turbo.ops.grouped_gemm: every backend against the fp64 reference, fwd + dgrad + wgrad."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ref.grouped_gemm_ref import grouped_gemm_grads_ref, grouped_gemm_ref, make_group_lens
+from ref.moe_compile_check import run_compile_check
+from test_utils import assert_close
+from triton_compile_utils import compile_for_sm90
+
+import primus_turbo.pytorch as turbo
+from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
+    GroupedGemmDispatcher,
+    GroupedGemmVariableKDispatcher,
+)
+from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as kmod
+
+BACKENDS = ["TORCH", "TRITON", "CUTLASS"]
+
+
+def _run(a, b, group_lens, trans_b, grad_out):
+    a = a.clone().requires_grad_()
+    b = b.clone().requires_grad_()
+    out = turbo.ops.grouped_gemm(a, b, group_lens, trans_b=trans_b)
+    out.backward(grad_out)
+    return out, a.grad, b.grad
+
+
+def _check(backend, dtype, G, M, K, N, kind, trans_b, device):
+    GlobalBackendManager.set_grouped_gemm_backend(backend)
+    group_lens = make_group_lens(M, G, kind, device)
+    a = torch.randn(M, K, dtype=dtype, device=device)
+    b = torch.randn((G, N, K) if trans_b else (G, K, N), dtype=dtype, device=device) / K**0.5
+    grad_out = torch.randn(M, N, dtype=dtype, device=device)
+    out, da, db = _run(a, b, group_lens, trans_b, grad_out)
+    ref = grouped_gemm_ref(a, b, group_lens, trans_b)
+    ref_da, ref_db = grouped_gemm_grads_ref(a, b, group_lens, grad_out, trans_b)
+    tag = f"{backend} {dtype} G={G} M={M} K={K} N={N} {kind} trans_b={trans_b}"
+    assert_close(out, ref, dtype, msg=f"out {tag}")
+    assert_close(da, ref_da, dtype, msg=f"grad_a {tag}")
+    # wgrad sums over up to M rows: compare relative to the gradient's scale
+    scale = ref_db.abs().max().clamp_min(1.0)
+    assert_close(db / scale, ref_db / scale, dtype, msg=f"grad_b {tag}")
+    for g in torch.nonzero(group_lens == 0).flatten().tolist():
+        assert torch.count_nonzero(db[g]) == 0, f"{tag}: wgrad of empty expert {g} is not exactly zero"
+    return group_lens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty"])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_grouped_gemm_fp32(backend, kind, trans_b, device):
+    if backend == "CUTLASS":
+        pytest.skip("torch._grouped_mm is bf16-only")
+    _check(backend, torch.float32, 5, 150, 48, 40, kind, trans_b, device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty"])
+def test_grouped_gemm_bf16(backend, kind, device):
+    _check(backend, torch.bfloat16, 4, 128, 64, 32, kind, True, device)
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_grouped_gemm_unaligned_shapes(backend, device):
+    """Groups, K and N that are not tile (or 8) multiples."""
+    _check(backend, torch.float32, 3, 77, 70, 90, "skewed", False, device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_gemm_single_group_is_dense(backend, device):
+    _check(backend, torch.bfloat16, 1, 64, 32, 48, "balanced", False, device)
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_grouped_gemm_zero_tokens(backend, device):
+    GlobalBackendManager.set_grouped_gemm_backend(backend)
+    G, K, N = 3, 16, 24
+    a = torch.randn(0, K, device=device, requires_grad=True)
+    b = torch.randn(G, K, N, device=device, requires_grad=True)
+    out = turbo.ops.grouped_gemm(a, b, torch.zeros(G, dtype=torch.int64, device=device))
+    assert out.shape == (0, N)
+    out.sum().backward()
+    assert a.grad.shape == (0, K)
+    assert torch.count_nonzero(b.grad) == 0 and b.grad.shape == (G, K, N)
+
+
+@pytest.mark.parametrize("backend", ["TRITON", "CUTLASS"])
+def test_grouped_gemm_short_group_lens_leave_no_garbage(backend, device):
+    """sum(group_lens) < M (unchecked without debug flag): every output row is still written."""
+    GlobalBackendManager.set_grouped_gemm_backend(backend)
+    G, M, K, N = 3, 64, 32, 16
+    a = torch.randn(M, K, dtype=torch.bfloat16, device=device)
+    b = torch.randn(G, K, N, dtype=torch.bfloat16, device=device)
+    lens = torch.tensor([10, 0, 20], device=device)
+    out = turbo.ops.grouped_gemm(a, b, lens)
+    assert torch.isfinite(out).all()
+    ref = grouped_gemm_ref(a[:30], b, lens)
+    assert_close(out[:30], ref, torch.bfloat16, msg=backend)
+
+
+def test_dispatcher_defaults_and_env(device, monkeypatch):
+    G, M, K, N = 2, 32, 16, 16
+    a = torch.randn(M, K, dtype=torch.bfloat16, device=device)
+    b = torch.randn(G, K, N, dtype=torch.bfloat16, device=device)
+    lens = make_group_lens(M, G, "balanced", device)
+    turbo.ops.grouped_gemm(a, b, lens)
+    expected = BackendType.TORCH if device.type == "cpu" else BackendType.CUTLASS
+    assert GroupedGemmDispatcher.last_backend is expected
+    monkeypatch.setenv("PRIMUS_TURBO_GROUPED_GEMM_BACKEND", "triton")
+    turbo.ops.grouped_gemm(a, b, lens)
+    assert GroupedGemmDispatcher.last_backend is BackendType.TRITON
+    GlobalBackendManager.set_grouped_gemm_backend("CUTLASS")
+    with pytest.raises(ValueError, match="CUTLASS"):
+        turbo.ops.grouped_gemm(a.float(), b.float(), lens)
+
+
+def test_wgrad_dispatcher_uses_pinned_backend(device):
+    GlobalBackendManager.set_grouped_gemm_backend("TRITON")
+    a = torch.randn(32, 16, device=device, requires_grad=True)
+    b = torch.randn(2, 16, 8, device=device, requires_grad=True)
+    turbo.ops.grouped_gemm(a, b, make_group_lens(32, 2, "skewed", device)).sum().backward()
+    assert GroupedGemmVariableKDispatcher.last_backend is BackendType.TRITON
+
+
+def test_bad_inputs(device, monkeypatch):
+    G, M, K, N = 3, 12, 8, 8
+    a = torch.randn(M, K, device=device)
+    b = torch.randn(G, K, N, device=device)
+    lens = torch.tensor([4, 4, 4], device=device)
+    with pytest.raises(TypeError, match="group_lens must be a 1-D int64"):
+        turbo.ops.grouped_gemm(a, b, lens.int())
+    with pytest.raises(ValueError, match="group_lens has 2 groups but b has G=3"):
+        turbo.ops.grouped_gemm(a, b, lens[:2])
+    with pytest.raises(ValueError, match="one device"):
+        turbo.ops.grouped_gemm(a, b, lens.to("meta"))
+    with pytest.raises(ValueError, match="reduction dims differ"):
+        turbo.ops.grouped_gemm(a[:, :4], b, lens)
+    with pytest.raises(TypeError, match="share one dtype"):
+        turbo.ops.grouped_gemm(a, b.double(), lens)
+    with pytest.raises(ValueError, match="b must be 3-D"):
+        turbo.ops.grouped_gemm(a, b[0], lens)
+    with pytest.raises(ValueError, match="group_offs must be int64"):
+        turbo.ops.grouped_gemm(a, b, lens, group_offs=lens)
+    monkeypatch.setenv("PRIMUS_TURBO_DEBUG_CHECKS", "1")
+    with pytest.raises(ValueError, match="sums to 11 but a has 12 rows"):
+        turbo.ops.grouped_gemm(a, b, torch.tensor([4, 4, 3], device=device))
+    with pytest.raises(ValueError, match="negative"):
+        turbo.ops.grouped_gemm(a, b, torch.tensor([8, -4, 8], device=device))
+    with pytest.raises(ValueError, match="exclusive cumsum"):
+        turbo.ops.grouped_gemm(a, b, lens, group_offs=torch.tensor([0, 4, 9, 12], device=device))
+    turbo.ops.grouped_gemm(a, b, lens, group_offs=torch.tensor([0, 4, 8, 12], device=device))
+
+
+# -- sm_90 compilation (catches what the interpreter cannot: compile errors, smem overflow) ----
+_FWD_SIG = {
+    "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "group_lens_ptr": "*i64",
+    "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+    "G": "i32", "M": "i32", "N": "i32", "K": "i32",
+    "stride_am": "i64", "stride_ak": "i32", "stride_bg": "i64", "stride_bk": "i32", "stride_bn": "i32",
+    "stride_cm": "i64", "stride_cn": "i32", "stride_asm": "i32", "stride_ask": "i32",
+    "stride_bsg": "i32", "stride_bsk": "i32", "stride_bsn": "i32",
+    "NUM_PROGS": "constexpr", "BLOCK_G": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+    "BLOCK_K": "constexpr", "SCALE_MODE": "constexpr", "UPCAST": "constexpr",
+}  # fmt: skip
+_WGRAD_SIG = {
+    "x_ptr": "*bf16", "y_ptr": "*bf16", "c_ptr": "*bf16", "group_lens_ptr": "*i64",
+    "x_scale_ptr": "*fp32", "y_scale_ptr": "*fp32", "G": "i32", "M": "i32", "P": "i32", "Q": "i32",
+    "stride_xm": "i64", "stride_xp": "i32", "stride_ym": "i64", "stride_yq": "i32",
+    "stride_cg": "i64", "stride_cp": "i32", "stride_cq": "i32",
+    "NUM_PROGS": "constexpr", "BLOCK_G": "constexpr", "BLOCK_P": "constexpr", "BLOCK_Q": "constexpr",
+    "BLOCK_K": "constexpr", "SCALE_MODE": "constexpr", "UPCAST": "constexpr",
+}  # fmt: skip
+
+
+def _with_dtype(sig, in_dtype, names):
+    return {k: (in_dtype if k in names else v) for k, v in sig.items()}
+
+
+FWD_CASES = [
+    ("bf16", 0, 4096),
+    ("bf16", 0, 128),
+    ("fp8e4nv", 1, 4096),
+    ("fp8e4nv", 2, 4096),
+    ("fp8e4nv", 3, 4096),
+]
+WGRAD_CASES = [("bf16", 0), ("fp8e4nv", 1), ("fp8e5", 1)]
+
+
+def _compile_all():
+    """Every launch config the GPU uses, compiled for sm_90 (run in a process without the interpreter)."""
+    for in_dtype, scale_mode, n in FWD_CASES:
+        cfg = kmod._fwd_config(in_dtype != "bf16", scale_mode, n, on_gpu=True)
+        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+        consts = dict(NUM_PROGS=132, BLOCK_G=kmod._block_g(256), SCALE_MODE=scale_mode, UPCAST=False, **cfg)
+        sig = _with_dtype(_FWD_SIG, f"*{in_dtype}", ("a_ptr", "b_ptr"))
+        compile_for_sm90(kmod.grouped_gemm_kernel, sig, consts, num_warps=warps, num_stages=stages)
+    for in_dtype, scale_mode in WGRAD_CASES:
+        cfg = kmod._wgrad_config(in_dtype != "bf16", on_gpu=True)
+        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+        consts = dict(NUM_PROGS=132, BLOCK_G=kmod._block_g(64), SCALE_MODE=scale_mode, UPCAST=False, **cfg)
+        sig = _with_dtype(_WGRAD_SIG, f"*{in_dtype}", ("x_ptr", "y_ptr"))
+        compile_for_sm90(kmod.grouped_gemm_variable_k_kernel, sig, consts, num_warps=warps, num_stages=stages)
+
+
+def test_kernels_compile_for_sm90():
+    run_compile_check("test_grouped_gemm")
+
+
+# -- GPU: real shapes, CUDA-graph capture -------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TRITON", "CUTLASS"])
+@pytest.mark.parametrize("G,K,N", [(64, 2048, 1408), (8, 4096, 14336), (32, 7168, 2048), (16, 1408, 2048)])
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty"])
+def test_grouped_gemm_gpu_training_shapes(backend, G, K, N, kind, device):
+    _check(backend, torch.bfloat16, G, 8192, K, N, kind, True, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TRITON", "CUTLASS"])
+def test_grouped_gemm_cuda_graph_capture(backend, device):
+    """fwd+bwd captured once, replayed with different group_lens contents: no host sync anywhere."""
+    GlobalBackendManager.set_grouped_gemm_backend(backend)
+    G, M, K, N = 8, 1024, 256, 512
+    a = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    b = (torch.randn(G, N, K, dtype=torch.bfloat16, device=device) / K**0.5).requires_grad_()
+    lens = make_group_lens(M, G, "balanced", device)
+    grad_out = torch.randn(M, N, dtype=torch.bfloat16, device=device)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (compile, autotune) outside the capture
+        for _ in range(2):
+            a.grad = b.grad = None
+            turbo.ops.grouped_gemm(a, b, lens, trans_b=True).backward(grad_out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    a.grad = b.grad = None
+    with torch.cuda.graph(graph):
+        out = turbo.ops.grouped_gemm(a, b, lens, trans_b=True)
+        out.backward(grad_out)
+    for kind in ["skewed", "empty", "balanced"]:
+        lens.copy_(make_group_lens(M, G, kind, device))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = grouped_gemm_ref(a, b, lens, True)
+        ref_da, ref_db = grouped_gemm_grads_ref(a, b, lens, grad_out, True)
+        assert_close(out, ref, torch.bfloat16, msg=f"graph out {kind}")
+        assert_close(a.grad, ref_da, torch.bfloat16, msg=f"graph grad_a {kind}")
+        scale = ref_db.abs().max()
+        assert_close(b.grad / scale, ref_db / scale, torch.bfloat16, msg=f"graph grad_b {kind}")
+
+
+@pytest.mark.gpu
+@pytest.mark.deterministic
+def test_grouped_gemm_triton_bitwise_deterministic(device):
+    GlobalBackendManager.set_grouped_gemm_backend("TRITON")
+    G, M, K, N = 16, 4096, 1024, 512
+    a = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    b = torch.randn(G, N, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    lens = make_group_lens(M, G, "skewed", device)
+    results = []
+    for _ in range(2):
+        a.grad = b.grad = None
+        out = turbo.ops.grouped_gemm(a, b, lens, trans_b=True)
+        out.backward(torch.ones_like(out))
+        results.append((out.clone(), a.grad.clone(), b.grad.clone()))
+    for x, y in zip(results[0], results[1], strict=True):
+        assert torch.equal(x, y)
+
+
+if __name__ == "__main__":
+    _compile_all()
+    print("sm_90 compile OK")
