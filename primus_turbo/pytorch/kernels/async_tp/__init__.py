@@ -1,0 +1,1 @@
+"""Async tensor-parallel GEMM + communication dispatchers and backends."""

@@ -1,0 +1,429 @@
+"""Async tensor parallel: all-gather+GEMM and GEMM+reduce-scatter, three backends each.
+
+Entry points (torch.library custom ops with fake twins, called by ``turbo.ops.async_tp``):
+
+    primus_turbo::all_gather_matmul(a_shard[m, K], bs[K, N_i], a_scale?, b_scales, group_name,
+                                    return_a, out_dtype, backend) -> [a_full, a_scale_full, *outs]
+    primus_turbo::matmul_reduce_scatter(a[M, K], b[K, N], a_scale?, b_scale?, reduce_op,
+                                        group_name, out_dtype, backend) -> out[M / world, N]
+
+Inputs are already 2-D with the gathered/scattered dim first (the op layer moves it there), FP8
+operands already quantized (``a_scale``/``b_scales`` are the dequantization scales of
+``torch._scaled_mm``: tensor-wise scalars, or row-wise ``[rows, 1]`` / ``[1, N]``). A tensor-wise
+``a_scale`` must be equal on every rank (the op layer all-reduces the amax to guarantee it).
+Unused outputs (``a_full`` when ``return_a`` is False, ``a_scale_full`` for bf16 / tensor-wise)
+come back as empty tensors.
+
+Backends:
+  NCCL      unfused: all_gather_into_tensor then GEMM / GEMM then reduce_scatter_tensor. Any group
+            (gloo on CPU), any device: the reference and the fallback.
+  SYMM_MEM  torch.ops.symm_mem fused ops (pull-based pipeline in torch). CUDA + NCCL group only.
+  TURBO     own push-based copy-engine pipeline (symm_mem_pipeline.py). CUDA + NCCL group only.
+
+Backend choice: ``backend=`` argument (pinned; raises if it cannot handle the inputs), else the
+in-code default: TURBO when it can handle the inputs and the GEMM is big enough to hide the
+communication (>= _TURBO_MIN_FLOP), else NCCL. Autotune is disabled for these dispatchers: each
+rank would time the candidates independently and could pick different backends, which deadlocks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.kernels.async_tp.symm_mem_pipeline import (
+    pipelined_all_gather_consume,
+    pipelined_produce_reduce_scatter,
+    symm_mem_available,
+)
+
+__all__ = [
+    "AllGatherMatmulDispatcher",
+    "MatmulReduceScatterDispatcher",
+    "all_gather_matmul_impl",
+    "matmul_reduce_scatter_impl",
+    "scaled_matmul",
+    "group_info",
+]
+
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
+
+# Below ~32 GFLOP per rank (~50 us of H200 GEMM) the pipeline's fixed cost (two barriers, stream
+# hops, ~15-25 us) eats the overlap; the unfused path is as fast there.
+_TURBO_MIN_FLOP = 2**35
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def group_info(group_name: str) -> tuple[Any, int, int]:
+    group = c10d._resolve_process_group(group_name)
+    return group, group.size(), group.rank()
+
+
+def _nccl_group(group_name: str) -> bool:
+    try:
+        group, _, _ = group_info(group_name)
+        return dist.get_backend(group) == "nccl"
+    except Exception:
+        return False
+
+
+def scaled_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_scale: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """a @ b (bf16/fp16/fp32: torch.mm, i.e. cuBLAS) or the FP8 product with dequant scales.
+
+    FP8: ``b`` must be column-major (``b.t()`` contiguous), as torch._scaled_mm requires.
+    """
+    if a_scale is None:
+        return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+    if a_scale.numel() > 1 and a_scale.data_ptr() % 16:
+        a_scale = a_scale.clone()  # cuBLAS row-wise kernels need 16-byte aligned scales
+    kwargs = dict(scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+    if out is None:
+        return torch._scaled_mm(a, b, **kwargs)
+    return torch.ops.aten._scaled_mm.out(a, b, **kwargs, out=out)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """fp8 travels as uint8: gloo has no fp8 type and NCCL support depends on the version."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
+
+
+def _rowwise(scale: torch.Tensor | None) -> bool:
+    return scale is not None and scale.numel() > 1
+
+
+def _out_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if a.element_size() == 1 else a.dtype
+
+
+# -- all-gather + matmul backends -----------------------------------------------------------------
+def _ag_empty_extras(a_shard: torch.Tensor) -> torch.Tensor:
+    return a_shard.new_empty(0)
+
+
+class _AGNccl(KernelBackend):
+    @staticmethod
+    def can_handle(**kw: Any) -> bool:
+        return True
+
+    @staticmethod
+    def execute(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtype, **_) -> list[torch.Tensor]:
+        group, world, _ = group_info(group_name)
+        a_full = a_shard.new_empty((world * a_shard.shape[0], *a_shard.shape[1:]))
+        dist.all_gather_into_tensor(_bytes_view(a_full), _bytes_view(a_shard), group=group)
+        scale_full = a_scale
+        if _rowwise(a_scale):
+            scale_full = a_scale.new_empty((world * a_scale.shape[0], 1))
+            dist.all_gather_into_tensor(scale_full, a_scale.contiguous(), group=group)
+        outs = [
+            scaled_matmul(a_full, b, scale_full, bs_scale, out_dtype)
+            for b, bs_scale in zip(bs, b_scales or [None] * len(bs))
+        ]
+        extras = _ag_empty_extras(a_shard)
+        return [
+            a_full if return_a else extras,
+            scale_full if (return_a and _rowwise(a_scale)) else extras.float(),
+            *outs,
+        ]
+
+
+class _AGSymmMem(KernelBackend):
+    @staticmethod
+    def can_handle(a_shard, group_name, **_) -> bool:
+        return a_shard.is_cuda and symm_mem_available() and _nccl_group(group_name)
+
+    @staticmethod
+    def execute(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtype, **_) -> list[torch.Tensor]:
+        extras = _ag_empty_extras(a_shard)
+        if a_scale is None:
+            a_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(
+                a_shard, bs, 0, group_name, return_A=return_a
+            )
+            return [a_full if return_a else extras, extras.float(), *outs]
+        a_full, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+            a_shard,
+            bs,
+            a_scale,
+            list(b_scales),
+            0,
+            group_name,
+            [None] * len(bs),
+            [None] * len(bs),
+            [_out_dtype(a_shard, out_dtype)] * len(bs),
+            [False] * len(bs),
+        )
+        scale_full = extras.float()
+        if return_a and _rowwise(a_scale):  # torch does not return the gathered scales
+            _, world, _ = group_info(group_name)
+            scale_full = a_scale.new_empty((world * a_scale.shape[0], 1))
+            dist.all_gather_into_tensor(scale_full, a_scale.contiguous(), group=group_info(group_name)[0])
+        return [a_full if return_a else extras, scale_full, *outs]
+
+
+class _AGTurbo(KernelBackend):
+    @staticmethod
+    def can_handle(a_shard, group_name, **_) -> bool:
+        return a_shard.is_cuda and symm_mem_available() and _nccl_group(group_name)
+
+    @staticmethod
+    def execute(
+        a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtype, num_splits=None, **_
+    ) -> list[torch.Tensor]:
+        _, world, rank = group_info(group_name)
+        rows = a_shard.shape[0]
+        dtype = _out_dtype(a_shard, out_dtype)
+        outs = [a_shard.new_empty((world * rows, b.shape[1]), dtype=dtype) for b in bs]
+        rowwise = _rowwise(a_scale)
+        shards = [a_shard, a_scale.contiguous()] if rowwise else [a_shard]
+        b_scales = list(b_scales) or [None] * len(bs)
+
+        def consume(block: list[torch.Tensor], row0: int) -> None:
+            scale = block[1] if rowwise else a_scale
+            for b, b_scale, out in zip(bs, b_scales, outs):
+                scaled_matmul(block[0], b, scale, b_scale, dtype, out=out[row0 : row0 + block[0].shape[0]])
+
+        gathered = None
+        extras = _ag_empty_extras(a_shard)
+        if return_a:
+            gathered = [a_shard.new_empty((world * rows, *a_shard.shape[1:]))]
+            if rowwise:
+                gathered.append(a_scale.new_empty((world * rows, 1)))
+        splits = num_splits if num_splits else _default_splits(a_shard, bs, world)
+        pipelined_all_gather_consume(shards, consume, gathered, group_name, world, rank, splits)
+        a_full = gathered[0] if return_a else extras
+        scale_full = gathered[1] if (return_a and rowwise) else extras.float()
+        return [a_full, scale_full, *outs]
+
+
+def _default_splits(a_shard: torch.Tensor, bs: list[torch.Tensor], world: int) -> int:
+    """Row blocks per pushed shard: 1 when the local GEMM hides the whole push, more when comm-heavy.
+
+    Push time ~ bytes / 350 GB/s (copy engine, NVLink NV18); local GEMM ~ flop / 650 TFLOP/s.
+    Extra blocks cost one barrier (~5 us) each, so split only when the push outlasts the GEMM.
+    """
+    push_s = a_shard.numel() * a_shard.element_size() * (world - 1) / 350e9
+    gemm_s = 2 * a_shard.shape[0] * a_shard.shape[1] * sum(b.shape[1] for b in bs) / 650e12
+    if push_s <= 0.8 * gemm_s:
+        return 1
+    return 2 if push_s <= 1.6 * gemm_s else 4
+
+
+# -- matmul + reduce-scatter backends -------------------------------------------------------------
+class _RSNccl(KernelBackend):
+    @staticmethod
+    def can_handle(**kw: Any) -> bool:
+        return True
+
+    @staticmethod
+    def execute(a, b, a_scale, b_scale, reduce_op, group_name, out_dtype, **_) -> torch.Tensor:
+        group, world, _ = group_info(group_name)
+        partial = scaled_matmul(a, b, a_scale, b_scale, _out_dtype(a, out_dtype))
+        out = partial.new_empty((partial.shape[0] // world, partial.shape[1]))
+        op = dist.ReduceOp.SUM if reduce_op == "sum" else dist.ReduceOp.AVG
+        if op == dist.ReduceOp.AVG and dist.get_backend(group) != "nccl":
+            dist.reduce_scatter_tensor(out, partial, op=dist.ReduceOp.SUM, group=group)
+            return out.div_(world)
+        dist.reduce_scatter_tensor(out, partial, op=op, group=group)
+        return out
+
+
+class _RSSymmMem(KernelBackend):
+    @staticmethod
+    def can_handle(a, group_name, **_) -> bool:
+        return a.is_cuda and symm_mem_available() and _nccl_group(group_name)
+
+    @staticmethod
+    def execute(a, b, a_scale, b_scale, reduce_op, group_name, out_dtype, **_) -> torch.Tensor:
+        if a_scale is None:
+            return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, reduce_op, 0, group_name)
+        return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+            a,
+            b,
+            a_scale,
+            b_scale,
+            reduce_op,
+            0,
+            0,
+            group_name,
+            [a.shape[0], b.shape[1]],
+            out_dtype=_out_dtype(a, out_dtype),
+        )
+
+
+class _RSTurbo(KernelBackend):
+    @staticmethod
+    def can_handle(a, group_name, **_) -> bool:
+        return a.is_cuda and symm_mem_available() and _nccl_group(group_name)
+
+    @staticmethod
+    def execute(
+        a, b, a_scale, b_scale, reduce_op, group_name, out_dtype, num_splits=None, **_
+    ) -> torch.Tensor:
+        _, world, rank = group_info(group_name)
+        dtype = _out_dtype(a, out_dtype)
+        out = a.new_empty((a.shape[0] // world, b.shape[1]), dtype=dtype)
+        rowwise = _rowwise(a_scale)
+
+        def produce(r0: int, r1: int, dst: torch.Tensor) -> None:
+            scale = a_scale[r0:r1] if rowwise else a_scale
+            scaled_matmul(a[r0:r1], b, scale, b_scale, dtype, out=dst)
+
+        # Output blocks are pushed: with N >> K the push outlasts a block's GEMM, so split finer.
+        push_s = out.numel() * out.element_size() * (world - 1) / 350e9
+        gemm_s = 2 * out.shape[0] * a.shape[1] * b.shape[1] / 650e12
+        splits = num_splits if num_splits else (1 if push_s <= 0.8 * gemm_s else 2)
+        pipelined_produce_reduce_scatter(produce, out, reduce_op, group_name, world, rank, splits)
+        return out
+
+
+# -- dispatchers ----------------------------------------------------------------------------------
+class _AsyncTPDispatcher(AutoKernelDispatcher):
+    op_name = "async_tp"
+
+    @classmethod
+    def _autotune(cls, **kwargs: Any) -> BackendType | None:
+        return None  # per-rank timing could pick different backends on different ranks: deadlock
+
+
+class AllGatherMatmulDispatcher(_AsyncTPDispatcher):
+    backends = {BackendType.NCCL: _AGNccl, BackendType.SYMM_MEM: _AGSymmMem, BackendType.TURBO: _AGTurbo}
+
+    @classmethod
+    def make_key(cls, a_shard, bs, group_name, a_scale=None, **_) -> tuple:
+        return (
+            tuple(a_shard.shape),
+            a_shard.dtype,
+            tuple(tuple(b.shape) for b in bs),
+            group_name,
+            _rowwise(a_scale),
+        )
+
+    @classmethod
+    def default_backend(cls, a_shard, bs, group_name, **kw) -> BackendType | None:
+        _, world, _ = group_info(group_name)
+        flop = 2 * world * a_shard.shape[0] * a_shard.shape[1] * sum(b.shape[1] for b in bs)
+        if flop >= _TURBO_MIN_FLOP and _AGTurbo.can_handle(a_shard=a_shard, group_name=group_name):
+            return BackendType.TURBO
+        return BackendType.NCCL
+
+
+class MatmulReduceScatterDispatcher(_AsyncTPDispatcher):
+    backends = {BackendType.NCCL: _RSNccl, BackendType.SYMM_MEM: _RSSymmMem, BackendType.TURBO: _RSTurbo}
+
+    @classmethod
+    def make_key(cls, a, b, group_name, a_scale=None, **_) -> tuple:
+        return (tuple(a.shape), a.dtype, tuple(b.shape), group_name, _rowwise(a_scale))
+
+    @classmethod
+    def default_backend(cls, a, b, group_name, **kw) -> BackendType | None:
+        flop = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        if flop >= _TURBO_MIN_FLOP and _RSTurbo.can_handle(a=a, group_name=group_name):
+            return BackendType.TURBO
+        return BackendType.NCCL
+
+
+def _run(dispatcher: type[_AsyncTPDispatcher], backend: str, **kw: Any) -> Any:
+    if not backend:
+        return dispatcher.dispatch(**kw)
+    pinned = BackendType.parse(backend, source="async_tp(backend=...)")
+    impl = dispatcher.backends.get(pinned)
+    if impl is None:
+        raise ValueError(
+            f"async_tp: backend {pinned.name} is not implemented; "
+            f"available: {', '.join(b.name for b in dispatcher.backends)}"
+        )
+    if not impl.can_handle(**kw):
+        raise ValueError(
+            f"async_tp: backend {pinned.name} cannot handle these inputs ({dispatcher.describe(**kw)}); "
+            f"it needs CUDA tensors, an NCCL process group and torch symmetric memory"
+            if pinned is not BackendType.NCCL
+            else f"async_tp: backend NCCL cannot handle ({dispatcher.describe(**kw)})"
+        )
+    dispatcher.last_backend = pinned
+    return impl.execute(**kw)
+
+
+# -- custom ops -----------------------------------------------------------------------------------
+@torch.library.custom_op("primus_turbo::all_gather_matmul", mutates_args=())
+def all_gather_matmul_impl(
+    a_shard: torch.Tensor,
+    bs: list[torch.Tensor],
+    a_scale: torch.Tensor | None,
+    b_scales: list[torch.Tensor],
+    group_name: str,
+    return_a: bool,
+    out_dtype: torch.dtype | None,
+    backend: str,
+    num_splits: int,
+) -> list[torch.Tensor]:
+    return _run(
+        AllGatherMatmulDispatcher,
+        backend,
+        a_shard=a_shard,
+        bs=list(bs),
+        a_scale=a_scale,
+        b_scales=list(b_scales),
+        group_name=group_name,
+        return_a=return_a,
+        out_dtype=out_dtype,
+        num_splits=num_splits,
+    )
+
+
+@all_gather_matmul_impl.register_fake
+def _(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtype, backend, num_splits):
+    _, world, _ = group_info(group_name)
+    rows = world * a_shard.shape[0]
+    dtype = _out_dtype(a_shard, out_dtype)
+    a_full = a_shard.new_empty((rows, *a_shard.shape[1:])) if return_a else a_shard.new_empty(0)
+    rowwise = _rowwise(a_scale)
+    scale_full = (
+        a_scale.new_empty((rows, 1)) if (return_a and rowwise) else a_shard.new_empty(0, dtype=torch.float32)
+    )
+    return [a_full, scale_full, *[a_shard.new_empty((rows, b.shape[1]), dtype=dtype) for b in bs]]
+
+
+@torch.library.custom_op("primus_turbo::matmul_reduce_scatter", mutates_args=())
+def matmul_reduce_scatter_impl(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_scale: torch.Tensor | None,
+    reduce_op: str,
+    group_name: str,
+    out_dtype: torch.dtype | None,
+    backend: str,
+    num_splits: int,
+) -> torch.Tensor:
+    return _run(
+        MatmulReduceScatterDispatcher,
+        backend,
+        a=a,
+        b=b,
+        a_scale=a_scale,
+        b_scale=b_scale,
+        reduce_op=reduce_op,
+        group_name=group_name,
+        out_dtype=out_dtype,
+        num_splits=num_splits,
+    )
+
+
+@matmul_reduce_scatter_impl.register_fake
+def _(a, b, a_scale, b_scale, reduce_op, group_name, out_dtype, backend, num_splits):
+    _, world, _ = group_info(group_name)
+    return a.new_empty((a.shape[0] // world, b.shape[1]), dtype=_out_dtype(a, out_dtype))

@@ -1,0 +1,217 @@
+"""TURBO async-TP pipelines: chunked GEMMs overlapped with copy-engine pushes over symmetric memory.
+
+Both pipelines *push* (the producer writes into the consumer's symmetric buffer with
+``Tensor.copy_``, a ``cudaMemcpyAsync`` that the driver runs on a copy engine over NVLink) on a
+side stream while the compute stream runs the GEMM of a chunk that is already local. Pushing
+instead of pulling (torch's symm-mem ops pull) removes the staging copy of the local shard and the
+barrier that must follow it, so the first GEMM starts immediately.
+
+Ordering, per call (``b`` = ``_SymmetricMemory.barrier``, a tiny all-ranks kernel):
+  side stream   : wait(compute) -> push part 0 -> b -> ev0 -> push part 1 -> b -> ev1 ...
+  compute stream: GEMM(local chunk) -> wait(ev0) -> GEMM(part 0) -> wait(ev1) -> ...
+                  -> wait(side) -> b(channel 0)
+The barrier after a push completes only when every rank has finished the same push, so after it
+this rank's buffer holds every peer's part. The closing barrier on the compute stream guarantees
+nobody overwrites a buffer (next call) that a peer is still reading.
+
+Workspaces are one uint8 symmetric tensor per process group, grown on demand (a collective
+rendezvous, so every rank must call with the same shapes: true for TP). Old workspaces are kept
+alive rather than freed, because a peer may still be writing into them asynchronously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["symm_mem_available", "pipelined_all_gather_consume", "pipelined_produce_reduce_scatter"]
+
+_ALIGN = 256  # bytes; keeps every slot 16-byte aligned for cuBLAS (row-wise scales) and copy engines
+_MAX_SPLITS = 8  # barrier channels 1..8 are ours; channel 0 closes the call
+_workspaces: dict[str, tuple[torch.Tensor, object]] = {}
+_retired: list[torch.Tensor] = []
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def symm_mem_available() -> bool:
+    """True when this torch build has CUDA symmetric memory (does not touch any device)."""
+    if not torch.cuda.is_available() or not torch.distributed.is_available():
+        return False
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
+        from torch._C._distributed_c10d import _SymmetricMemory  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(symm_mem, "empty") and hasattr(symm_mem, "rendezvous")
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _workspace(group_name: str, nbytes: int, device: torch.device):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    entry = _workspaces.get(group_name)
+    if entry is None or entry[0].numel() < nbytes:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"async_tp TURBO: the symmetric workspace of group {group_name} must grow to {nbytes} bytes, "
+                "which cannot happen during CUDA graph capture; run one eager step first"
+            )
+        if entry is not None:
+            _retired.append(entry[0])
+        size = max(nbytes, 64 << 20)  # 64 MiB floor: one growth covers typical TP shapes
+        buf = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        _workspaces[group_name] = (buf, symm_mem.rendezvous(buf, group_name))
+    return _workspaces[group_name][1]
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        # high priority so the pushes are not starved by the GEMM's CTAs
+        _side_streams[index] = torch.cuda.Stream(device=index, priority=-1)
+    return _side_streams[index]
+
+
+def _view(handle, rank: int, offset: int, like: torch.Tensor) -> torch.Tensor:
+    nbytes = like.numel() * like.element_size()
+    raw = handle.get_buffer(rank, (nbytes,), torch.uint8, offset)
+    return raw.view(like.dtype).view(like.shape)
+
+
+def _row_parts(rows: int, splits: int) -> list[tuple[int, int]]:
+    step = -(-rows // splits)
+    return [(s, min(s + step, rows)) for s in range(0, rows, step)]
+
+
+def pipelined_all_gather_consume(
+    shards: list[torch.Tensor],
+    consume: Callable[[list[torch.Tensor], int], None],
+    gathered: list[torch.Tensor] | None,
+    group_name: str,
+    world_size: int,
+    rank: int,
+    num_splits: int = 1,
+) -> None:
+    """all_gather(shards) along dim 0, calling ``consume(row_block, global_row_start)`` per block.
+
+    ``shards`` are contiguous tensors with the same number of rows (e.g. an FP8 activation and its
+    row-wise scales). ``gathered`` (optional) receives the full tensors, [world_size * rows, ...].
+    Each rank pushes its shard to every peer in ``num_splits`` row blocks, so the consumer of block
+    j can start while block j+1 is still in flight.
+    """
+    rows = shards[0].shape[0]
+    parts = _row_parts(rows, max(1, min(num_splits, _MAX_SPLITS))) if rows else []
+    shard_bytes = [_aligned(x.numel() * x.element_size()) for x in shards]
+    slot_bytes = sum(shard_bytes)
+    handle = _workspace(group_name, slot_bytes * world_size, shards[0].device)
+    compute = torch.cuda.current_stream()
+    side = _side_stream(shards[0].device)
+    side.wait_stream(compute)
+
+    def slot(owner: int, src: int) -> list[torch.Tensor]:
+        offset, views = src * slot_bytes, []
+        for x, nb in zip(shards, shard_bytes):
+            views.append(_view(handle, owner, offset, x))
+            offset += nb
+        return views
+
+    arrived = []
+    with torch.cuda.stream(side):
+        for channel, (r0, r1) in enumerate(parts, start=1):
+            for step in range(1, world_size):
+                peer = (rank + step) % world_size
+                for dst, x in zip(slot(peer, rank), shards):
+                    dst[r0:r1].copy_(x[r0:r1], non_blocking=True)
+            handle.barrier(channel=channel)
+            event = torch.cuda.Event()
+            event.record(side)
+            arrived.append(event)
+
+    consume(shards, rank * rows)
+    local = {src: slot(rank, src) for src in range(world_size) if src != rank}
+    for event, (r0, r1) in zip(arrived, parts):
+        compute.wait_event(event)
+        for step in range(1, world_size):
+            src = (rank - step) % world_size
+            consume([t[r0:r1] for t in local[src]], src * rows + r0)
+
+    if gathered is not None:
+        # The copy-out of the gathered tensors overlaps the GEMMs above (side stream is past arrival).
+        with torch.cuda.stream(side):
+            for src in range(world_size):
+                views = shards if src == rank else local[src]
+                for full, part in zip(gathered, views):
+                    full[src * rows : (src + 1) * rows].copy_(part, non_blocking=True)
+    compute.wait_stream(side)
+    handle.barrier(channel=0)
+
+
+def pipelined_produce_reduce_scatter(
+    produce: Callable[[int, int, torch.Tensor], None],
+    out: torch.Tensor,
+    reduce_op: str,
+    group_name: str,
+    world_size: int,
+    rank: int,
+    num_splits: int = 1,
+) -> None:
+    """out = reduce_op over ranks of rows block ``rank`` of the full [world_size * m, N] product.
+
+    ``produce(r0, r1, dst)`` writes rows [r0, r1) of this rank's partial product into ``dst``.
+    Blocks destined to peers are produced first and pushed into the peer's slot for this rank
+    while the next block computes; this rank's own block is produced straight into its slot; a
+    single ``sum``/``mean`` over the ``world_size`` slots finishes the reduction.
+    """
+    m = out.shape[0]
+    parts = _row_parts(m, max(1, min(num_splits, _MAX_SPLITS))) if m else []
+    slot_bytes = _aligned(out.numel() * out.element_size())
+    handle = _workspace(group_name, slot_bytes * world_size, out.device)
+    compute = torch.cuda.current_stream()
+    side = _side_stream(out.device)
+    side.wait_stream(compute)
+
+    def slot(owner: int, src: int) -> torch.Tensor:
+        return _view(handle, owner, src * slot_bytes, out)
+
+    stages = [torch.empty_like(out[: parts[0][1] - parts[0][0]]) for _ in range(2)] if parts else []
+    stage_free = [None, None]
+    n = 0
+    for step in range(1, world_size):
+        peer = (rank + step) % world_size
+        for r0, r1 in parts:
+            stage = stages[n % 2][: r1 - r0]
+            if stage_free[n % 2] is not None:
+                compute.wait_event(stage_free[n % 2])
+            produce(peer * m + r0, peer * m + r1, stage)
+            side.wait_stream(compute)
+            with torch.cuda.stream(side):
+                slot(peer, rank)[r0:r1].copy_(stage, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            stage_free[n % 2] = done
+            n += 1
+    own = slot(rank, rank)
+    for r0, r1 in parts:
+        produce(rank * m + r0, rank * m + r1, own[r0:r1])
+    with torch.cuda.stream(side):
+        handle.barrier(channel=1)
+    compute.wait_stream(side)
+    _reduce_slots(handle, rank, world_size, slot_bytes, out, reduce_op)
+    handle.barrier(channel=0)
+
+
+def _reduce_slots(handle, rank: int, world_size: int, slot_bytes: int, out: torch.Tensor, reduce_op: str):
+    elem = out.element_size()
+    if slot_bytes % elem:
+        raise AssertionError("slot size must be a multiple of the element size")
+    # Slots are slot_bytes apart: view them as one strided [world_size, m, N] tensor, reduce in one kernel.
+    flat = handle.get_buffer(rank, (world_size * slot_bytes // elem,), out.dtype, 0)
+    stacked = flat.as_strided((world_size, *out.shape), (slot_bytes // elem, *out.stride()))
+    if reduce_op == "sum":
+        torch.sum(stacked, dim=0, out=out)
+    else:
+        torch.mean(stacked, dim=0, out=out)

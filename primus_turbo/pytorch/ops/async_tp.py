@@ -1,0 +1,368 @@
+"""Async tensor parallel: all-gather + GEMM and GEMM + reduce-scatter with overlapped communication.
+
+    a_full, [y0, y1] = fused_all_gather_matmul(a_shard, [w0, w1], gather_dim=0, group=tp_group)
+    y_shard = fused_matmul_reduce_scatter(a, w, "sum", scatter_dim=0, group=tp_group)
+
+Signatures follow ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``
+(``group`` may be a ProcessGroup, a group name or None for WORLD). ``b`` operands are [K, N]
+(``a @ b``). FP8: pass ``fp8_config=Float8QuantConfig(...)`` (TENSORWISE or ROWWISE, current
+scaling) to quantize inside the op, or call the ``*_scaled_*`` variants with pre-quantized
+operands and dequantization scales (``torch._scaled_mm`` convention; ``b`` column-major).
+
+Preconditions (checked, ValueError/TypeError otherwise):
+  * the gathered / scattered dim is not the last dim (that one is contracted / the GEMM's N);
+  * reduce-scatter: the scattered dim's size is divisible by the group size (no padding: pad the
+    sequence to a multiple of the TP size, as Megatron's sequence parallel does);
+  * same dtype and device for ``a`` and every ``b``; FP8 operands only through the scaled variants;
+  * a tensor-wise ``a_scale`` must be the same on every rank (``fp8_config`` guarantees it by an
+    amax all-reduce over the group).
+A group of size 1 runs a plain GEMM; zero-size problems run the unfused NCCL path.
+
+Backends: ``backend=None`` (dispatcher default: TURBO on CUDA+NCCL for large GEMMs, else NCCL),
+or pin ``"NCCL"``, ``"SYMM_MEM"``, ``"TURBO"``. These ops are not differentiable by themselves;
+``turbo.modules.ColumnParallelLinear`` / ``RowParallelLinear`` use them with their own backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from primus_turbo.pytorch.core.low_precision import (
+    Float8QuantConfig,
+    ScalingGranularity,
+    ScalingStrategy,
+    fp8_max,
+    is_fp8_dtype,
+)
+from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
+    all_gather_matmul_impl,
+    matmul_reduce_scatter_impl,
+    scaled_matmul,
+)
+
+__all__ = [
+    "fused_all_gather_matmul",
+    "fused_all_gather_scaled_matmul",
+    "fused_matmul_reduce_scatter",
+    "fused_scaled_matmul_reduce_scatter",
+    "quantize_for_async_tp",
+]
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# -- validation -----------------------------------------------------------------------------------
+def _group_name(group) -> str:
+    if group is None:
+        group = dist.group.WORLD
+    if isinstance(group, str):
+        return group
+    if isinstance(group, dist.ProcessGroup):
+        return group.group_name
+    raise TypeError(f"group: expected a ProcessGroup, a group name or None, got {type(group).__name__}")
+
+
+def _world(group_name: str) -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._resolve_process_group(group_name).size()
+
+
+def _check_dim(name: str, dim: int, t: torch.Tensor) -> int:
+    if not isinstance(dim, int):
+        raise TypeError(f"{name}: expected an int, got {type(dim).__name__}")
+    if t.dim() < 2:
+        raise ValueError(f"{name}: the input must have >= 2 dims [..., K], got shape {tuple(t.shape)}")
+    d = dim + t.dim() if dim < 0 else dim
+    if not 0 <= d < t.dim() - 1:
+        raise ValueError(
+            f"{name}={dim}: must index a dim of {tuple(t.shape)} other than the last (contracted) one, "
+            f"i.e. in [{-t.dim()}, {t.dim() - 2}]"
+        )
+    return d
+
+
+def _check_operands(a: torch.Tensor, bs: list[torch.Tensor], a_name: str, scaled: bool) -> None:
+    if not isinstance(a, torch.Tensor):
+        raise TypeError(f"{a_name}: expected a tensor, got {type(a).__name__}")
+    if not bs:
+        raise ValueError("b_list: expected at least one [K, N] tensor")
+    for i, b in enumerate(bs):
+        if not isinstance(b, torch.Tensor) or b.dim() != 2:
+            raise ValueError(f"b[{i}]: expected a 2-D [K, N] tensor, got {getattr(b, 'shape', type(b))}")
+        if b.shape[0] != a.shape[-1]:
+            raise ValueError(f"b[{i}]: K mismatch: {a_name} is {tuple(a.shape)}, b is {tuple(b.shape)}")
+        if b.device != a.device:
+            raise ValueError(f"b[{i}]: device {b.device} differs from {a_name}'s {a.device}")
+        if scaled:
+            if not (is_fp8_dtype(a.dtype) and is_fp8_dtype(b.dtype)):
+                raise TypeError(
+                    f"scaled variant: {a_name} and b[{i}] must be float8_e4m3fn/float8_e5m2, "
+                    f"got {a.dtype}, {b.dtype}"
+                )
+        elif a.dtype not in _FLOAT_DTYPES or b.dtype != a.dtype:
+            hint = (
+                " (FP8 operands: use fp8_config= or the *_scaled_* variant)" if is_fp8_dtype(a.dtype) else ""
+            )
+            raise TypeError(
+                f"{a_name}/b[{i}]: dtypes must match and be one of bfloat16/float16/float32, "
+                f"got {a.dtype} and {b.dtype}{hint}"
+            )
+
+
+def _to_front_2d(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, list[int]]:
+    moved = t.movedim(dim, 0)
+    return moved.contiguous().view(-1, t.shape[-1]), list(moved.shape[:-1])
+
+
+def _from_front_2d(t2d: torch.Tensor, lead: list[int], dim: int) -> torch.Tensor:
+    return t2d.view(*lead, t2d.shape[-1]).movedim(0, dim)
+
+
+# -- FP8 quantization (current scaling) -----------------------------------------------------------
+def quantize_for_async_tp(
+    x: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None, group_name: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_fp8, dequant_scale). Tensor-wise when ``rowwise_dim`` is None: the amax is all-reduced
+    (MAX) over ``group_name`` when given, so every rank's shard shares one scale.
+    """
+    xf = x.float()
+    if rowwise_dim is None:
+        amax = xf.abs().amax()
+        if group_name is not None and _world(group_name) > 1:
+            from torch.distributed import distributed_c10d as c10d
+
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=c10d._resolve_process_group(group_name))
+    else:
+        amax = xf.abs().amax(dim=rowwise_dim, keepdim=True)
+    scale = fp8_max(dtype) / amax.clamp(min=1e-12)
+    q = (xf * scale).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype)
+    return q, scale.reciprocal()
+
+
+def _quantize_operands(a2d, bs, fp8_config: Float8QuantConfig, group_name):
+    if not isinstance(fp8_config, Float8QuantConfig):
+        raise TypeError(f"fp8_config: expected Float8QuantConfig, got {type(fp8_config).__name__}")
+    gran = fp8_config.granularity
+    if gran not in (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE):
+        raise ValueError(f"fp8_config.granularity: async_tp supports TENSORWISE and ROWWISE, got {gran.name}")
+    if fp8_config.strategy is not ScalingStrategy.CURRENT:
+        raise ValueError("fp8_config.strategy: async_tp supports CURRENT scaling only")
+    dtype = fp8_config.format.fwd_dtype
+    rowwise = gran is ScalingGranularity.ROWWISE
+    a_q, a_scale = quantize_for_async_tp(a2d, dtype, 1 if rowwise else None, group_name)
+    b_q, b_scales = [], []
+    for b in bs:
+        bt_q, bt_scale = quantize_for_async_tp(b.t().contiguous(), dtype, 1 if rowwise else None)
+        b_q.append(bt_q.t())  # column-major [K, N] as torch._scaled_mm wants
+        b_scales.append(bt_scale.view(1, -1) if rowwise else bt_scale)
+    return a_q, a_scale, b_q, b_scales
+
+
+def _single_out_dtype(out_dtypes, n: int, default: torch.dtype) -> torch.dtype:
+    if out_dtypes is None:
+        return default
+    dts = list(out_dtypes) if isinstance(out_dtypes, (list, tuple)) else [out_dtypes] * n
+    dts = [default if d is None else d for d in dts]
+    if len(dts) != n or len(set(dts)) != 1 or dts[0] not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"out_dtypes: expected one floating dtype (or a list of {n} equal ones), got {out_dtypes}"
+        )
+    return dts[0]
+
+
+# -- all-gather + matmul --------------------------------------------------------------------------
+def _all_gather_matmul_2d(a2d, bs, a_scale, b_scales, group_name, return_a, out_dtype, backend, num_splits):
+    world = _world(group_name)
+    if world == 1:
+        outs = [
+            scaled_matmul(a2d, b, a_scale, s, out_dtype) for b, s in zip(bs, b_scales or [None] * len(bs))
+        ]
+        return (a2d if return_a else None), a_scale, outs
+    if a2d.numel() == 0 or any(b.numel() == 0 for b in bs):
+        backend = "NCCL"  # nothing to overlap
+    res = all_gather_matmul_impl(
+        a2d, bs, a_scale, b_scales, group_name, return_a, out_dtype, backend or "", num_splits or 0
+    )
+    scale_full = res[1] if res[1].numel() else a_scale
+    return (res[0] if return_a else None), scale_full, list(res[2:])
+
+
+def fused_all_gather_matmul(
+    a_shard: torch.Tensor,
+    b_list: list[torch.Tensor],
+    gather_dim: int,
+    group=None,
+    *,
+    return_a: bool = True,
+    out_dtypes=None,
+    fp8_config: Float8QuantConfig | None = None,
+    backend: str | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """(all_gather(a_shard, gather_dim) or None, [a_full @ b for b in b_list]), comm overlapped.
+
+    With ``fp8_config`` the GEMMs run in FP8 (a_shard is quantized before the gather: half the
+    bytes on the wire) and the returned ``a_full`` is the gathered *FP8* tensor; call
+    ``fused_all_gather_scaled_matmul`` directly when the gathered scales are needed too.
+    ``num_splits`` (TURBO): row blocks per pushed shard; None picks from a comm/GEMM time model.
+    """
+    group_name = _group_name(group)
+    bs = list(b_list) if isinstance(b_list, (list, tuple)) else [b_list]
+    _check_operands(a_shard, bs, "a_shard", scaled=False)
+    dim = _check_dim("gather_dim", gather_dim, a_shard)
+    a2d, lead = _to_front_2d(a_shard, dim)
+    world = _world(group_name)
+    if fp8_config is None:
+        out_dtype = _single_out_dtype(out_dtypes, len(bs), a_shard.dtype)
+        if out_dtype != a_shard.dtype:
+            raise ValueError(f"out_dtypes: bf16/fp16/fp32 GEMMs return the input dtype {a_shard.dtype}")
+        a_full, _, outs = _all_gather_matmul_2d(
+            a2d, bs, None, [], group_name, return_a, None, backend, num_splits
+        )
+    else:
+        out_dtype = _single_out_dtype(out_dtypes, len(bs), a_shard.dtype)
+        a_q, a_scale, b_q, b_scales = _quantize_operands(a2d, bs, fp8_config, group_name)
+        a_full, _, outs = _all_gather_matmul_2d(
+            a_q, b_q, a_scale, b_scales, group_name, return_a, out_dtype, backend, num_splits
+        )
+    full_lead = [lead[0] * world, *lead[1:]]
+    outs = [_from_front_2d(o, full_lead, dim) for o in outs]
+    if a_full is not None:
+        a_full = _from_front_2d(a_full, full_lead, dim)
+    return a_full, outs
+
+
+def fused_all_gather_scaled_matmul(
+    a_shard: torch.Tensor,
+    b_list: list[torch.Tensor],
+    a_scale: torch.Tensor,
+    b_scales: list[torch.Tensor],
+    gather_dim: int,
+    group=None,
+    *,
+    return_a: bool = True,
+    out_dtypes=None,
+    backend: str | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]]:
+    """FP8 operands with dequant scales: (a_full fp8 or None, a_scale_full, outs).
+
+    a_scale: a scalar (tensor-wise, equal on every rank) or [..., 1] row-wise matching a_shard's
+    leading dims; b_scales[i]: scalar or [1, N_i]; b_list[i] column-major [K, N_i].
+    """
+    group_name = _group_name(group)
+    bs = list(b_list)
+    _check_operands(a_shard, bs, "a_shard", scaled=True)
+    dim = _check_dim("gather_dim", gather_dim, a_shard)
+    if len(b_scales) != len(bs):
+        raise ValueError(f"b_scales: expected {len(bs)} scales (one per b), got {len(b_scales)}")
+    a2d, lead = _to_front_2d(a_shard, dim)
+    if a_scale.numel() > 1:
+        if tuple(a_scale.shape) != (*a_shard.shape[:-1], 1):
+            raise ValueError(
+                f"a_scale: expected a scalar or row-wise shape {(*a_shard.shape[:-1], 1)}, "
+                f"got {tuple(a_scale.shape)}"
+            )
+        a_scale = a_scale.movedim(dim, 0).contiguous().view(-1, 1)
+    a_scale = a_scale.float()
+    out_dtype = _single_out_dtype(out_dtypes, len(bs), torch.bfloat16)
+    a_full, scale_full, outs = _all_gather_matmul_2d(
+        a2d, bs, a_scale, [s.float() for s in b_scales], group_name, return_a, out_dtype, backend, num_splits
+    )
+    full_lead = [lead[0] * _world(group_name), *lead[1:]]
+    outs = [_from_front_2d(o, full_lead, dim) for o in outs]
+    if a_full is not None:
+        a_full = _from_front_2d(a_full, full_lead, dim)
+        if scale_full is not None and scale_full.numel() > 1:
+            scale_full = _from_front_2d(scale_full, full_lead, dim)
+    return a_full, (scale_full if return_a else None), outs
+
+
+# -- matmul + reduce-scatter ----------------------------------------------------------------------
+def _check_reduce_scatter(a, b, reduce_op, scatter_dim, group_name, scaled):
+    _check_operands(a, [b], "a", scaled=scaled)
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"reduce_op: expected 'sum' or 'avg', got {reduce_op!r}")
+    dim = _check_dim("scatter_dim", scatter_dim, a)
+    world = _world(group_name)
+    if a.shape[dim] % world:
+        raise ValueError(
+            f"scatter_dim={scatter_dim}: size {a.shape[dim]} of a {tuple(a.shape)} is not divisible by the "
+            f"group size {world}; pad it to a multiple of {world}"
+        )
+    return dim, world
+
+
+def _matmul_reduce_scatter_2d(
+    a2d, b, a_scale, b_scale, reduce_op, group_name, out_dtype, backend, num_splits
+):
+    if _world(group_name) == 1:
+        return scaled_matmul(a2d, b, a_scale, b_scale, out_dtype)
+    if a2d.numel() == 0 or b.numel() == 0:
+        backend = "NCCL"
+    return matmul_reduce_scatter_impl(
+        a2d, b, a_scale, b_scale, reduce_op, group_name, out_dtype, backend or "", num_splits or 0
+    )
+
+
+def fused_matmul_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    reduce_op: str = "sum",
+    scatter_dim: int = 0,
+    group=None,
+    *,
+    fp8_config: Float8QuantConfig | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """reduce_scatter(a @ b, reduce_op, scatter_dim) over ``group``, comm overlapped with the GEMM."""
+    group_name = _group_name(group)
+    dim, world = _check_reduce_scatter(a, b, reduce_op, scatter_dim, group_name, scaled=False)
+    a2d, lead = _to_front_2d(a, dim)
+    if fp8_config is None:
+        if out_dtype not in (None, a.dtype):
+            raise ValueError(
+                f"out_dtype: bf16/fp16/fp32 GEMMs return the input dtype {a.dtype}, got {out_dtype}"
+            )
+        out = _matmul_reduce_scatter_2d(a2d, b, None, None, reduce_op, group_name, None, backend, num_splits)
+    else:
+        out_dtype = out_dtype or a.dtype
+        a_q, a_scale, (b_q,), (b_scale,) = _quantize_operands(a2d, [b], fp8_config, None)
+        out = _matmul_reduce_scatter_2d(
+            a_q, b_q, a_scale, b_scale, reduce_op, group_name, out_dtype, backend, num_splits
+        )
+    return _from_front_2d(out, [lead[0] // world, *lead[1:]], dim)
+
+
+def fused_scaled_matmul_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    reduce_op: str = "sum",
+    scatter_dim: int = 0,
+    group=None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """FP8 ``a`` [..., K] and column-major ``b`` [K, N] with dequant scales (scalar or row-wise)."""
+    group_name = _group_name(group)
+    dim, world = _check_reduce_scatter(a, b, reduce_op, scatter_dim, group_name, scaled=True)
+    a2d, lead = _to_front_2d(a, dim)
+    if a_scale.numel() > 1:
+        if tuple(a_scale.shape) != (*a.shape[:-1], 1):
+            raise ValueError(
+                f"a_scale: expected a scalar or row-wise shape {(*a.shape[:-1], 1)}, "
+                f"got {tuple(a_scale.shape)}"
+            )
+        a_scale = a_scale.movedim(dim, 0).contiguous().view(-1, 1)
+    out = _matmul_reduce_scatter_2d(
+        a2d, b, a_scale.float(), b_scale.float(), reduce_op, group_name, out_dtype, backend, num_splits
+    )
+    return _from_front_2d(out, [lead[0] // world, *lead[1:]], dim)
