@@ -1,2 +1,4 @@
 """nn.Module wrappers over turbo ops."""
 # One import line per module file; keep sorted.
+from primus_turbo.pytorch.modules.linear import Linear  # noqa: F401
+from primus_turbo.pytorch.modules.normalization import RMSNorm  # noqa: F401

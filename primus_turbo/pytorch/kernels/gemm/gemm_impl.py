@@ -1,0 +1,145 @@
+"""GEMM backends and dispatcher behind ``torch.ops.primus_turbo.gemm``.
+
+C = op(a) @ op(b), op(x) = x.T when the matching ``trans_*`` flag is set; a is [M, K] (or [K, M]),
+b is [K, N] (or [N, K]). Backends:
+
+* ``CUBLAS``: ``torch.mm`` on CUDA (cuBLAS/cuBLASLt); the CUDA default.
+* ``TRITON``: the persistent Hopper kernels in ``primus_turbo/triton/gemm/gemm_kernel.py`` (TMA
+  when alignment allows, pointer kernel otherwise); fp16/bf16/fp32 in, fp16/bf16/fp32 out.
+* ``TORCH``: fp32 (fp64 for fp64 inputs) upcast reference via ``torch.matmul``; the CPU default.
+
+Inputs are validated once in ``primus_turbo.pytorch.ops.gemm``; ``can_handle`` only says which
+backend can serve already-valid inputs and never raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.utils import triton_can_run_on
+
+__all__ = ["GemmDispatcher", "gemm_impl", "SUPPORTED_DTYPES"]
+
+# dtypes the op accepts (inputs and out_dtype); TRITON serves the first three.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _logical(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool):
+    """Transposed views (no copies) so every backend sees A[M, K] @ B[K, N]."""
+    return (a.T if trans_a else a), (b.T if trans_b else b)
+
+
+def _same_device_and_dtype(a, b) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.device == b.device
+        and (a.dtype == b.dtype)
+    )
+
+
+class GemmTorchBackend(KernelBackend):
+    """Reference: upcast to fp32 (fp64 stays fp64), matmul, cast to ``out_dtype``."""
+
+    @staticmethod
+    def can_handle(a, b, trans_a, trans_b, out_dtype, **_) -> bool:
+        return _same_device_and_dtype(a, b) and a.dtype in SUPPORTED_DTYPES and out_dtype in SUPPORTED_DTYPES
+
+    @staticmethod
+    def execute(a, b, trans_a, trans_b, out_dtype, **_) -> torch.Tensor:
+        a, b = _logical(a, b, trans_a, trans_b)
+        acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+        return torch.matmul(a.to(acc), b.to(acc)).to(out_dtype)
+
+
+def _mm_has_out_dtype() -> bool:
+    return hasattr(torch.ops.aten.mm, "dtype")  # aten::mm.dtype: half in, fp32 out (cuBLASLt)
+
+
+class GemmCublasBackend(KernelBackend):
+    """``torch.mm`` on CUDA tensors. A half-precision GEMM with fp32 output uses ``mm(out_dtype=)``
+    (fp32 accumulator written directly) where torch has it, else an fp32 cast of the half result."""
+
+    @staticmethod
+    def can_handle(a, b, trans_a, trans_b, out_dtype, **_) -> bool:
+        return (
+            _same_device_and_dtype(a, b)
+            and a.is_cuda
+            and a.dtype in SUPPORTED_DTYPES
+            and out_dtype in SUPPORTED_DTYPES
+        )
+
+    @staticmethod
+    def execute(a, b, trans_a, trans_b, out_dtype, **_) -> torch.Tensor:
+        a, b = _logical(a, b, trans_a, trans_b)
+        if out_dtype == a.dtype:
+            return torch.mm(a, b)
+        if out_dtype == torch.float32 and a.dtype in _HALF_DTYPES and _mm_has_out_dtype():
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b).to(out_dtype)
+
+
+class GemmTritonBackend(KernelBackend):
+    """Persistent Triton kernels (TMA on sm_90 when aligned; pointer kernel otherwise)."""
+
+    @staticmethod
+    def can_handle(a, b, trans_a, trans_b, out_dtype, **_) -> bool:
+        return (
+            _same_device_and_dtype(a, b)
+            and a.dtype in _TRITON_DTYPES
+            and out_dtype in _TRITON_DTYPES
+            and triton_can_run_on(a, b)
+        )
+
+    @staticmethod
+    def execute(a, b, trans_a, trans_b, out_dtype, **_) -> torch.Tensor:
+        from primus_turbo.triton.gemm.gemm_kernel import gemm_triton
+
+        a, b = _logical(a, b, trans_a, trans_b)
+        return gemm_triton(a, b, out_dtype)
+
+
+class GemmDispatcher(AutoKernelDispatcher):
+    op_name = "gemm"
+    backends = {
+        BackendType.CUBLAS: GemmCublasBackend,
+        BackendType.TRITON: GemmTritonBackend,
+        BackendType.TORCH: GemmTorchBackend,
+    }
+
+    @classmethod
+    def make_key(cls, a, b, trans_a, trans_b, out_dtype, **_) -> tuple:
+        al, bl = _logical(a, b, trans_a, trans_b)
+        return (
+            al.shape[0],
+            bl.shape[1],
+            al.shape[1],
+            a.dtype,
+            out_dtype,
+            a.device.type,
+            al.stride(1) == 1,  # A K-major
+            bl.stride(0) == 1,  # B K-major
+            a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0,  # TMA-eligible bases
+        )
+
+    @classmethod
+    def default_backend(cls, a, **_) -> BackendType:
+        return BackendType.CUBLAS if a.is_cuda else BackendType.TORCH
+
+
+@torch.library.custom_op("primus_turbo::gemm", mutates_args=())
+def gemm_impl(
+    a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """op(a) @ op(b) through the dispatcher. Inputs must already be valid (see ops.gemm)."""
+    return GemmDispatcher.dispatch(a=a, b=b, trans_a=trans_a, trans_b=trans_b, out_dtype=out_dtype)
+
+
+@gemm_impl.register_fake
+def _gemm_fake(a, b, trans_a, trans_b, out_dtype):
+    m = a.shape[1] if trans_a else a.shape[0]
+    n = b.shape[0] if trans_b else b.shape[1]
+    return a.new_empty((m, n), dtype=out_dtype)

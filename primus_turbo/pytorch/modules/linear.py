@@ -1,0 +1,80 @@
+"""``turbo.modules.Linear``: a drop-in ``torch.nn.Linear`` whose matmul runs on ``turbo.ops.gemm``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from primus_turbo.pytorch.ops.gemm import gemm
+
+__all__ = ["Linear"]
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T + bias over any leading dims, like ``torch.nn.Linear``.
+
+    Same parameter names, shapes and initialisation as ``torch.nn.Linear`` (state dicts load both
+    ways). Leading dims are flattened to one GEMM of [prod(leading), in_features].
+
+    ``gradient_accumulation_fusion=True`` accumulates the weight gradient into ``weight.main_grad``
+    (allocated by the caller, e.g. Megatron DDP) instead of ``weight.grad``; see ``ops.gemm``.
+
+    FP8 seam: the GEMM is the single method ``_matmul(x2d)``; a low-precision variant (the FP8
+    helper's config) overrides or branches there and nothing else changes.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        gradient_accumulation_fusion: bool = False,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.in_features = in_features
+        self.out_features = out_features
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Exactly torch.nn.Linear.reset_parameters (kaiming_uniform with a=sqrt(5)).
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            fan_in = self.in_features
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        """[T, in_features] @ weight.T -> [T, out_features]. The FP8 seam."""
+        return gemm(
+            x2d,
+            self.weight,
+            trans_b=True,
+            accumulate_into_main_grad=self.gradient_accumulation_fusion,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Linear: input's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}"
+            )
+        out = self._matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )

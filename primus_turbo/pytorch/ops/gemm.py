@@ -1,0 +1,154 @@
+"""``turbo.ops.gemm``: C = op(a) @ op(b) with autograd, fp16/bf16/fp32 (fp64 on TORCH/CUBLAS).
+
+Layouts: a is [M, K] (``trans_a=False``) or [K, M] (``trans_a=True``); b is [K, N] or [N, K]
+(``trans_b=True``, the nn.Linear weight layout). The backward uses the same op on transposed
+views, never copies:
+
+    dgrad  dA = dC @ op(b)^T        (stored [K, M] when trans_a: op(b) @ dC^T)
+    wgrad  dB = op(a)^T @ dC        (stored [N, K] when trans_b: dC^T @ op(a))
+
+Megatron-style weight-gradient accumulation (``accumulate_into_main_grad=True``): ``b`` is a
+weight carrying an fp32 ``b.main_grad`` buffer of b's shape. The backward computes the wgrad GEMM
+with ``out_dtype=main_grad.dtype`` (fp32 accumulator written directly, no bf16 rounding) and does
+``b.main_grad += wgrad``. Like Megatron's ``gradient_accumulation_fusion``, the gradient returned
+for ``b`` is then a placeholder: ``None`` when ``b`` has no ``grad_added_to_main_grad`` attribute,
+otherwise an uninitialised tensor (zeros when ``b.zero_out_wgrad`` is True) and
+``b.grad_added_to_main_grad`` is set to True so Megatron's DDP skips ``b.grad``.
+The accumulation is a separate ``add_`` (one fp32 read+write of the weight gradient), not fused
+into the GEMM epilogue.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.kernels.gemm.gemm_impl import SUPPORTED_DTYPES, gemm_impl
+
+__all__ = ["gemm"]
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _validate(a, b, trans_a, trans_b, out_dtype) -> None:
+    accepted = _dtype_names(SUPPORTED_DTYPES)
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gemm: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"gemm: {name} must be 2-D, got shape {tuple(t.shape)} ({t.dim()}-D)")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"gemm: {name}.dtype {t.dtype} is not supported; accepted: {accepted}")
+    for name, flag in (("trans_a", trans_a), ("trans_b", trans_b)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"gemm: {name} must be a bool, got {type(flag).__name__}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"gemm: a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"gemm: a and b must be on the same device, got a on {a.device} and b on {b.device}")
+    if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"gemm: out_dtype {out_dtype} is not supported; accepted: {accepted}")
+    k_a = a.shape[0] if trans_a else a.shape[1]
+    k_b = b.shape[1] if trans_b else b.shape[0]
+    if k_a != k_b:
+        raise ValueError(
+            f"gemm: inner dimensions differ: op(a) is {_op_shape(a, trans_a)} (a {tuple(a.shape)}, "
+            f"trans_a={trans_a}) and op(b) is {_op_shape(b, trans_b)} "
+            f"(b {tuple(b.shape)}, trans_b={trans_b}); "
+            f"op(a) must be [M, K] and op(b) [K, N]"
+        )
+
+
+def _op_shape(t: torch.Tensor, trans: bool) -> list[int]:
+    return list(t.shape[::-1]) if trans else list(t.shape)
+
+
+def _check_main_grad(b: torch.Tensor) -> None:
+    main_grad = getattr(b, "main_grad", None)
+    if not isinstance(main_grad, torch.Tensor):
+        raise ValueError(
+            "gemm: accumulate_into_main_grad=True needs b.main_grad (a tensor of b's shape, usually fp32) "
+            "allocated by the caller (e.g. Megatron DDP); b has none"
+        )
+    if main_grad.shape != b.shape or main_grad.device != b.device:
+        raise ValueError(
+            f"gemm: b.main_grad must match b: got {tuple(main_grad.shape)} on {main_grad.device}, "
+            f"b is {tuple(b.shape)} on {b.device}"
+        )
+
+
+def _wgrad_placeholder(b: torch.Tensor) -> torch.Tensor | None:
+    """What Megatron's gradient_accumulation_fusion returns for the weight after accumulating."""
+    if not hasattr(b, "grad_added_to_main_grad"):
+        return None
+    b.grad_added_to_main_grad = True
+    if getattr(b, "zero_out_wgrad", False):
+        return torch.zeros_like(b)
+    return torch.empty_like(b)
+
+
+class GemmFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad):
+        ctx.save_for_backward(a, b)
+        ctx.trans_a, ctx.trans_b = trans_a, trans_b
+        ctx.accumulate_into_main_grad = accumulate_into_main_grad
+        if accumulate_into_main_grad:
+            ctx.weight = b  # the Python object carries main_grad / grad_added_to_main_grad
+        return gemm_impl(a, b, trans_a, trans_b, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b = ctx.saved_tensors
+        trans_a, trans_b = ctx.trans_a, ctx.trans_b
+        # An out_dtype wider than the inputs (e.g. bf16 x bf16 -> fp32) gives an fp32 grad_out;
+        # the backward GEMMs run in the input precision like the forward.
+        grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            if trans_a:
+                grad_a = gemm_impl(b, grad, trans_b, True, a.dtype)
+            else:
+                grad_a = gemm_impl(grad, b, False, not trans_b, a.dtype)
+        if ctx.needs_input_grad[1]:
+            weight = ctx.weight if ctx.accumulate_into_main_grad else b
+            wgrad_dtype = weight.main_grad.dtype if ctx.accumulate_into_main_grad else b.dtype
+            if trans_b:
+                grad_b = gemm_impl(grad, a, True, trans_a, wgrad_dtype)
+            else:
+                grad_b = gemm_impl(a, grad, not trans_a, False, wgrad_dtype)
+            if ctx.accumulate_into_main_grad:
+                weight.main_grad.add_(grad_b)
+                grad_b = _wgrad_placeholder(weight)
+        return grad_a, grad_b, None, None, None, None
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    out_dtype: torch.dtype | None = None,
+    *,
+    accumulate_into_main_grad: bool = False,
+) -> torch.Tensor:
+    """C[M, N] = op(a) @ op(b), op(x) = x.T when the flag is set. Differentiable in a and b.
+
+    Args:
+        a: [M, K] (or [K, M] with ``trans_a``); fp16, bf16, fp32 or fp64, any strides.
+        b: [K, N] (or [N, K] with ``trans_b``); same dtype and device as ``a``.
+        out_dtype: output dtype (default ``a.dtype``); fp32 out from half inputs keeps the fp32
+            accumulator unrounded.
+        accumulate_into_main_grad: add b's gradient into ``b.main_grad`` instead of returning it
+            (Megatron ``gradient_accumulation_fusion`` semantics; see the module docstring).
+
+    The backend is chosen by ``GemmDispatcher`` (CUBLAS on CUDA, TORCH on CPU, TRITON when pinned
+    or when autotune finds it faster); see ``primus_turbo.pytorch.core.backend``.
+    Zero-size M or N give an empty result; K == 0 gives zeros.
+    """
+    _validate(a, b, trans_a, trans_b, out_dtype)
+    if accumulate_into_main_grad and b.requires_grad:
+        _check_main_grad(b)
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    return GemmFunction.apply(a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad)

@@ -1,0 +1,351 @@
+"""Persistent bf16/fp16/fp32 GEMM kernels for Hopper (sm_90): C[M, N] = A[M, K] @ B[K, N].
+
+Two variants of one algorithm, both persistent (grid = min(#SMs, #tiles); each program walks the
+tile list with stride #SMs) with a grouped tile order (GROUP_M row-tiles share each B column-tile
+while it is hot in L2) and fp32 accumulation, the output dtype cast in the epilogue:
+
+* ``gemm_tma_persistent_kernel``: A, B and C move through TMA (host-side ``TensorDescriptor``s,
+  present in Triton 3.6 and 3.7 and run by the 3.7 interpreter). Loads are asynchronous bulk copies
+  into swizzled shared memory feeding wgmma; out-of-bounds rows/columns/K are zero-filled by the
+  hardware, so M, N and K need no masks. Preconditions (checked by the launcher, which otherwise
+  picks the pointer kernel): fp16/bf16 operands, every operand's inner stride 1, the other stride
+  and the base 16-byte aligned. Each operand may be K-major or M/N-major (the four NN/NT/TN/TT
+  layouts): an M/N-major tile is loaded as [BLOCK_K, BLOCK_M] and transposed in shared memory,
+  which wgmma reads directly for 16-bit types (no copy).
+* ``gemm_persistent_kernel``: plain pointer loads with masks; any strides, any alignment, fp32
+  (``INPUT_PRECISION`` "ieee" or "tf32"). The fallback for odd alignments and fp32.
+
+Tile choices (sm_90: 132 SMs on H100 SXM/H200, 227 KB shared memory per CTA, 64K regs/SM):
+128x256x64 with 8 warps is the CUTLASS "cooperative" shape: two warpgroups each own a 64x256 fp32
+accumulator (128 regs/thread) and the 48 KB/stage ring fits 3 stages + a 64 KB epilogue tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SMEM_BYTES_SM90 = 227 * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# TMA persistent kernel
+# --------------------------------------------------------------------------------------------
+def _tma_config(bm, bn, bk, warps, stages, subtile):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPILOGUE_SUBTILE": subtile},
+        num_warps=warps,
+        num_stages=stages,
+        pre_hook=set_tma_block_shapes,
+    )
+
+
+def set_tma_block_shapes(nargs):
+    """Autotune pre-hook: the descriptors' box shapes follow the config being launched."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk] if nargs["A_K_MAJOR"] else [bk, bm]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_K_MAJOR"] else [bk, bn]
+    nargs["c_desc"].block_shape = [bm, bn // 2] if nargs["EPILOGUE_SUBTILE"] else [bm, bn]
+
+
+TMA_CONFIGS = [
+    # cooperative 2-warpgroup tile; 3x48 KB ring + 32 KB subtiled epilogue buffer: the big-shape pick
+    _tma_config(128, 256, 64, 8, 3, True),
+    # same tile, 4 stages: deeper prefetch when K is long (4x48 KB + 32 KB = 224 KB, just fits)
+    _tma_config(128, 256, 64, 8, 4, True),
+    # M-heavy mirror of the above for N <= 2048 (fewer column tiles, better wave fill)
+    _tma_config(256, 128, 64, 8, 3, True),
+    # one-warpgroup 128x128 tile, 4 stages: more tiles for small/medium problems (wave quantization)
+    _tma_config(128, 128, 64, 4, 4, False),
+    # 128x128 with 8 warps and BLOCK_K 128: halves the K-loop trip count on long K
+    _tma_config(128, 128, 128, 8, 3, False),
+]
+
+
+@triton.autotune(configs=TMA_CONFIGS, key=["M", "N", "K", "A_K_MAJOR", "B_K_MAJOR"])
+@triton.jit
+def gemm_tma_persistent_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    M,
+    N,
+    K,
+    A_K_MAJOR: tl.constexpr,  # A stored [M, K] (True) or [K, M] (False)
+    B_K_MAJOR: tl.constexpr,  # B stored [N, K] (True) or [K, N] (False)
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr,
+):
+    out_dtype = c_desc.dtype
+    start_pid = tl.program_id(axis=0)
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    num_tiles = num_pid_m * num_pid_n
+    # A separate epilogue tile counter keeps the flattened (tile x K) loop's prologue and
+    # epilogue independent, which is what lets the pipeliner overlap them.
+    tile_id_c = start_pid - NUM_SMS
+
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+        # grouped order: GROUP_M row-tiles walk the columns together (B tiles reused from L2)
+        group_id = tile_id // (GROUP_M * num_pid_n)
+        group_size_m = min(num_pid_m - group_id * GROUP_M, GROUP_M)
+        pid_m = group_id * GROUP_M + (tile_id % group_size_m)
+        pid_n = (tile_id % (GROUP_M * num_pid_n)) // group_size_m
+        offs_m = pid_m * BLOCK_M
+        offs_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            offs_k = ki * BLOCK_K
+            if A_K_MAJOR:
+                a = a_desc.load([offs_m, offs_k])
+            else:
+                a = a_desc.load([offs_k, offs_m]).T
+            if B_K_MAJOR:
+                b = b_desc.load([offs_n, offs_k]).T
+            else:
+                b = b_desc.load([offs_k, offs_n])
+            acc = tl.dot(a, b, acc)
+
+        tile_id_c += NUM_SMS
+        group_id = tile_id_c // (GROUP_M * num_pid_n)
+        group_size_m = min(num_pid_m - group_id * GROUP_M, GROUP_M)
+        pid_m = group_id * GROUP_M + (tile_id_c % group_size_m)
+        pid_n = (tile_id_c % (GROUP_M * num_pid_n)) // group_size_m
+        offs_cm = pid_m * BLOCK_M
+        offs_cn = pid_n * BLOCK_N
+        if EPILOGUE_SUBTILE:
+            # Two half-width stores halve the epilogue's shared-memory buffer (frees a stage).
+            acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            acc0, acc1 = tl.split(acc)
+            c_desc.store([offs_cm, offs_cn], acc0.to(out_dtype))
+            c_desc.store([offs_cm, offs_cn + BLOCK_N // 2], acc1.to(out_dtype))
+        else:
+            c_desc.store([offs_cm, offs_cn], acc.to(out_dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Pointer persistent kernel (any strides/alignment, fp32)
+# --------------------------------------------------------------------------------------------
+def _ptr_config(bm, bn, bk, warps, stages):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages
+    )
+
+
+PTR_CONFIGS = [
+    # 16-bit big tile: same cooperative shape as the TMA kernel (3 x 48 KB)
+    _ptr_config(128, 256, 64, 8, 3),
+    # 16-bit medium tile with a deeper ring (4 x 32 KB)
+    _ptr_config(128, 128, 64, 4, 4),
+    # fp32-friendly: 3 x 32 KB at 4 bytes/element
+    _ptr_config(128, 128, 32, 8, 3),
+    # small problems / skinny M: more programs in flight
+    _ptr_config(64, 128, 32, 4, 4),
+]
+
+
+def prune_ptr_configs(configs, nargs, **kwargs):
+    """Drop configs whose operand ring would not fit shared memory at this element size."""
+    elem = nargs["a_ptr"].element_size()
+    fits = [
+        c
+        for c in configs
+        if c.num_stages * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * elem
+        <= SMEM_BYTES_SM90 - 32 * 1024
+    ]
+    return fits or configs[-1:]
+
+
+@triton.autotune(
+    configs=PTR_CONFIGS,
+    key=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"],
+    prune_configs_by={"early_config_prune": prune_ptr_configs},
+)
+@triton.jit
+def gemm_persistent_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    NUM_SMS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" (exact fp32) or "tf32"; ignored for 16-bit inputs
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    start_pid = tl.program_id(axis=0)
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    num_tiles = num_pid_m * num_pid_n
+    tile_id_c = start_pid - NUM_SMS
+    offs_k_base = tl.arange(0, BLOCK_K)
+
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+        # grouped order: GROUP_M row-tiles walk the columns together (B tiles reused from L2)
+        group_id = tile_id // (GROUP_M * num_pid_n)
+        group_size_m = min(num_pid_m - group_id * GROUP_M, GROUP_M)
+        pid_m = group_id * GROUP_M + (tile_id % group_size_m)
+        pid_n = (tile_id % (GROUP_M * num_pid_n)) // group_size_m
+        offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_bn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Clamp out-of-range rows/cols to row 0 instead of masking: loads stay unmasked in M/N and
+        # the epilogue store mask drops the garbage.
+        offs_am = tl.where(offs_am < M, offs_am, 0)
+        offs_bn = tl.where(offs_bn < N, offs_bn, 0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            offs_k = ki * BLOCK_K + offs_k_base
+            a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
+            b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+        tile_id_c += NUM_SMS
+        group_id = tile_id_c // (GROUP_M * num_pid_n)
+        group_size_m = min(num_pid_m - group_id * GROUP_M, GROUP_M)
+        pid_m = group_id * GROUP_M + (tile_id_c % group_size_m)
+        pid_n = (tile_id_c % (GROUP_M * num_pid_n)) // group_size_m
+        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+        c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host launchers
+# --------------------------------------------------------------------------------------------
+_TMA_DTYPES = (torch.float16, torch.bfloat16)
+_NUM_SMS: dict[int, int] = {}
+
+
+def num_programs_cap(device: torch.device) -> int:
+    """#SMs on CUDA; 2 under the CPU interpreter so each program walks several tiles."""
+    if device.type != "cuda":
+        return 2
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def _aligned16(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _tma_storage(x: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, bool] | None:
+    """The 2-D storage view a TMA descriptor can describe for logical operand ``x``, and whether it
+    is K-major. ``k_dim`` is the logical K dimension of ``x`` (1 for A[M, K], 0 for B[K, N])."""
+    if x.dtype not in _TMA_DTYPES or not _aligned16(x):
+        return None
+    elem = x.element_size()
+    other = 1 - k_dim
+    if x.stride(k_dim) == 1 and (x.stride(other) * elem) % 16 == 0:
+        return (x if k_dim == 1 else x.T), True
+    if x.stride(other) == 1 and (x.stride(k_dim) * elem) % 16 == 0:
+        return (x.T if k_dim == 1 else x), False
+    return None
+
+
+def tma_supported(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """True when the TMA kernel's alignment/dtype preconditions hold for logical A[M,K] @ B[K,N]."""
+    n = b.shape[1]
+    out_elem = torch.finfo(out_dtype).bits // 8
+    return (
+        _tma_storage(a, 1) is not None
+        and _tma_storage(b, 0) is not None
+        and (n * out_elem) % 16 == 0
+        and a.dtype == b.dtype
+    )
+
+
+def _launch_tma(a, b, c, config: triton.Config | None) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = a.shape
+    N = b.shape[1]
+    a_view, a_k_major = _tma_storage(a, 1)
+    b_view, b_k_major = _tma_storage(b, 0)
+
+    def desc(view):  # box shape is set per config by set_tma_block_shapes
+        return TensorDescriptor(view, list(view.shape), list(view.stride()), [16, 16])
+
+    a_desc, b_desc, c_desc = desc(a_view), desc(b_view), desc(c)
+    cap = num_programs_cap(a.device)
+    grid = lambda meta: (min(cap, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+    args = (a_desc, b_desc, c_desc, M, N, K)
+    flags = {"A_K_MAJOR": a_k_major, "B_K_MAJOR": b_k_major, "NUM_SMS": cap}
+    if config is None:
+        gemm_tma_persistent_kernel[grid](*args, **flags)
+        return
+    set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, "c_desc": c_desc, **flags, **config.kwargs})
+    gemm_tma_persistent_kernel.fn[grid](
+        *args, **flags, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+    )
+
+
+def _launch_pointer(a, b, c, config: triton.Config | None) -> None:
+    M, K = a.shape
+    N = b.shape[1]
+    cap = num_programs_cap(a.device)
+    grid = lambda meta: (min(cap, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+    exact_fp32 = a.device.type != "cuda" or not torch.backends.cuda.matmul.allow_tf32
+    precision = "ieee" if (a.dtype == torch.float32 and exact_fp32) else "tf32"
+    args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    flags = {"NUM_SMS": cap, "INPUT_PRECISION": precision}
+    if config is None:
+        gemm_persistent_kernel[grid](*args, **flags)
+        return
+    gemm_persistent_kernel.fn[grid](
+        *args, **flags, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+    )
+
+
+def gemm_triton(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    variant: str | None = None,
+    config: triton.Config | None = None,
+) -> torch.Tensor:
+    """C[M, N] = a[M, K] @ b[K, N] with any strides (pass transposed views for NT/TN/TT).
+
+    ``variant``: None picks TMA when its preconditions hold, else the pointer kernel; "tma" or
+    "pointer" forces one (tests). ``config``: run one ``triton.Config`` instead of autotuning.
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        return c.zero_()
+    use_tma = tma_supported(a, b, out_dtype)
+    if variant == "tma" and not use_tma:
+        raise ValueError(
+            f"gemm_triton: the TMA kernel needs fp16/bf16 operands with one unit stride and 16-byte aligned "
+            f"base and other stride, and N*sizeof(out) % 16 == 0; got a {tuple(a.shape)} stride "
+            f"{a.stride()} {a.dtype}, b {tuple(b.shape)} stride {b.stride()}, out {out_dtype}"
+        )
+    if variant == "pointer" or not use_tma:
+        _launch_pointer(a, b, c, config)
+    else:
+        _launch_tma(a, b, c, config)
+    return c
