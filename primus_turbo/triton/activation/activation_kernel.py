@@ -5,7 +5,8 @@ projection ``x[:, H:]``; ``out = act(gate) * up * probs[:, None]``.
 
 One program per row, looping over H in BLOCK_H chunks: the probs gradient is a full-row
 reduction, and rows (tokens) are numerous in MoE, so a row per program keeps the grid large
-without a second reduction pass. All arithmetic is fp32 (bf16 stays the storage type). No @triton.jit helpers: the sm_90
+without a second reduction pass. All arithmetic is fp32 (bf16 stays the storage type).
+No @triton.jit helpers: the sm_90
 compile check (tests/pytorch/triton_compile_utils.py) cannot resolve them under the interpreter.
 """
 

@@ -1,0 +1,8 @@
+"""MoE ops: fused router + losses, token permute/unpermute, expert-parallel dispatch/combine."""
+
+from primus_turbo.pytorch.ops.moe.router import (  # noqa: F401
+    fused_seq_aux_loss,
+    fused_switch_aux_loss,
+    fused_topk_routing,
+    fused_z_loss,
+)

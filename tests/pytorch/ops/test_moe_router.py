@@ -1,0 +1,232 @@
+import pytest
+import torch
+from ref.moe_compile_check import run_compile_check
+from ref.moe_ref import seq_aux_loss_ref, switch_aux_loss_ref, topk_routing_ref, z_loss_ref
+from test_utils import assert_close
+from triton_compile_utils import compile_for_sm90
+
+from primus_turbo.pytorch.ops.moe.router import (
+    fused_seq_aux_loss,
+    fused_switch_aux_loss,
+    fused_topk_routing,
+    fused_z_loss,
+)
+from primus_turbo.triton.moe import router_kernel as rk
+
+CASES = [
+    # (T, E, topk, score, pre_softmax, groups, topk_groups, scaling, bias)
+    (37, 16, 2, "softmax", False, 1, 1, 1.0, False),
+    (37, 16, 4, "softmax", True, 1, 1, 1.0, True),
+    (40, 64, 8, "sigmoid", False, 8, 4, 2.5, True),  # DeepSeek-V3 style, scaled down
+    (29, 24, 6, "sigmoid", False, 3, 2, 1.0, False),  # non power-of-2 experts and groups
+    (16, 8, 1, "sigmoid", False, 1, 1, 1.0, True),
+]
+
+
+def _run(case, dtype, device):
+    t, e, k, score, pre, groups, kg, scaling, with_bias = case
+    logits = torch.randn(t, e, dtype=dtype, device=device, requires_grad=True)
+    bias = torch.randn(e, device=device) * 0.5 if with_bias else None
+    kw = dict(
+        score_function=score,
+        use_pre_softmax=pre,
+        num_groups=groups,
+        topk_groups=kg,
+        scaling_factor=scaling,
+        expert_bias=bias,
+    )
+    probs, routing_map, idx = fused_topk_routing(logits, k, return_indices=True, **kw)
+    ref_probs, ref_map, ref_idx = topk_routing_ref(logits.detach(), k, **kw)
+    assert routing_map.dtype == torch.bool and probs.dtype == dtype
+    assert torch.equal(routing_map, ref_map)
+    assert torch.equal(idx, ref_idx)
+    assert_close(probs, ref_probs, dtype)
+    grad = torch.randn_like(probs)
+    probs.backward(grad)
+    lr = logits.detach().double().requires_grad_(True)
+    topk_routing_ref(lr, k, **kw)[0].backward(grad.double())
+    assert_close(logits.grad, lr.grad, dtype)
+    return logits, routing_map
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_router_fp32(case, device):
+    _run(case, torch.float32, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [4096, 16384])
+@pytest.mark.parametrize(
+    "case", [(0, 256, 8, "sigmoid", False, 8, 4, 2.5, True), (0, 64, 6, "softmax", False, 1, 1, 1.0, False)]
+)
+def test_router_gpu_real_shapes(t, case, device):
+    _run((t,) + case[1:], torch.float32, device)
+
+
+def test_router_matches_megatron(device):
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    logits = torch.randn(32, 64, device=device)
+    bias = torch.randn(64, device=device) * 0.3
+    ref_probs, ref_map = moe_utils.topk_routing_with_score_function(
+        logits, 8, num_groups=8, group_topk=4, scaling_factor=2.5, score_function="sigmoid", expert_bias=bias
+    )
+    probs, routing_map = fused_topk_routing(
+        logits, 8, score_function="sigmoid", num_groups=8, topk_groups=4, scaling_factor=2.5, expert_bias=bias
+    )
+    assert torch.equal(routing_map, ref_map)
+    assert_close(probs, ref_probs, torch.float32)
+
+
+def test_router_bias_changes_selection_not_probs(device):
+    logits = torch.randn(64, 16, device=device)
+    bias = torch.zeros(16, device=device)
+    bias[3] = 100.0  # expert 3 always selected
+    probs, routing_map = fused_topk_routing(logits, 2, score_function="sigmoid", expert_bias=bias)
+    assert routing_map[:, 3].all()
+    sig = torch.sigmoid(logits)
+    sel = sig * routing_map
+    assert_close(probs, sel / sel.sum(-1, keepdim=True), torch.float32)
+
+
+def test_router_empty(device):
+    logits = torch.randn(0, 8, device=device, requires_grad=True)
+    probs, routing_map = fused_topk_routing(logits, 2)
+    assert probs.shape == (0, 8) and routing_map.shape == (0, 8)
+    probs.sum().backward()
+    assert logits.grad.shape == (0, 8)
+
+
+def test_router_bad_input(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match="topk"):
+        fused_topk_routing(x, 9)
+    with pytest.raises(ValueError, match="num_groups"):
+        fused_topk_routing(x, 2, num_groups=3, topk_groups=1)
+    with pytest.raises(ValueError, match="topk_groups"):
+        fused_topk_routing(x, 2, num_groups=4, topk_groups=5)
+    with pytest.raises(ValueError, match="score_function"):
+        fused_topk_routing(x, 2, score_function="relu")
+    with pytest.raises(ValueError, match="expert_bias"):
+        fused_topk_routing(x, 2, expert_bias=torch.zeros(7, device=device))
+    with pytest.raises(ValueError, match="num_tokens, num_experts"):
+        fused_topk_routing(x[0], 2)
+
+
+def test_z_loss(device):
+    logits = torch.randn(33, 24, device=device, requires_grad=True)
+    loss = fused_z_loss(logits, 1e-3)
+    lr = logits.detach().double().requires_grad_(True)
+    ref = z_loss_ref(lr, 1e-3)
+    assert_close(loss, ref, torch.float32)
+    loss.backward(torch.tensor(3.0))
+    ref.backward(torch.tensor(3.0, dtype=torch.float64))
+    assert_close(logits.grad, lr.grad, torch.float32)
+
+
+def test_switch_and_seq_aux_loss(device):
+    t, e, k = 24, 8, 2
+    logits = torch.randn(t, e, device=device)
+    probs, routing_map = fused_topk_routing(logits, k)
+    scores = torch.softmax(logits, -1).requires_grad_(True)
+    tpe = routing_map.sum(0)
+    loss = fused_switch_aux_loss(scores, tpe, t, k, e, 0.01)
+    sr = scores.detach().double().requires_grad_(True)
+    ref = switch_aux_loss_ref(sr, tpe, t, k, e, 0.01)
+    assert_close(loss, ref, torch.float32)
+    loss.backward()
+    ref.backward()
+    assert_close(scores.grad, sr.grad, torch.float32)
+
+    scores.grad = None
+    loss = fused_seq_aux_loss(scores, routing_map, seq_length=6, batch_size=4, topk=k, coeff=0.01)
+    sr = scores.detach().double().requires_grad_(True)
+    ref = seq_aux_loss_ref(sr, routing_map, 6, 4, k, 0.01)
+    assert_close(loss, ref, torch.float32)
+    loss.backward()
+    ref.backward()
+    assert_close(scores.grad, sr.grad, torch.float32)
+
+
+FWD_SIG = {
+    "logits_ptr": "*fp32",
+    "bias_ptr": "*fp32",
+    "probs_ptr": "*fp32",
+    "map_ptr": "*i8",
+    "idx_ptr": "*i64",
+    "T": "i32",
+    "E": "i32",
+    "scaling": "fp32",
+    "SCORE": "constexpr",
+    "HAS_BIAS": "constexpr",
+    "K": "constexpr",
+    "G": "constexpr",
+    "KG": "constexpr",
+    "BLOCK_T": "constexpr",
+    "BLOCK_E": "constexpr",
+    "BLOCK_G": "constexpr",
+}
+BWD_SIG = {
+    "grad_probs_ptr": "*fp32",
+    "logits_ptr": "*fp32",
+    "map_ptr": "*i8",
+    "grad_logits_ptr": "*fp32",
+    "T": "i32",
+    "E": "i32",
+    "scaling": "fp32",
+    "SCORE": "constexpr",
+    "K": "constexpr",
+    "BLOCK_T": "constexpr",
+    "BLOCK_E": "constexpr",
+}
+
+
+def _compile_all():
+    for e, k, g, kg, score in [(256, 8, 8, 4, 2), (64, 6, 1, 1, 0), (160, 6, 1, 1, 1), (1024, 8, 1, 1, 2)]:
+        bt = rk.router_block_t(e)
+        be = 1 << (e - 1).bit_length()
+        compile_for_sm90(
+            rk.router_fwd_kernel,
+            FWD_SIG,
+            {
+                "SCORE": score,
+                "HAS_BIAS": True,
+                "K": k,
+                "G": g,
+                "KG": kg,
+                "BLOCK_T": bt,
+                "BLOCK_E": be,
+                "BLOCK_G": g,
+            },
+        )
+        compile_for_sm90(
+            rk.router_bwd_kernel, BWD_SIG, {"SCORE": score, "K": k, "BLOCK_T": bt, "BLOCK_E": be}
+        )
+    zsig = {
+        "logits_ptr": "*bf16",
+        "lse_ptr": "*fp32",
+        "T": "i32",
+        "E": "i32",
+        "BLOCK_T": "constexpr",
+        "BLOCK_E": "constexpr",
+    }
+    compile_for_sm90(rk.zloss_fwd_kernel, zsig, {"BLOCK_T": 8, "BLOCK_E": 256})
+    zsig_b = {
+        "logits_ptr": "*bf16",
+        "lse_ptr": "*fp32",
+        "grad_ptr": "*fp32",
+        "grad_logits_ptr": "*bf16",
+        "T": "i32",
+        "E": "i32",
+        "coeff": "fp32",
+        "BLOCK_T": "constexpr",
+        "BLOCK_E": "constexpr",
+    }
+    compile_for_sm90(rk.zloss_bwd_kernel, zsig_b, {"BLOCK_T": 8, "BLOCK_E": 256})
+
+
+def test_router_kernels_compile_sm90():
+    run_compile_check("test_moe_router")
+
+
+if __name__ == "__main__":
+    _compile_all()

@@ -1,0 +1,64 @@
+"""fp64 references for the MoE ops, written after Megatron-Core 0.16.1 moe_utils.py."""
+
+from __future__ import annotations
+
+import torch
+
+
+def topk_routing_ref(
+    logits,
+    topk,
+    score_function="softmax",
+    use_pre_softmax=False,
+    num_groups=1,
+    topk_groups=1,
+    scaling_factor=1.0,
+    expert_bias=None,
+):
+    """Megatron's topk_routing_with_score_function in fp64 (expert bias also honoured for softmax)."""
+    t, e = logits.shape
+    lf = logits.double()
+
+    def compute_topk(scores, k):
+        if num_groups > 1:
+            group_scores = scores.view(t, num_groups, -1).topk(k // topk_groups, dim=-1)[0].sum(-1)
+            group_idx = group_scores.topk(topk_groups, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            mask = group_mask.unsqueeze(-1).expand(t, num_groups, e // num_groups).reshape(t, -1)
+            scores = scores.masked_fill(~mask.bool(), float("-inf"))
+        return scores.topk(k, dim=-1)
+
+    bias = expert_bias.double() if expert_bias is not None else 0.0
+    if score_function == "softmax":
+        if use_pre_softmax:
+            scores = torch.softmax(lf, dim=-1)
+            _, idx = compute_topk(scores + bias, topk)
+            probs = scores.gather(1, idx)
+        else:
+            _, idx = compute_topk(lf + bias, topk)
+            probs = torch.softmax(lf.gather(1, idx), dim=-1)
+    else:
+        scores = torch.sigmoid(lf)
+        _, idx = compute_topk(scores + bias, topk)
+        probs = scores.gather(1, idx)
+        probs = probs / (probs.sum(-1, keepdim=True) + 1e-20) if topk > 1 else probs
+    probs = probs * scaling_factor
+    dense = torch.zeros_like(lf).scatter(1, idx, probs)
+    routing_map = torch.zeros_like(lf, dtype=torch.bool).scatter(1, idx, True)
+    return dense, routing_map, idx
+
+
+def z_loss_ref(logits, coeff):
+    return torch.logsumexp(logits.double(), dim=-1).square().mean() * coeff
+
+
+def switch_aux_loss_ref(probs, tokens_per_expert, total_num_tokens, topk, num_experts, coeff):
+    agg = probs.double().sum(0)
+    return (agg * tokens_per_expert.double()).sum() * (num_experts * coeff / (topk * total_num_tokens**2))
+
+
+def seq_aux_loss_ref(scores, routing_map, seq_length, batch_size, topk, coeff):
+    e = scores.shape[1]
+    s2 = scores.double().reshape(seq_length, -1)
+    tpe = routing_map.reshape(seq_length, -1).sum(0)
+    return switch_aux_loss_ref(s2, tpe, seq_length, topk, e, coeff) / batch_size
