@@ -1,0 +1,390 @@
+"""FP8 quantization backends: Triton kernels (CUDA, or CPU under the interpreter) and a torch reference.
+
+Everything here takes already-validated arguments (ops/quantization.py validates). A scaling
+*group* is described by ``(group_r, group_c)`` over the last two dims of ``x`` viewed as
+``(B, R, C)``; ``0`` means "the whole dim":
+
+    TENSORWISE            (0, 0) over the whole tensor (B folded into R)
+    ROWWISE axis=-1       (1, 0)        ROWWISE axis=0 (2-D)   (0, 1)
+    BLOCKWISE 1 x bs      (1, bs)       BLOCKWISE bs x 1 (2-D) (bs, 1)
+    BLOCKWISE (br, bc)    (br, bc)
+
+Backend choice: Triton on CUDA tensors, the torch reference on CPU (the interpreter is correct but
+slow, and its fp32->fp8 conversion does not produce NaN; tests call the Triton path explicitly).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.low_precision import fp8_max
+from primus_turbo.pytorch.core.utils import ceil_div, triton_can_run_on
+
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+def use_triton(x: torch.Tensor, backend: str) -> bool:
+    if backend == "triton":
+        return True
+    if backend == "torch":
+        return False
+    return x.is_cuda and triton_can_run_on(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch reference (fp32 math, same rules as the kernels)
+# ------------------------------------------------------------------------------------------------
+def finite_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    ax = x.float().abs()
+    ax = torch.where(ax < float("inf"), ax, 0.0)
+    if dim is None:
+        return ax.amax() if ax.numel() else torch.zeros((), device=x.device)
+    return ax.amax(dim=dim, keepdim=keepdim)
+
+
+def scale_from_amax(amax: torch.Tensor, out_dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    amax = amax.float()
+    scale = torch.where(amax > 0, fp8_max(out_dtype) / amax, torch.ones_like(amax)).clamp(max=_FLT_MAX)
+    if pow2:
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return scale
+
+
+def cast_fp8(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    m = fp8_max(out_dtype)
+    x = x.float()
+    y = (x * scale).clamp(-m, m)
+    return torch.where(torch.isnan(x), x, y).to(out_dtype)
+
+
+def _torch_groups(x3: torch.Tensor, gr: int, gc: int, out_dtype, pow2):
+    """x3 (B, R, C); group (gr, gc) with 0 = whole dim. Returns q (B, R, C), scale_inv (B, nR, nC)."""
+    b, r, c = x3.shape
+    gr = gr or max(r, 1)
+    gc = gc or max(c, 1)
+    nr, nc = ceil_div(r, gr), ceil_div(c, gc)
+    xp = torch.nn.functional.pad(x3.float(), (0, nc * gc - c, 0, nr * gr - r))
+    amax = finite_amax(xp.view(b, nr, gr, nc, gc), dim=(2, 4))  # (B, nR, nC)
+    scale = scale_from_amax(amax, out_dtype, pow2)
+    full = scale.repeat_interleave(gr, dim=1).repeat_interleave(gc, dim=2)[:, :r, :c]
+    return cast_fp8(x3, full, out_dtype), 1.0 / scale
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton launchers
+# ------------------------------------------------------------------------------------------------
+def _tl():
+    from primus_turbo.triton.quantization import quantization_kernel as qk
+
+    return qk
+
+
+def _tensorwise_triton(x, out_dtype, pow2, with_t, static_scale=None):
+    """x contiguous; with_t needs 2-D. Returns q, scale_inv (), qt|None, amax|None."""
+    qk = _tl()
+    n = x.numel()
+    dev = x.device
+    q = torch.empty_like(x, dtype=out_dtype)
+    scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+    qt = torch.empty((x.shape[1], x.shape[0]), dtype=out_dtype, device=dev) if with_t else None
+    static = static_scale is not None
+    common = dict(FP8_MAX=fp8_max(out_dtype), POW2=pow2, OUT_DTYPE=qk.fp8_tl_dtype(out_dtype))
+    if static:
+        partials, num_partials = scale_inv, 1  # unused
+        scale_arg = static_scale.float().reshape(())
+    else:
+        block = 4096
+        num_partials = max(1, min(qk.MAX_PARTIALS, ceil_div(n, block)))
+        partials = torch.empty(num_partials, dtype=torch.float32, device=dev)
+        qk.amax_partial_kernel[(num_partials,)](x, partials, n, BLOCK=block, num_warps=8)
+        scale_arg = scale_inv  # unused
+    p2 = qk.next_pow2(num_partials)
+    if with_t:
+        rows, cols = x.shape
+        br, bc = 64, 64
+        grid = (ceil_div(rows, br), ceil_div(cols, bc))
+        amax_out = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev) if static else scale_inv
+        qk.tensorwise_cast_transpose_kernel[grid](
+            x,
+            q,
+            qt,
+            partials,
+            num_partials,
+            scale_arg,
+            scale_inv,
+            amax_out,
+            rows,
+            cols,
+            STATIC_SCALE=static,
+            PARTIALS_P2=p2,
+            BLOCK_R=br,
+            BLOCK_C=bc,
+            num_warps=8,
+            **common,
+        )
+    else:
+        block = 4096
+        grid = (max(1, ceil_div(n, block)),)
+        amax_out = torch.empty(grid[0], dtype=torch.float32, device=dev) if static else scale_inv
+        qk.tensorwise_cast_kernel[grid](
+            x,
+            q,
+            partials,
+            num_partials,
+            scale_arg,
+            scale_inv,
+            amax_out,
+            n,
+            STATIC_SCALE=static,
+            PARTIALS_P2=p2,
+            BLOCK=block,
+            num_warps=8,
+            **common,
+        )
+    amax = amax_out.amax() if static else None
+    return q, scale_inv, qt, amax
+
+
+def _rowwise_triton(x2, out_dtype, pow2):
+    """Per-row scales of a contiguous (R, C): q (R, C), scale_inv (R, 1)."""
+    qk = _tl()
+    rows, cols = x2.shape
+    q = torch.empty_like(x2, dtype=out_dtype)
+    scale_inv = torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
+    bc = min(qk.next_pow2(cols), 2048)
+    br = max(1, min(4096 // bc, qk.next_pow2(rows)))
+    qk.rowwise_quant_kernel[(ceil_div(rows, br),)](
+        x2,
+        q,
+        scale_inv,
+        rows,
+        cols,
+        FP8_MAX=fp8_max(out_dtype),
+        POW2=pow2,
+        OUT_DTYPE=qk.fp8_tl_dtype(out_dtype),
+        BLOCK_R=br,
+        BLOCK_C=bc,
+        num_warps=4,
+    )
+    return q, scale_inv
+
+
+def _colwise_triton(x2, out_dtype, pow2, transpose):
+    """Per-column scales of a contiguous (R, C): q (R, C) or, transposed, (C, R); scale_inv (1, C)."""
+    qk = _tl()
+    rows, cols = x2.shape
+    dev = x2.device
+    bc, chunk_r = 128, 256
+    num_chunks = max(1, ceil_div(rows, chunk_r))
+    if num_chunks > 256:  # keep the partial buffer a register-sized reduction in the cast pass
+        chunk_r = ceil_div(rows, 256 * 64) * 64
+        num_chunks = ceil_div(rows, chunk_r)
+    partials = torch.empty((num_chunks, cols), dtype=torch.float32, device=dev)
+    grid_c = ceil_div(cols, bc)
+    qk.col_amax_partial_kernel[(num_chunks, grid_c)](
+        x2, partials, rows, cols, CHUNK_R=chunk_r, BLOCK_R=32, BLOCK_C=bc, num_warps=4
+    )
+    out = torch.empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype, device=dev)
+    scale_inv = torch.empty((1, cols), dtype=torch.float32, device=dev)
+    br = 64
+    qk.col_cast_kernel[(ceil_div(rows, br), grid_c)](
+        x2,
+        partials,
+        num_chunks,
+        out,
+        scale_inv,
+        rows,
+        cols,
+        TRANSPOSE=transpose,
+        FP8_MAX=fp8_max(out_dtype),
+        POW2=pow2,
+        OUT_DTYPE=qk.fp8_tl_dtype(out_dtype),
+        CHUNKS_P2=qk.next_pow2(num_chunks),
+        BLOCK_R=br,
+        BLOCK_C=bc,
+        num_warps=4,
+    )
+    return out, scale_inv
+
+
+def _blockwise_triton(x3, gr, gc, out_dtype, pow2, with_t):
+    """x3 contiguous (B, R, C), group (gr, gc) in {(1, bs), (bs, 1), (br, bc)}.
+
+    Scales: (1, bs) -> s (B, R, nC) stored column-major per batch; (bs, 1) -> (B, nR, C);
+    (br, bc) -> (B, nR, nC) row-major. with_t (B == 1): qt (C, R) with the transposed groups.
+    """
+    qk = _tl()
+    b, rows, cols = x3.shape
+    dev = x3.device
+    mode = 0 if gr == 1 else (1 if gc == 1 else 2)
+    block_r = gr if mode != 0 else (gc if with_t else 32)
+    block_c = gc if mode != 1 else 64
+    nr, nc = ceil_div(rows, block_r), ceil_div(cols, block_c)
+    q = torch.empty_like(x3, dtype=out_dtype)
+    if mode == 0:
+        s = torch.empty((b, nc, rows), dtype=torch.float32, device=dev).transpose(1, 2)  # col-major
+    elif mode == 1:
+        s = torch.empty((b, nr, cols), dtype=torch.float32, device=dev)
+    else:
+        s = torch.empty((b, nr, nc), dtype=torch.float32, device=dev)
+    qt = st = None
+    if with_t:
+        qt = torch.empty((b, cols, rows), dtype=out_dtype, device=dev)
+        if mode == 0:
+            st = torch.empty((b, nr, cols), dtype=torch.float32, device=dev).transpose(1, 2)
+        else:
+            st = torch.empty((b, nc, nr), dtype=torch.float32, device=dev)
+    st_strides = st.stride() if with_t else (0, 0, 0)
+    qk.blockwise_quant_kernel[(nr, nc, b)](
+        x3,
+        q,
+        s,
+        qt if with_t else q,
+        st if with_t else s,
+        rows,
+        cols,
+        rows * cols,
+        rows * cols,
+        s.stride(0),
+        s.stride(1),
+        s.stride(2),
+        *st_strides,
+        MODE=mode,
+        WITH_T=with_t,
+        FP8_MAX=fp8_max(out_dtype),
+        POW2=pow2,
+        OUT_DTYPE=qk.fp8_tl_dtype(out_dtype),
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=8 if block_r * block_c >= 8192 else 4,
+    )
+    return q, s, qt, st
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry points (validated arguments)
+# ------------------------------------------------------------------------------------------------
+def _as_3d(x: torch.Tensor, granularity: str, axis: int, block_r: int) -> torch.Tensor:
+    if x.dim() == 0:
+        return x.reshape(1, 1, 1)
+    if x.dim() == 1:
+        return x.reshape(1, 1, -1)
+    if granularity == "blockwise" and block_r > 1 and axis is None:  # 2-D tiles, leading dims batched
+        return x.reshape(-1, x.shape[-2], x.shape[-1])
+    if axis == 0:  # column groups of a 2-D tensor
+        return x.reshape(1, x.shape[0], x.shape[1])
+    return x.reshape(1, -1, x.shape[-1])
+
+
+def quantize_fp8_impl(
+    x: torch.Tensor,
+    out_dtype: torch.dtype,
+    granularity: str,
+    axis: int | None,
+    block_r: int,
+    block_c: int,
+    pow2: bool,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (q with x's shape, scale_inv in the public shape documented in ops/quantization.py)."""
+    x = x.contiguous()
+    shape = x.shape
+    if granularity == "tensorwise":
+        if use_triton(x, backend) and x.numel():
+            q, s, _, _ = _tensorwise_triton(x, out_dtype, pow2, with_t=False)
+            return q, s
+        scale = scale_from_amax(finite_amax(x), out_dtype, pow2)
+        return cast_fp8(x, scale, out_dtype), (1.0 / scale).reshape(())
+    x3 = _as_3d(x, granularity, axis, block_r)
+    if granularity == "rowwise":
+        if axis == 0:
+            if use_triton(x, backend) and x.numel():
+                return _colwise_triton(x3[0], out_dtype, pow2, transpose=False)
+            q, s = _torch_groups(x3, 0, 1, out_dtype, pow2)
+            return q.reshape(shape), s.reshape(1, shape[1])
+        if use_triton(x, backend) and x.numel():
+            q, s = _rowwise_triton(x3[0], out_dtype, pow2)
+        else:
+            q, s = _torch_groups(x3, 1, 0, out_dtype, pow2)
+        return q.reshape(shape), s.reshape(*shape[:-1], 1)
+    # blockwise
+    gr, gc = (block_r, 1) if axis == 0 else (block_r, block_c)
+    if use_triton(x, backend) and x.numel():
+        q, s, _, _ = _blockwise_triton(x3, gr, gc, out_dtype, pow2, with_t=False)
+    else:
+        q, s = _torch_groups(x3, gr, gc, out_dtype, pow2)
+    if axis is None:
+        return q.reshape(shape), s.reshape(*shape[:-2], *s.shape[-2:])
+    if axis == 0:
+        return q.reshape(shape), s[0]
+    return q.reshape(shape), s.reshape(*shape[:-1], s.shape[-1]) if x.dim() != 2 else s[0]
+
+
+def quantize_fp8_with_transpose_impl(
+    x: torch.Tensor,
+    out_dtype: torch.dtype,
+    granularity: str,
+    block_r: int,
+    block_c: int,
+    pow2: bool,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x 2-D (R, C). q (R, C) scaled along C; qt (C, R) = transposed copy scaled along R."""
+    x = x.contiguous()
+    rows, cols = x.shape
+    triton_ok = use_triton(x, backend) and x.numel() > 0
+    if granularity == "tensorwise":
+        if triton_ok:
+            q, s, qt, _ = _tensorwise_triton(x, out_dtype, pow2, with_t=True)
+            return q, s, qt, s
+        q, s = quantize_fp8_impl(x, out_dtype, "tensorwise", None, 0, 0, pow2, "torch")
+        return q, s, q.t().contiguous(), s
+    if granularity == "rowwise":
+        if triton_ok:
+            q, s = _rowwise_triton(x, out_dtype, pow2)
+            qt, st = _colwise_triton(x, out_dtype, pow2, transpose=True)
+            return q, s, qt, st.reshape(cols, 1)
+        q, s = quantize_fp8_impl(x, out_dtype, "rowwise", -1, 0, 0, pow2, "torch")
+        qt, st = quantize_fp8_impl(x.t(), out_dtype, "rowwise", -1, 0, 0, pow2, "torch")
+        return q, s, qt, st
+    two_d = block_r > 1
+    if triton_ok:
+        gr, gc = (block_r, block_c) if two_d else (1, block_c)
+        q, s, qt, st = _blockwise_triton(x.reshape(1, rows, cols), gr, gc, out_dtype, pow2, with_t=True)
+        return q[0], s[0], qt[0], st[0]
+    if two_d:
+        q, s = quantize_fp8_impl(x, out_dtype, "blockwise", None, block_r, block_c, pow2, "torch")
+        return q, s, q.t().contiguous(), s.t().contiguous()
+    q, s = quantize_fp8_impl(x, out_dtype, "blockwise", -1, 1, block_c, pow2, "torch")
+    qt, st = quantize_fp8_impl(x.t(), out_dtype, "blockwise", -1, 1, block_c, pow2, "torch")
+    return q, s, qt, st
+
+
+def quantize_fp8_tensorwise_static_impl(
+    x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, with_t: bool, backend: str = "auto"
+):
+    """Delayed scaling: cast with a given scale and report this tensor's amax in the same pass.
+
+    Returns (q, scale_inv, qt|None, amax); amax is the finite-abs max of x (for the history)."""
+    x = x.contiguous()
+    if use_triton(x, backend) and x.numel():
+        return _tensorwise_triton(x, out_dtype, False, with_t, static_scale=scale)
+    scale = scale.float().reshape(())
+    q = cast_fp8(x, scale, out_dtype)
+    return q, 1.0 / scale, (q.t().contiguous() if with_t else None), finite_amax(x)
+
+
+def dequantize_fp8_impl(q, scale_inv, granularity, axis, block_r, block_c, out_dtype):
+    """Broadcast the scales back over their groups and multiply (torch; not performance critical)."""
+    x = q.float()
+    s = scale_inv.float()
+    if granularity == "tensorwise" or granularity == "rowwise":
+        return (x * s).to(out_dtype)
+    if axis is None:
+        s = s.repeat_interleave(block_r, dim=-2).repeat_interleave(block_c, dim=-1)
+    elif axis == 0:
+        s = s.repeat_interleave(block_r, dim=0)
+    else:
+        s = s.repeat_interleave(block_c, dim=-1)
+    s = s[..., : x.shape[-2], : x.shape[-1]] if x.dim() >= 2 else s[..., : x.shape[-1]]
+    return (x * s).to(out_dtype)

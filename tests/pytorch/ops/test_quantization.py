@@ -1,0 +1,282 @@
+"""FP8 quantization: every granularity x format x backend against the fp64 loop reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ref.quantization_ref import FP8_MAX, ref_quantize_groups
+from test_utils import SNR_E4M3_DB, SNR_E5M2_DB, compute_snr
+from triton_compile_utils import compile_for_sm90
+
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity as G
+from primus_turbo.pytorch.kernels.quantization import quantization_impl as impl
+from primus_turbo.pytorch.ops.quantization import (
+    dequantize_fp8,
+    normalize_spec,
+    quantize_fp8,
+    quantize_fp8_with_transpose,
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+BACKENDS = ["torch", "triton"]
+
+# (granularity, block_size, axis, reference group (gr, gc) for a 2-D input)
+SPECS = [
+    (G.TENSORWISE, None, None, (0, 0)),
+    (G.ROWWISE, None, -1, (1, 0)),
+    (G.ROWWISE, None, 0, (0, 1)),
+    (G.BLOCKWISE, 32, -1, (1, 32)),
+    (G.BLOCKWISE, 32, 0, (32, 1)),
+    (G.BLOCKWISE, (32, 32), None, (32, 32)),
+]
+
+
+def _quantize(x, dtype, spec, backend, pow2=False):
+    g, bs, axis, _ = spec
+    gn, ax, br, bc = normalize_spec(x.dim(), g, bs, axis)
+    return impl.quantize_fp8_impl(x, dtype, gn, ax, br, bc, pow2, backend)
+
+
+def _check_against_ref(x, q, s, dtype, group, pow2=False):
+    ref_q, ref_s = ref_quantize_groups(x.float(), *group, dtype, pow2)
+    gr, gc = group
+    rows, cols = x.shape
+    grid = s.double().reshape(ref_s.shape) if s.dim() else s.double().reshape(1, 1)
+    torch.testing.assert_close(grid, ref_s, rtol=1e-6, atol=0)
+    full = grid.repeat_interleave(gr or rows, 0).repeat_interleave(gc or cols, 1)[:rows, :cols]
+    deq = q.double() * full
+    # fp32 vs fp64 products may round differently at a tie: allow a handful of 1-ulp mismatches.
+    mismatch = (q.double() != ref_q).float().mean().item()
+    assert mismatch < 0.01, f"{mismatch:.2%} elements differ from the reference"
+    assert compute_snr(x.double(), deq) >= (SNR_E4M3_DB if dtype == E4M3 else SNR_E5M2_DB)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s[0].name}-{s[1]}-{s[2]}")
+def test_quantize_matches_reference(backend, dtype, spec):
+    x = torch.randn(80, 72, dtype=torch.bfloat16) * 3  # odd sizes: partial blocks on both axes
+    q, s = _quantize(x, dtype, spec, backend)
+    assert q.dtype == dtype and q.shape == x.shape and s.dtype == torch.float32
+    _check_against_ref(x, q, s, dtype, spec[3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s[0].name}-{s[1]}-{s[2]}")
+def test_quantize_with_transpose(backend, spec):
+    g, bs, axis, _ = spec
+    if axis == 0:
+        pytest.skip("with_transpose has no axis")
+    x = torch.randn(64, 48, dtype=torch.float32)
+    gn, _, br, bc = normalize_spec(2, g, bs, None)
+    q, s, qt, st = impl.quantize_fp8_with_transpose_impl(x, E4M3, gn, br, bc, False, backend)
+    assert q.shape == (64, 48) and qt.shape == (48, 64) and qt.is_contiguous()
+    group = spec[3]
+    _check_against_ref(x, q, s, E4M3, group)
+    group_t = group[::-1] if isinstance(bs, tuple) or g is not G.BLOCKWISE else (1, bs)
+    group_t = (1, 0) if g is G.ROWWISE else group_t
+    _check_against_ref(x.t().contiguous(), qt, st, E4M3, group_t)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_power_of_two_scales(backend):
+    x = torch.randn(32, 64) * 7
+    q, s = impl.quantize_fp8_impl(x, E4M3, "rowwise", -1, 0, 0, True, backend)
+    mant, _ = torch.frexp(s)
+    assert torch.all(mant == 0.5), "scale_inv must be a power of two"
+    _check_against_ref(x, q, s, E4M3, (1, 0), pow2=True)
+
+
+def test_public_api_shapes_and_dequantize_roundtrip():
+    x = torch.randn(4, 40, 96)
+    for g, bs, axis, shape in [
+        (G.TENSORWISE, None, None, ()),
+        (G.ROWWISE, None, -1, (4, 40, 1)),
+        (G.BLOCKWISE, 64, None, (4, 40, 2)),
+        (G.BLOCKWISE, (32, 64), None, (4, 2, 2)),
+    ]:
+        q, s = quantize_fp8(x, E4M3, g, block_size=bs, axis=axis)
+        assert tuple(s.shape) == shape, (g, bs, s.shape)
+        deq = dequantize_fp8(q, s, g, block_size=bs, axis=axis, out_dtype=torch.float32)
+        # E4M3 has 3 mantissa bits: round-to-nearest error <= 2^-4 relative (plus the subnormal floor)
+        err = (deq - x).abs()
+        bound = x.abs() * 2**-4 + s.max() * 2**-9
+        assert torch.all(err <= bound), f"{g}: max err {err.max():.4g}"
+
+
+def test_zero_and_constant_inputs():
+    z = torch.zeros(16, 32)
+    q, s = quantize_fp8(z, E4M3, G.ROWWISE)
+    assert torch.all(s == 1.0) and torch.all(q.float() == 0)
+    e = torch.empty(0, 32)
+    q, s = quantize_fp8(e, E4M3, G.BLOCKWISE, block_size=32)
+    assert q.shape == (0, 32) and s.shape == (0, 1)
+    q, s = quantize_fp8(e, E4M3, G.TENSORWISE)
+    assert q.shape == (0, 32) and s.item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_inf_nan_behaviour(dtype):
+    """Torch path (CPU): amax over finite values, inf saturates, NaN stays NaN (GPU test: Triton)."""
+    _assert_inf_nan(torch.device("cpu"), dtype, "torch")
+
+
+def _assert_inf_nan(device, dtype, backend):
+    x = torch.randn(4, 64, device=device)
+    x[0, 3], x[1, 5], x[2, 7] = float("inf"), float("-inf"), float("nan")
+    finite_amax = torch.where(torch.isfinite(x), x.abs(), 0).amax(dim=1)
+    q, s = impl.quantize_fp8_impl(x, dtype, "rowwise", -1, 0, 0, False, backend)
+    torch.testing.assert_close(s.squeeze(1), finite_amax / FP8_MAX[dtype], rtol=1e-6, atol=0)
+    qf = q.float()
+    assert qf[0, 3] == FP8_MAX[dtype] and qf[1, 5] == -FP8_MAX[dtype] and torch.isnan(qf[2, 7])
+    assert torch.isfinite(qf[3]).all() and torch.isnan(qf).sum() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_inf_nan_behaviour_triton_gpu(dtype):
+    _assert_inf_nan(torch.device("cuda"), dtype, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s[0].name}-{s[1]}-{s[2]}")
+@pytest.mark.parametrize("shape", [(8192, 4096), (4097, 1000)])
+def test_triton_matches_torch_gpu(spec, shape):
+    g, bs, axis, _ = spec
+    bs = 128 if isinstance(bs, int) else ((128, 128) if bs else None)
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    gn, ax, br, bc = normalize_spec(2, g, bs, axis)
+    qt, st = impl.quantize_fp8_impl(x, E4M3, gn, ax, br, bc, False, "triton")
+    qr, sr = impl.quantize_fp8_impl(x, E4M3, gn, ax, br, bc, False, "torch")
+    torch.testing.assert_close(st, sr, rtol=1e-6, atol=0)
+    assert (qt.float() != qr.float()).float().mean() < 1e-3
+
+
+def test_bad_inputs():
+    x = torch.randn(8, 64)
+    with pytest.raises(TypeError, match="out_dtype"):
+        quantize_fp8(x, torch.bfloat16, G.TENSORWISE)
+    with pytest.raises(TypeError, match="x"):
+        quantize_fp8(x.to(torch.int32), E4M3, G.TENSORWISE)
+    with pytest.raises(TypeError, match="granularity"):
+        quantize_fp8(x, E4M3, "PER_CHANNEL")
+    with pytest.raises(ValueError, match="block_size"):
+        quantize_fp8(x, E4M3, G.BLOCKWISE, block_size=48)
+    with pytest.raises(ValueError, match="block_size"):
+        quantize_fp8(x, E4M3, G.TENSORWISE, block_size=128)
+    with pytest.raises(ValueError, match="axis"):
+        quantize_fp8(torch.randn(2, 8, 64), E4M3, G.ROWWISE, axis=0)
+    with pytest.raises(ValueError, match="axis"):
+        quantize_fp8(x, E4M3, G.TENSORWISE, axis=0)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_fp8_with_transpose(torch.randn(64), E4M3, G.ROWWISE)
+    q, s = quantize_fp8(x, E4M3, G.BLOCKWISE, block_size=32)
+    with pytest.raises(ValueError, match="scale_inv"):
+        dequantize_fp8(q, s[:, :1], G.BLOCKWISE, block_size=32)
+    with pytest.raises(TypeError, match="q"):
+        dequantize_fp8(x, s, G.BLOCKWISE, block_size=32)
+
+
+def _compile_quant_kernels():
+    from primus_turbo.triton.quantization import quantization_kernel as qk
+
+    common = {"FP8_MAX": 448.0, "POW2": False, "OUT_DTYPE": qk.fp8_tl_dtype(E4M3)}
+    compile_for_sm90(
+        qk.amax_partial_kernel,
+        {"x_ptr": "*bf16", "partial_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+        {"BLOCK": 4096},
+        num_warps=8,
+    )
+    for static in (False, True):
+        sig = {k: "*fp32" for k in ("partial_ptr", "scale_ptr", "scale_inv_ptr", "amax_out_ptr")}
+        sig |= {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "num_partials": "i32", "n": "i32"}
+        cex = {"STATIC_SCALE": static, "PARTIALS_P2": 1024, "BLOCK": 4096, **common}
+        compile_for_sm90(qk.tensorwise_cast_kernel, sig | dict.fromkeys(cex, "constexpr"), cex, num_warps=8)
+        sig_t = sig | {"qt_ptr": "*fp8e4nv", "R": "i32", "C": "i32"}
+        sig_t.pop("n")
+        cex = {"STATIC_SCALE": static, "PARTIALS_P2": 1024, "BLOCK_R": 64, "BLOCK_C": 64, **common}
+        compile_for_sm90(
+            qk.tensorwise_cast_transpose_kernel, sig_t | dict.fromkeys(cex, "constexpr"), cex, num_warps=8
+        )
+    cex = {"BLOCK_R": 2, "BLOCK_C": 2048, **common}
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_inv_ptr": "*fp32", "R": "i32", "C": "i32"}
+    compile_for_sm90(qk.rowwise_quant_kernel, sig | dict.fromkeys(cex, "constexpr"), cex)
+    cex = {"CHUNK_R": 256, "BLOCK_R": 32, "BLOCK_C": 128}
+    sig = {"x_ptr": "*bf16", "partial_ptr": "*fp32", "R": "i32", "C": "i32"}
+    compile_for_sm90(qk.col_amax_partial_kernel, sig | dict.fromkeys(cex, "constexpr"), cex)
+    for transpose in (False, True):
+        cex = {"TRANSPOSE": transpose, "CHUNKS_P2": 256, "BLOCK_R": 64, "BLOCK_C": 128, **common}
+        sig = {
+            "x_ptr": "*bf16",
+            "partial_ptr": "*fp32",
+            "num_chunks": "i32",
+            "out_ptr": "*fp8e4nv",
+            "scale_inv_ptr": "*fp32",
+            "R": "i32",
+            "C": "i32",
+        }
+        compile_for_sm90(qk.col_cast_kernel, sig | dict.fromkeys(cex, "constexpr"), cex)
+    for mode, with_t, br, bc in [
+        (0, False, 32, 128),
+        (1, False, 128, 64),
+        (2, False, 128, 128),
+        (0, True, 128, 128),
+        (2, True, 128, 128),
+    ]:
+        cex = {"MODE": mode, "WITH_T": with_t, "BLOCK_R": br, "BLOCK_C": bc, **common}
+        sig = {
+            "x_ptr": "*bf16",
+            "q_ptr": "*fp8e4nv",
+            "s_ptr": "*fp32",
+            "qt_ptr": "*fp8e4nv",
+            "st_ptr": "*fp32",
+            "R": "i32",
+            "C": "i32",
+        }
+        sig |= dict.fromkeys(
+            [
+                "stride_xb",
+                "stride_qb",
+                "stride_sb",
+                "stride_sr",
+                "stride_sc",
+                "stride_stb",
+                "stride_str",
+                "stride_stc",
+            ],
+            "i32",
+        )
+        compile_for_sm90(
+            qk.blockwise_quant_kernel,
+            sig | dict.fromkeys(cex, "constexpr"),
+            cex,
+            num_warps=8 if br * bc >= 8192 else 4,
+        )
+
+
+def run_uninterpreted(test_file: str, flag: str) -> None:
+    """Run ``python <test_file> <flag>`` without TRITON_INTERPRET: in an interpreter process even
+    triton's own @jit helpers (tl.max's combine fn) are interpreter wrappers that cannot compile."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, test_file, flag], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def test_kernels_compile_for_sm90():
+    run_uninterpreted(__file__, "--compile-sm90")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--compile-sm90" in sys.argv:
+        _compile_quant_kernels()
+        print("quantization kernels compile for sm_90")
