@@ -1,0 +1,1 @@
+"""Framework-neutral pieces of the training integration: config, data, metrics, checkpoints, patches."""

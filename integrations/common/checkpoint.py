@@ -1,0 +1,82 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), a SIGTERM flag, and the ``latest`` pointer.
+
+Layout: ``<ckpt_dir>/step_<N>/`` (a DCP directory) and ``<ckpt_dir>/latest`` (text: N). Every rank saves under
+its own ``rank<r>/`` key prefix: tensor- and expert-parallel shards of one parameter share a name in the
+module's state_dict, and DCP would otherwise treat them as replicas and keep one. A resume must use
+the same world size and parallel layout (checked at load). Tensors are written by DCP's tensor path and loaded
+in place; optimizer/scheduler/RNG state travel as DCP objects.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+
+def step_dir(ckpt_dir: str, step: int) -> str:
+    return os.path.join(ckpt_dir, f"step_{step}")
+
+
+def latest_step(ckpt_dir: str) -> int | None:
+    path = os.path.join(ckpt_dir, "latest")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return int(f.read().strip())
+
+
+def _namespaced(rank: int, tensors: dict, objects: dict) -> dict:
+    return {f"rank{rank}": {"tensors": tensors, "objects": objects}}
+
+
+def save_checkpoint(ckpt_dir: str, step: int, tensors: dict, objects: dict) -> str:
+    """Collective: every rank calls it. Returns the step directory."""
+    rank = dist.get_rank()
+    path = step_dir(ckpt_dir, step)
+    dcp.save(_namespaced(rank, tensors, objects), checkpoint_id=path)
+    dist.barrier()
+    if rank == 0:
+        tmp = os.path.join(ckpt_dir, "latest.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(str(step))
+        os.replace(tmp, os.path.join(ckpt_dir, "latest"))
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(ckpt_dir: str, step: int, tensors: dict, objects: dict) -> dict:
+    """Collective: loads this rank's tensors in place into ``tensors``; returns the loaded ``objects``."""
+    rank = dist.get_rank()
+    path = step_dir(ckpt_dir, step)
+    state = _namespaced(rank, tensors, objects)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as err:
+        raise RuntimeError(
+            f"cannot load {path} on rank {rank}: {err}. A resume needs the same world size and "
+            "parallel layout as the run that saved it."
+        ) from err
+    return state[f"rank{rank}"]["objects"]
+
+
+class SigtermFlag:
+    """SIGTERM as a flag the loop polls; ``should_stop()`` agrees across ranks (one tiny all-reduce)."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def should_stop(self, device) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)

@@ -1,0 +1,149 @@
+"""Start-up checks on the composed Hydra config: every bad value is reported before any heavy work.
+
+``validate_config`` raises ``ConfigError`` naming the key, the value seen and what is accepted. It runs before
+process groups, model build or GPU allocation (Hydra itself rejects unknown recipe / group names).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from omegaconf import DictConfig
+
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
+DTYPES = ("auto", "bf16", "fp32")
+DATA_KINDS = ("synthetic", "text")
+DISPATCHERS = ("alltoall", "flex")
+TURBO_FEATURES = ("gemm", "grouped_gemm", "attention", "rmsnorm", "router", "permute", "dispatch", "async_tp")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message names the key and the accepted values."""
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _check_parallel(cfg: DictConfig, world: int) -> int:
+    p = cfg.parallel
+    for key in ("tp", "pp", "ep", "cp"):
+        value = p[key]
+        _require(isinstance(value, int) and value >= 1, f"parallel.{key}={value!r}: expected an integer >= 1")
+    model_parallel = p.tp * p.pp * p.cp
+    _require(
+        world % model_parallel == 0,
+        f"parallel.tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel} does not divide world size {world}",
+    )
+    expert_parallel = p.tp * p.ep * p.pp
+    _require(
+        world % expert_parallel == 0,
+        f"parallel.tp*ep*pp = {p.tp}*{p.ep}*{p.pp} = {expert_parallel} does not divide world size {world}",
+    )
+    _require(
+        not p.sequence_parallel or p.tp > 1,
+        "parallel.sequence_parallel=true needs parallel.tp > 1",
+    )
+    _require(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not wired in this trainer yet; use 1")
+    return world // model_parallel
+
+
+def _check_model(cfg: DictConfig) -> None:
+    m, p = cfg.model, cfg.parallel
+    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    _require(m.num_layers % p.pp == 0, f"model.num_layers={m.num_layers} not divisible by parallel.pp={p.pp}")
+    _require(heads % p.tp == 0, f"model.num_attention_heads={heads} not divisible by parallel.tp={p.tp}")
+    _require(groups % p.tp == 0, f"model.num_query_groups={groups} not divisible by parallel.tp={p.tp}")
+    _require(
+        heads % groups == 0, f"model.num_attention_heads={heads} not a multiple of num_query_groups={groups}"
+    )
+    if m.kv_channels is None and m.mla is None:
+        _require(
+            m.hidden_size % heads == 0,
+            f"model.hidden_size={m.hidden_size} not divisible by num_attention_heads={heads}",
+        )
+    _require(m.ffn_hidden_size % p.tp == 0, f"model.ffn_hidden_size={m.ffn_hidden_size} % tp={p.tp} != 0")
+    if p.sequence_parallel:
+        _require(m.seq_length % p.tp == 0, f"model.seq_length={m.seq_length} % tp={p.tp} != 0")
+    if m.moe is None:
+        _require(p.ep == 1, f"parallel.ep={p.ep} needs an MoE model (model.moe is null): use parallel.ep=1")
+        return
+    moe = m.moe
+    _require(moe.num_experts % p.ep == 0, f"model.moe.num_experts={moe.num_experts} % ep={p.ep} != 0")
+    _require(1 <= moe.topk <= moe.num_experts, f"model.moe.topk={moe.topk}: expected 1..{moe.num_experts}")
+    _require(
+        moe.get("dispatcher", "alltoall") in DISPATCHERS,
+        f"model.moe.dispatcher={moe.get('dispatcher')!r}: expected one of {DISPATCHERS}",
+    )
+    if moe.get("num_groups"):
+        _require(
+            moe.num_experts % moe.num_groups == 0,
+            f"model.moe.num_groups={moe.num_groups} does not divide num_experts={moe.num_experts}",
+        )
+        _require(
+            moe.group_topk and moe.group_topk <= moe.num_groups and moe.topk % moe.group_topk == 0,
+            f"model.moe.group_topk={moe.group_topk}: expected 1..{moe.num_groups} dividing topk={moe.topk}",
+        )
+    first_dense = moe.get("first_k_dense", 0) or 0
+    _require(
+        0 <= first_dense < m.num_layers,
+        f"model.moe.first_k_dense={first_dense}: expected 0..num_layers-1={m.num_layers - 1}",
+    )
+
+
+def _check_precision(cfg: DictConfig) -> None:
+    _require(cfg.train.dtype in DTYPES, f"train.dtype={cfg.train.dtype!r}: expected one of {DTYPES}")
+    _require(cfg.fp8.recipe in FP8_RECIPES, f"fp8.recipe={cfg.fp8.recipe!r}: expected one of {FP8_RECIPES}")
+    if not cfg.fp8.enabled:
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "precision=fp8 needs an FP8-capable GPU (sm_89+: H100/H200/L40/RTX 40xx); this machine has no "
+            "CUDA device: use precision=bf16"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    _require(
+        (major, minor) >= (8, 9),
+        f"precision=fp8 needs sm_89+; {torch.cuda.get_device_name()} is sm_{major}{minor}: use bf16",
+    )
+    _require(
+        cfg.train.dtype != "fp32", "precision=fp8 runs bf16 outside the GEMMs: set train.dtype=auto|bf16"
+    )
+
+
+def _check_data_and_schedule(cfg: DictConfig, dp: int) -> None:
+    d, t = cfg.data, cfg.train
+    _require(d.kind in DATA_KINDS, f"data.kind={d.kind!r}: expected one of {DATA_KINDS}")
+    if d.kind == "text":
+        _require(os.path.isfile(d.path), f"data.path={d.path!r} does not exist (data.kind=text)")
+    _require(d.micro_batch_size >= 1, f"data.micro_batch_size={d.micro_batch_size}: expected >= 1")
+    _require(
+        d.global_batch_size % (d.micro_batch_size * dp) == 0,
+        f"data.global_batch_size={d.global_batch_size} is not a multiple of micro_batch_size*dp = "
+        f"{d.micro_batch_size}*{dp}",
+    )
+    _require(isinstance(t.steps, int) and t.steps >= 1, f"train.steps={t.steps!r}: expected an integer >= 1")
+    _require(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"train.lr={t.lr}, min_lr={t.min_lr}: need 0<=min_lr<=lr")
+    _require(not cfg.resume or t.ckpt_dir, "resume=true needs train.ckpt_dir")
+
+
+def _check_turbo(cfg: DictConfig) -> None:
+    for key in ("enabled", "strict", *TURBO_FEATURES):
+        _require(isinstance(cfg.turbo[key], bool), f"turbo.{key}={cfg.turbo[key]!r}: expected true or false")
+
+
+def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
+    """Raise ConfigError for the first value that cannot run on ``world_size`` ranks ($WORLD_SIZE)."""
+    world = world_size_from_env() if world_size is None else world_size
+    _require(cfg.get("recipe_name") not in (None, "???"), "no recipe selected: pass recipe=<name>")
+    dp = _check_parallel(cfg, world)
+    _check_model(cfg)
+    _check_precision(cfg)
+    _check_data_and_schedule(cfg, dp)
+    _check_turbo(cfg)

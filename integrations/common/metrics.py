@@ -1,0 +1,160 @@
+"""Per-step metrics: model FLOPs (dense, GQA, MLA, MoE), MFU against a peak table, JSONL/TensorBoard/console.
+
+Model FLOPs per token (forward; training = 3x forward: one forward, two backward GEMMs per forward GEMM;
+activation recompute is not counted, as usual for MFU):
+  attention projections  2 * (sum of projection weight sizes)          -- GQA or MLA (q/kv low-rank)
+  attention core         2 * s * heads * (d_qk + d_v) * 1/2            -- causal: half the score matrix
+  dense MLP (SwiGLU)     2 * 3 * h * ffn
+  MoE layer              2 * h * experts (router) + topk * 2*3*h*ffn_moe + 2*3*h*ffn_shared
+  LM head                2 * h * vocab
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+# Dense (non-sparse) peak TFLOP/s per GPU by (device-name substring, precision).
+PEAK_TFLOPS = {
+    ("H100", "bf16"): 989.0,
+    ("H100", "fp8"): 1979.0,
+    ("H200", "bf16"): 989.0,
+    ("H200", "fp8"): 1979.0,
+}
+
+
+def peak_tflops(device_name: str | None, precision: str) -> float | None:
+    """Peak dense TFLOP/s for ``device_name`` at ``precision`` ('bf16' or 'fp8'); None when unknown (CPU)."""
+    if not device_name:
+        return None
+    for (key, prec), value in PEAK_TFLOPS.items():
+        if key in device_name and prec == precision:
+            return value
+    return None
+
+
+def _attention_flops_per_token(m) -> float:
+    h, heads, s = m.hidden_size, m.num_attention_heads, m.seq_length
+    if m.mla is not None:
+        mla = m.mla
+        d_qk, d_v = mla.qk_head_dim + mla.qk_pos_emb_head_dim, mla.v_head_dim
+        if mla.q_lora_rank:
+            q_proj = h * mla.q_lora_rank + mla.q_lora_rank * heads * d_qk
+        else:
+            q_proj = h * heads * d_qk
+        kv_down = h * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+        kv_proj = kv_down + mla.kv_lora_rank * heads * (mla.qk_head_dim + d_v)
+        proj = q_proj + kv_proj + heads * d_v * h
+    else:
+        d_qk = d_v = m.kv_channels or h // heads
+        groups = m.num_query_groups or heads
+        proj = h * (heads + 2 * groups) * d_qk + heads * d_v * h
+    core = s * heads * (d_qk + d_v) * 0.5
+    return 2 * proj + 2 * core
+
+
+def _mlp_flops_per_token(m, is_moe: bool) -> float:
+    h = m.hidden_size
+    if not is_moe:
+        return 2 * 3 * h * m.ffn_hidden_size
+    moe = m.moe
+    shared = moe.get("shared_expert_ffn_hidden_size") or 0
+    return 2 * h * moe.num_experts + moe.topk * 2 * 3 * h * moe.ffn_hidden_size + 2 * 3 * h * shared
+
+
+def model_flops_per_token(model_cfg) -> float:
+    """Training FLOPs per token of the full model (all layers, all ranks together)."""
+    from primus_turbo.integrations.megatron.model import moe_layer_pattern
+
+    attention = _attention_flops_per_token(model_cfg)
+    pattern = moe_layer_pattern(model_cfg)
+    layers = sum(attention + _mlp_flops_per_token(model_cfg, bool(is_moe)) for is_moe in pattern)
+    head = 2 * model_cfg.hidden_size * model_cfg.vocab_size
+    return 3 * (layers + head)
+
+
+class StepMetrics:
+    """Formats, prints and records one dict per step (rank 0 only writes)."""
+
+    def __init__(self, cfg, world_size: int, flops_per_token: float, precision: str, is_writer: bool):
+        self.total_steps = cfg.train.steps
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token
+        self.is_writer = is_writer
+        self.show_progress = cfg.train.progress and is_writer
+        self.device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        self.peak = peak_tflops(self.device_name, precision)
+        self.jsonl = None
+        self.tensorboard = None
+        if is_writer and cfg.train.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.train.metrics_file)), exist_ok=True)
+            self.jsonl = open(cfg.train.metrics_file, "a", encoding="utf-8")
+        if is_writer and cfg.train.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tensorboard = SummaryWriter(cfg.train.tensorboard_dir)
+            except ImportError:
+                print("metrics: tensorboard is not installed; train.tensorboard_dir ignored", flush=True)
+
+    def record(self, step: int, loss: float, step_seconds: float, tokens: int, lr: float, grad_norm) -> dict:
+        tokens_per_gpu = tokens / self.world_size / step_seconds
+        tflops = tokens_per_gpu * self.flops_per_token / 1e12
+        max_mem_gb = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        row = {
+            "step": step,
+            "loss": loss,
+            "step_time_ms": step_seconds * 1e3,
+            "tokens_per_s_per_gpu": tokens_per_gpu,
+            "tflops_per_gpu": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+            "max_mem_gb": max_mem_gb,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "time": time.time(),
+        }
+        if self.is_writer:
+            self._emit(row)
+        return row
+
+    def _emit(self, row: dict) -> None:
+        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        bar = ""
+        if self.show_progress:
+            width = 20
+            done = int(width * row["step"] / self.total_steps)
+            bar = "[" + "#" * done + "-" * (width - done) + "] "
+        print(
+            f"{bar}step {row['step']}/{self.total_steps} | loss {row['loss']:.4f} | "
+            f"{row['step_time_ms']:.0f} ms | {row['tokens_per_s_per_gpu']:.0f} tok/s/GPU | "
+            f"{row['tflops_per_gpu']:.2f} TFLOP/s/GPU | MFU {mfu} | mem {row['max_mem_gb']:.1f} GB | "
+            f"lr {row['lr']:.2e}",
+            file=sys.stdout,
+            flush=True,
+        )
+        if self.jsonl:
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
+        if self.tensorboard:
+            for key in ("loss", "step_time_ms", "tokens_per_s_per_gpu", "tflops_per_gpu", "max_mem_gb", "lr"):
+                self.tensorboard.add_scalar(f"train/{key}", row[key], row["step"])
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tensorboard:
+            self.tensorboard.close()
+
+
+def check_finite(loss: float, step: int) -> None:
+    """Stop the run on a NaN/inf loss, naming the step."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"loss is {loss} at step {step}: stopping (lower train.lr, check the data, or resume from the "
+            "last checkpoint)"
+        )

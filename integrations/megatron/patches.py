@@ -1,0 +1,94 @@
+"""The Megatron-Core patch registry: turbo feature swaps and TE-absent gap fixes, one entry each.
+
+Spec-level features (gemm, attention, rmsnorm, grouped_gemm) switch a leaf class in ``TurboSpecProvider``;
+runtime features (router, permute, dispatch, async_tp, fp8) replace one Megatron function. Each entry names
+the Megatron-Core versions it was tested on. ``apply_megatron_patches`` is called once per process before the
+model is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import megatron.core
+from omegaconf import DictConfig
+from primus_turbo.integrations.common.patch_registry import PatchRegistry, apply_patches
+from primus_turbo.integrations.megatron import turbo_ops
+
+TESTED = ("0.16.1",)
+REGISTRY = PatchRegistry(framework="megatron-core")
+
+
+@dataclass
+class MegatronPatchContext:
+    cfg: DictConfig
+    spec: object  # TurboSpecProvider
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.cfg.model.moe is not None
+
+
+def _needs_moe(ctx) -> str | None:
+    return None if ctx.is_moe else "dense model"
+
+
+def _needs_op(*names):
+    def probe(ctx) -> str | None:
+        missing = [n for n in names if not turbo_ops.has(n)]
+        return f"turbo op(s) {', '.join(missing)} not found in primus_turbo" if missing else None
+
+    return probe
+
+
+# ---- gap fixes: Megatron-Core without Transformer Engine -------------------------------------------------
+
+
+@REGISTRY.register(
+    "fix.router_gating_gemm",
+    "megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction",
+    TESTED,
+    condition=_needs_moe,
+)
+def _fix_te_general_gemm(ctx) -> str:
+    """moe_utils references ``te_general_gemm`` that is only defined when TE imports: define it as None."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        return "moe_utils.te_general_gemm = None (router gating uses torch matmul)"
+    return "te_general_gemm already defined"
+
+
+@REGISTRY.register(
+    "fix.all_to_all_splits",
+    "megatron.core.tensor_parallel.mappings._AllToAll.forward",
+    TESTED,
+    condition=_needs_moe,
+)
+def _fix_all_to_all_splits(ctx) -> str:
+    """The alltoall dispatcher passes numpy split sizes; torch >= 2.12's binding only takes int sequences."""
+    from megatron.core.tensor_parallel import mappings
+
+    forward = mappings._AllToAll.forward
+    if getattr(forward, "_turbo_fixed", False):
+        return "already applied"
+
+    def to_list(sizes):
+        return sizes.tolist() if hasattr(sizes, "tolist") else sizes
+
+    def fixed_forward(fctx, group, input, output_split_sizes, input_split_sizes):
+        return forward(fctx, group, input, to_list(output_split_sizes), to_list(input_split_sizes))
+
+    fixed_forward._turbo_fixed = True
+    mappings._AllToAll.forward = staticmethod(fixed_forward)
+    return "split sizes -> list"
+
+
+def apply_megatron_patches(cfg: DictConfig, spec) -> list:
+    """Run the registry for ``cfg`` with ``spec`` (a TurboSpecProvider); returns the report rows."""
+    from primus_turbo.integrations.megatron import turbo_patches  # noqa: F401  (registers the turbo entries)
+
+    ctx = MegatronPatchContext(cfg=cfg, spec=spec)
+    return apply_patches(REGISTRY, ctx, cfg.turbo, megatron.core.__version__)

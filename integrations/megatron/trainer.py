@@ -1,0 +1,280 @@
+"""The training loop on Megatron-Core: parallel_state, GPTModel, DDP + distributed optimizer, the
+forward_backward schedule, cosine LR with warmup, grad clipping, metrics, DCP checkpoints.
+
+One function per stage, called in order by ``train``; read top to bottom.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from primus_turbo.integrations.common import checkpoint as ckpt
+from primus_turbo.integrations.common.data import TokenBatches
+from primus_turbo.integrations.common.metrics import StepMetrics, check_finite, model_flops_per_token
+from primus_turbo.integrations.common.patch_registry import PatchError, format_report
+
+
+def log0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def setup_distributed() -> torch.device:
+    """Process group (nccl on GPUs, gloo on CPU) and, on a CPU machine, the Megatron CPU shims."""
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (is|are) not installed.*")
+    if not on_gpu:
+        from primus_turbo.integrations.megatron.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+    return device
+
+
+def params_dtype(cfg: DictConfig) -> torch.dtype:
+    if cfg.train.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.train.dtype]
+
+
+@dataclass
+class Run:
+    cfg: DictConfig
+    device: torch.device
+    model: object
+    optimizer: object
+    scheduler: object
+    batches: TokenBatches
+    num_microbatches: int
+    fp8_context: object
+    start_step: int = 0
+
+
+def build_run(cfg: DictConfig, device: torch.device) -> Run:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from primus_turbo.integrations.megatron.model import build_gpt_model, build_transformer_config
+    from primus_turbo.integrations.megatron.patches import apply_megatron_patches
+    from primus_turbo.integrations.megatron.spec_provider import TurboSpecProvider
+
+    p, t, d = cfg.parallel, cfg.train, cfg.data
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
+    )
+    model_parallel_cuda_manual_seed(t.seed)
+    torch.manual_seed(t.seed + parallel_state.get_pipeline_model_parallel_rank())
+
+    spec = TurboSpecProvider(cfg)
+    rows = apply_megatron_patches(cfg, spec)
+    log0(format_report(f"megatron-core, turbo.enabled={cfg.turbo.enabled}", rows + spec.report_rows()))
+
+    dtype = params_dtype(cfg)
+    config = build_transformer_config(cfg, dtype, use_grouped_gemm=spec.uses_grouped_gemm)
+    model = build_gpt_model(cfg, config, spec)
+    if device.type == "cuda":
+        model.cuda(device)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=device.type == "cuda",
+        use_distributed_optimizer=True,
+    )
+    model = DistributedDataParallel(config, ddp_config, model)
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            clip_grad=t.clip_grad,
+            use_distributed_optimizer=True,
+        ),
+        [model],
+    )
+    config.grad_scale_func = optimizer.scale_loss
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_steps,
+        lr_decay_steps=t.steps,
+        lr_decay_style="cosine",
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.steps,
+        wd_incr_style="constant",
+    )
+    dp = parallel_state.get_data_parallel_world_size()
+    m = cfg.model
+    batches = TokenBatches(d.kind, m.seq_length, d.micro_batch_size, m.vocab_size, t.seed, d.path)
+    num_microbatches = d.global_batch_size // (d.micro_batch_size * dp)
+    return Run(cfg, device, model, optimizer, scheduler, batches, num_microbatches, spec.fp8_context())
+
+
+def _forward_step_func(run: Run, step: int):
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    seq = run.cfg.model.seq_length
+    position_ids = torch.arange(seq, device=run.device).unsqueeze(0)
+
+    def forward_step(data_iterator, model):
+        microbatch = next(data_iterator)
+        tokens = run.batches.batch(step, microbatch, dp_rank).to(run.device, non_blocking=True)
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        with run.fp8_context():
+            output = model(inputs, position_ids.expand_as(inputs), None, labels=labels)
+
+        def loss_func(per_token_loss):
+            loss = per_token_loss.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    return forward_step
+
+
+def train_step(run: Run, step: int) -> tuple[float, object]:
+    """One optimizer step over ``num_microbatches``; returns (mean loss over DP ranks, grad norm)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    run.model.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step_func(run, step),
+        data_iterator=iter(range(run.num_microbatches)),
+        model=[run.model],
+        num_microbatches=run.num_microbatches,
+        seq_length=run.cfg.model.seq_length,
+        micro_batch_size=run.cfg.data.micro_batch_size,
+        forward_only=False,
+    )
+    _, grad_norm, _ = run.optimizer.step()
+    run.scheduler.step(increment=1)
+    # Loss lives on the last pipeline stage; sum it and the number of contributing ranks over the world.
+    if losses:
+        pair = torch.stack([torch.stack([x["lm loss"].float() for x in losses]).mean(), torch.ones(())])
+    else:
+        pair = torch.zeros(2)
+    pair = pair.to(run.device)
+    dist.all_reduce(pair)
+    return (pair[0] / pair[1]).item(), grad_norm
+
+
+def _checkpoint_state(run: Run) -> tuple[dict, dict]:
+    tensors = {k: v for k, v in run.model.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    main_params = getattr(run.optimizer, "shard_fp32_from_float16_groups", None) or []
+    for g, group in enumerate(main_params):
+        for i, param in enumerate(group):
+            tensors[f"main_param.{g}.{i}"] = param
+    objects = {
+        "inner_optimizer": run.optimizer.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "rng_cpu": torch.get_rng_state(),
+        "step": 0,
+        "world_size": dist.get_world_size(),
+    }
+    return tensors, objects
+
+
+def save(run: Run, step: int) -> None:
+    tensors, objects = _checkpoint_state(run)
+    objects["step"] = step
+    path = ckpt.save_checkpoint(run.cfg.train.ckpt_dir, step, tensors, objects)
+    log0(f"checkpoint: saved step {step} to {path}")
+
+
+def maybe_resume(run: Run) -> None:
+    if not run.cfg.resume:
+        return
+    step = ckpt.latest_step(run.cfg.train.ckpt_dir)
+    if step is None:
+        log0(f"resume: no checkpoint in {run.cfg.train.ckpt_dir}; starting from step 0")
+        return
+    tensors, objects = _checkpoint_state(run)
+    objects = ckpt.load_checkpoint(run.cfg.train.ckpt_dir, step, tensors, objects)
+    if objects["world_size"] != dist.get_world_size():
+        raise RuntimeError(f"checkpoint world size {objects['world_size']} != {dist.get_world_size()}")
+    run.model.module.load_state_dict(tensors, strict=False)
+    run.optimizer.optimizer.load_state_dict(objects["inner_optimizer"])
+    run.scheduler.load_state_dict(objects["scheduler"])
+    torch.set_rng_state(objects["rng_cpu"])
+    run.start_step = objects["step"]
+    log0(f"resume: loaded step {step} from {ckpt.step_dir(run.cfg.train.ckpt_dir, step)}")
+
+
+def train(cfg: DictConfig) -> dict:
+    """Run ``cfg.train.steps`` steps (or until SIGTERM); returns {"losses": [...], "last_step": n}."""
+    device = setup_distributed()
+    try:
+        run = build_run(cfg, device)
+    except PatchError as err:
+        log0(f"train.py: {err}")
+        dist.destroy_process_group()
+        raise SystemExit(3) from None
+    maybe_resume(run)
+    t = cfg.train
+    precision = "fp8" if cfg.fp8.enabled else "bf16"
+    flops = model_flops_per_token(cfg.model)
+    metrics = StepMetrics(cfg, dist.get_world_size(), flops, precision, dist.get_rank() == 0)
+    sigterm = ckpt.SigtermFlag()
+    tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_length
+    losses, step = [], run.start_step
+    try:
+        for step in range(run.start_step + 1, t.steps + 1):
+            start = time.perf_counter()
+            loss, grad_norm = train_step(run, step)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            check_finite(loss, step)
+            losses.append(loss)
+            if step % t.log_interval == 0 or step == t.steps:
+                lr = run.optimizer.param_groups[0]["lr"]
+                metrics.record(step, loss, seconds, tokens_per_step, lr, grad_norm)
+            stop = sigterm.should_stop(device)
+            periodic = t.ckpt_dir and t.save_interval and step % t.save_interval == 0
+            if t.ckpt_dir and (stop or periodic or (t.save_at_end and step == t.steps)):
+                save(run, step)
+            if stop:
+                log0(f"SIGTERM: stopped after step {step}")
+                break
+    finally:
+        metrics.close()
+        sigterm.restore()
+    if losses:
+        log0(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"losses": losses, "last_step": step}
