@@ -105,6 +105,135 @@ def test_gemm_out_dtype(backend, device):
     assert a.grad.dtype == torch.bfloat16 and b.grad.dtype == torch.bfloat16
 
 
+def test_gemm_bad_input(device):
+    a = torch.randn(8, 16, device=device)
+    b = torch.randn(16, 4, device=device)
+    with pytest.raises(ValueError, match=r"a must be 2-D, got shape \(2, 8, 16\)"):
+        turbo.ops.gemm(a.expand(2, 8, 16), b)
+    with pytest.raises(ValueError, match=r"b must be 2-D, got shape \(16,\)"):
+        turbo.ops.gemm(a, b[:, 0])
+    inner = r"inner dimensions differ: op\(a\) is \[8, 16\].*op\(b\) is \[4, 16\]"
+    with pytest.raises(ValueError, match=inner):
+        turbo.ops.gemm(a, b.T.contiguous())
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        turbo.ops.gemm(a, b, trans_a=True)
+    with pytest.raises(TypeError, match="same dtype, got a torch.float32 and b torch.bfloat16"):
+        turbo.ops.gemm(a, b.bfloat16())
+    with pytest.raises(TypeError, match=r"a.dtype torch.int32 is not supported; accepted: float16"):
+        turbo.ops.gemm(a.int(), b.int())
+    with pytest.raises(TypeError, match="out_dtype torch.int8 is not supported"):
+        turbo.ops.gemm(a, b, out_dtype=torch.int8)
+    with pytest.raises(TypeError, match="a must be a torch.Tensor, got list"):
+        turbo.ops.gemm([[1.0]], b)
+    with pytest.raises(TypeError, match="trans_b must be a bool, got int"):
+        turbo.ops.gemm(a, b, trans_b=1)
+    with pytest.raises(ValueError, match="same device, got a on meta"):
+        turbo.ops.gemm(a.to("meta"), b)
+
+
+def test_gemm_main_grad_accumulation(device):
+    x = torch.randn(24, 40, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(32, 40, dtype=torch.bfloat16, device=device))
+    init = torch.randn(32, 40, dtype=torch.float32, device=device)
+    w.main_grad = init.clone()
+    w.grad_added_to_main_grad = False
+    w.zero_out_wgrad = True
+    grads = []
+    for _ in range(2):  # two micro-batches accumulate
+        out = turbo.ops.gemm(x, w, trans_b=True, accumulate_into_main_grad=True)
+        g = torch.randn_like(out)
+        grads.append(gemm_grads_ref(x, w, g, False, True)[1])
+        out.backward(g)
+    expected = init.double() + grads[0] + grads[1]
+    torch.testing.assert_close(w.main_grad.double(), expected, rtol=1e-4, atol=1e-3)
+    assert w.grad_added_to_main_grad is True
+    assert w.grad is not None and torch.count_nonzero(w.grad) == 0  # zero_out_wgrad placeholder
+    assert x.grad is not None
+
+    # without the Megatron attribute the weight gets no .grad at all
+    v = torch.nn.Parameter(torch.randn(32, 40, dtype=torch.bfloat16, device=device))
+    v.main_grad = torch.zeros(32, 40, dtype=torch.float32, device=device)
+    turbo.ops.gemm(x, v, trans_b=True, accumulate_into_main_grad=True).sum().backward()
+    assert v.grad is None and torch.count_nonzero(v.main_grad) > 0
+
+    u = torch.nn.Parameter(torch.randn(32, 40, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="needs b.main_grad"):
+        turbo.ops.gemm(x, u, trans_b=True, accumulate_into_main_grad=True)
+
+
+def test_gemm_torch_compile_fullgraph(device):
+    def f(a, b):
+        return turbo.ops.gemm(a, b, trans_b=True).float().square().sum()
+
+    a, b = _operands(32, 48, 64, False, True, torch.float32, device)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(a, b)
+    loss.backward()
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    f(a2, b2).backward()
+    torch.testing.assert_close(loss, f(a2, b2).detach())
+    torch.testing.assert_close(a.grad, a2.grad)
+    torch.testing.assert_close(b.grad, b2.grad)
+
+
+def test_gemm_backend_selection(device, monkeypatch):
+    a, b = _operands(16, 24, 32, False, False, torch.float32, device, requires_grad=False)
+    turbo.ops.gemm(a, b)
+    assert GemmDispatcher.last_backend == (BackendType.CUBLAS if HAS_CUDA else BackendType.TORCH)
+    # TRITON pinned on fp64 (which TORCH/CUBLAS serve) must refuse, never fall back
+    GlobalBackendManager.set_gemm_backend("TRITON")
+    with pytest.raises(ValueError, match="backend TRITON .* cannot handle these inputs"):
+        turbo.ops.gemm(a.double(), b.double())
+    GlobalBackendManager.set_gemm_backend(None)
+    monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "fp32:TRITON,other:TORCH")
+    turbo.ops.gemm(a, b)
+    assert GemmDispatcher.last_backend == BackendType.TRITON
+    out = turbo.ops.gemm(a.double(), b.double())
+    assert GemmDispatcher.last_backend == BackendType.TORCH and out.dtype == torch.float64
+    if not HAS_CUDA:
+        monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "CUBLAS")
+        with pytest.raises(ValueError, match="backend CUBLAS .* cannot handle"):
+            turbo.ops.gemm(a, b)
+
+
+def test_gemm_autotune_caches_per_shape(device):
+    GlobalBackendManager.set_auto_tune(True)
+    a, b = _operands(16, 24, 32, False, False, torch.float32, device, requires_grad=False)
+    out = turbo.ops.gemm(a, b)
+    chosen = GemmDispatcher.last_backend
+    assert chosen in GemmDispatcher.candidates(a=a, b=b, trans_a=False, trans_b=False, out_dtype=a.dtype)
+    assert len(GemmDispatcher._cache) == 1
+    turbo.ops.gemm(a, b)
+    assert len(GemmDispatcher._cache) == 1 and GemmDispatcher.last_backend == chosen
+    turbo.ops.gemm(a[:8], b)
+    assert len(GemmDispatcher._cache) == 2
+    assert_close(out, gemm_ref(a, b), torch.float32)
+
+
+# Llama/DeepSeek training shapes, M = 8192 tokens, as nn.Linear runs them (x @ W.T).
+TRAINING_NK = [(n, k) for n in (2048, 4096, 7168, 14336) for k in (2048, 4096, 7168, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["CUBLAS", "TRITON", "TORCH"])
+@pytest.mark.parametrize("n,k", TRAINING_NK)
+def test_gemm_training_shapes_gpu(n, k, backend, device):
+    # fp32 reference on the GPU (TF32 off): an fp64 one at these sizes costs seconds per test
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check_fwd_bwd(8192, n, k, False, True, torch.bfloat16, device, backend, ref_acc=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.deterministic
+@pytest.mark.parametrize("backend", ["CUBLAS", "TRITON"])
+def test_gemm_bitwise_deterministic(backend, device):
+    GlobalBackendManager.set_gemm_backend(backend)
+    a, b = _operands(8192, 4096, 4096, False, True, torch.bfloat16, device, requires_grad=False)
+    first = turbo.ops.gemm(a, b, trans_b=True)
+    for _ in range(3):
+        assert torch.equal(turbo.ops.gemm(a, b, trans_b=True), first)
+
+
 # --------------------------------------------------------------------------------------------
 # Triton kernels: both variants, every config, in the interpreter (CPU) or on the GPU
 # --------------------------------------------------------------------------------------------
