@@ -179,26 +179,29 @@ def _with_dtype(sig, in_dtype, names):
     return {k: (in_dtype if k in names else v) for k, v in sig.items()}
 
 
-FWD_CASES = [
-    ("bf16", 0, 4096),
-    ("bf16", 0, 128),
-    ("fp8e4nv", 1, 4096),
-    ("fp8e4nv", 2, 4096),
-    ("fp8e4nv", 3, 4096),
+FWD_CASES = [  # (a dtype, b dtype, scale mode, N); fp8e5 x fp8e4nv is the HYBRID dgrad
+    ("bf16", "bf16", 0, 4096),
+    ("bf16", "bf16", 0, 128),
+    ("fp16", "fp16", 0, 4096),
+    ("fp8e4nv", "fp8e4nv", 1, 4096),
+    ("fp8e4nv", "fp8e4nv", 2, 4096),
+    ("fp8e4nv", "fp8e4nv", 3, 4096),
+    ("fp8e5", "fp8e4nv", 2, 4096),
+    ("fp8e5", "fp8e4nv", 3, 4096),
 ]
-WGRAD_CASES = [("bf16", 0), ("fp8e4nv", 1), ("fp8e5", 1)]
+WGRAD_CASES = [("bf16", 0), ("fp8e4nv", 1), ("fp8e5", 1), ("fp16", 0)]
 
 
 def _compile_all():
     """Every launch config the GPU uses, compiled for sm_90 (run in a process without the interpreter)."""
-    for in_dtype, scale_mode, n in FWD_CASES:
-        cfg = kmod._fwd_config(in_dtype != "bf16", scale_mode, n, on_gpu=True)
+    for a_dtype, b_dtype, scale_mode, n in FWD_CASES:
+        cfg = kmod._fwd_config(a_dtype.startswith("fp8"), scale_mode, n, on_gpu=True)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         consts = dict(NUM_PROGS=132, BLOCK_G=kmod._block_g(256), SCALE_MODE=scale_mode, UPCAST=False, **cfg)
-        sig = _with_dtype(_FWD_SIG, f"*{in_dtype}", ("a_ptr", "b_ptr"))
+        sig = _with_dtype(_with_dtype(_FWD_SIG, f"*{a_dtype}", ("a_ptr",)), f"*{b_dtype}", ("b_ptr",))
         compile_for_sm90(kmod.grouped_gemm_kernel, sig, consts, num_warps=warps, num_stages=stages)
     for in_dtype, scale_mode in WGRAD_CASES:
-        cfg = kmod._wgrad_config(in_dtype != "bf16", on_gpu=True)
+        cfg = kmod._wgrad_config(in_dtype.startswith("fp8"), on_gpu=True)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         consts = dict(NUM_PROGS=132, BLOCK_G=kmod._block_g(64), SCALE_MODE=scale_mode, UPCAST=False, **cfg)
         sig = _with_dtype(_WGRAD_SIG, f"*{in_dtype}", ("x_ptr", "y_ptr"))

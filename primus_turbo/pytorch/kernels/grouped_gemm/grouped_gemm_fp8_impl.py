@@ -1,0 +1,204 @@
+"""FP8 grouped GEMM backends over already-quantized operands, dispatcher and custom ops.
+
+Operands come in the kernel layout: ``a`` [M, K] fp8, ``b_view`` [G, K, N] fp8 (any strides),
+``out[rows_g] = (a * a_scale)[rows_g] @ (b_view[g] * b_scale[g])`` with ``scale_mode``:
+
+  TENSORWISE (1): a_scale [1], b_scale [G] (stride 0 when one scale serves all experts)
+  ROWWISE    (2): a_scale [M] (per row, along K), b_scale [G, N] (per output column, along K)
+  BLOCKWISE  (3): a_scale [M, ceil(K/128)], b_scale [G, ceil(K/128), ceil(N/128)] (any strides)
+
+Variable-K (wgrad) over fp8 ``x`` [M, P], ``y`` [M, Q] with per-group scalar scales
+``x_scale`` [G], ``y_scale`` [G]: ``out[g] = (x_g * x_scale[g])^T @ (y_g * y_scale[g])``.
+
+Backends: CUTLASS (torch._scaled_grouped_mm: ROWWISE, E4M3 x E4M3, bf16 out, sm_90), TRITON (every
+mode), TORCH (dequantize + per-group loop in fp32: the reference and CPU default; it syncs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.utils import triton_can_run_on
+from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
+    VariableKTorchBackend,
+    cutlass_offsets,
+)
+from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
+    SCALE_BLOCKWISE,
+    SCALE_ROWWISE,
+    SCALE_TENSORWISE,
+    launch_grouped_gemm,
+    launch_grouped_gemm_variable_k,
+)
+
+__all__ = ["grouped_gemm_fp8_impl", "grouped_gemm_fp8_variable_k_impl", "GroupedGemmFP8Dispatcher"]
+
+BLOCK = 128
+
+
+def dequantize_operands(a, b_view, a_scale, b_scale, scale_mode):
+    """fp32 copies of the two operands (reference backend and tests)."""
+    af, bf = a.float(), b_view.float()
+    m, k = a.shape
+    g, _, n = b_view.shape
+    if scale_mode == SCALE_TENSORWISE:
+        return af * a_scale.reshape(1, 1), bf * b_scale.reshape(g, 1, 1)
+    if scale_mode == SCALE_ROWWISE:
+        return af * a_scale.reshape(m, 1), bf * b_scale.reshape(g, 1, n)
+    sa = a_scale.repeat_interleave(BLOCK, dim=1)[:, :k]
+    sb = b_scale.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)[:, :k, :n]
+    return af * sa, bf * sb
+
+
+class FP8TorchBackend(KernelBackend):
+    @staticmethod
+    def can_handle(**kw) -> bool:
+        return True
+
+    @staticmethod
+    def execute(a, b_view, a_scale, b_scale, group_lens, scale_mode, out_dtype, **kw):
+        af, bf = dequantize_operands(a, b_view, a_scale, b_scale, scale_mode)
+        out = torch.zeros(a.shape[0], b_view.shape[2], dtype=torch.float32, device=a.device)
+        start = 0
+        for g, n in enumerate(group_lens.tolist()):  # host sync: reference backend only
+            out[start : start + n] = af[start : start + n] @ bf[g]
+            start += n
+        return out.to(out_dtype)
+
+
+class FP8CutlassBackend(KernelBackend):
+    @staticmethod
+    def can_handle(a, b_view, scale_mode, out_dtype, **kw) -> bool:
+        if scale_mode != SCALE_ROWWISE or out_dtype != torch.bfloat16 or not a.is_cuda:
+            return False
+        if a.dtype != torch.float8_e4m3fn or b_view.dtype != torch.float8_e4m3fn:
+            return False
+        if torch.cuda.get_device_capability(a.device) < (9, 0):
+            return False
+        k, n = a.shape[1], b_view.shape[2]
+        col_major_b = b_view.stride(1) == 1
+        return col_major_b and a.stride(1) == 1 and k % 16 == 0 and n % 16 == 0 and a.shape[0] > 0
+
+    @staticmethod
+    def execute(a, b_view, a_scale, b_scale, group_lens, out_dtype, **kw):
+        offs = cutlass_offsets(group_lens, a.shape[0])
+        return torch._scaled_grouped_mm(
+            a, b_view, a_scale.reshape(-1), b_scale, offs=offs, out_dtype=out_dtype, use_fast_accum=True
+        )
+
+
+class FP8TritonBackend(KernelBackend):
+    @staticmethod
+    def can_handle(a, b_view, group_lens, **kw) -> bool:
+        return triton_can_run_on(a, b_view, group_lens) and group_lens.shape[0] < 4096
+
+    @staticmethod
+    def execute(a, b_view, a_scale, b_scale, group_lens, scale_mode, out_dtype, **kw):
+        out = torch.empty(a.shape[0], b_view.shape[2], dtype=out_dtype, device=a.device)
+        if out.numel() == 0:
+            return out
+        return launch_grouped_gemm(a, b_view, out, group_lens, a_scale, b_scale, scale_mode)
+
+
+class GroupedGemmFP8Dispatcher(AutoKernelDispatcher):
+    op_name = "grouped_gemm"
+    backends = {
+        BackendType.CUTLASS: FP8CutlassBackend,
+        BackendType.TRITON: FP8TritonBackend,
+        BackendType.TORCH: FP8TorchBackend,
+    }
+
+    @classmethod
+    def make_key(cls, a, b_view, scale_mode, out_dtype, **kw) -> tuple:
+        strides = tuple(b_view.stride())
+        return ("fp8", tuple(a.shape), tuple(b_view.shape), strides, a.dtype, scale_mode, out_dtype)
+
+    @classmethod
+    def default_backend(cls, a, **kw):
+        return BackendType.TORCH if a.device.type == "cpu" else BackendType.TRITON
+
+
+class FP8VariableKTritonBackend(KernelBackend):
+    @staticmethod
+    def can_handle(x, y, group_lens, **kw) -> bool:
+        return triton_can_run_on(x, y, group_lens) and group_lens.shape[0] < 4096
+
+    @staticmethod
+    def execute(x, y, x_scale, y_scale, group_lens, out_dtype, **kw):
+        out = torch.empty(group_lens.shape[0], x.shape[1], y.shape[1], dtype=out_dtype, device=x.device)
+        if out.numel() == 0:
+            return out
+        return launch_grouped_gemm_variable_k(x, y, out, group_lens, x_scale, y_scale)
+
+
+class FP8VariableKTorchBackend(KernelBackend):
+    @staticmethod
+    def can_handle(**kw) -> bool:
+        return True
+
+    @staticmethod
+    def execute(x, y, x_scale, y_scale, group_lens, out_dtype, **kw):
+        out = VariableKTorchBackend.execute(x=x.float(), y=y.float(), group_lens=group_lens)
+        return (out * (x_scale * y_scale).view(-1, 1, 1)).to(out_dtype)
+
+
+class GroupedGemmFP8VariableKDispatcher(AutoKernelDispatcher):
+    op_name = "grouped_gemm"
+    backends = {BackendType.TRITON: FP8VariableKTritonBackend, BackendType.TORCH: FP8VariableKTorchBackend}
+
+    @classmethod
+    def make_key(cls, x, y, group_lens, out_dtype, **kw) -> tuple:
+        return ("fp8_wgrad", tuple(x.shape), tuple(y.shape), int(group_lens.shape[0]), x.dtype, out_dtype)
+
+    @classmethod
+    def default_backend(cls, x, **kw):
+        return BackendType.TORCH if x.device.type == "cpu" else BackendType.TRITON
+
+
+@torch.library.custom_op("primus_turbo::grouped_gemm_fp8", mutates_args=())
+def grouped_gemm_fp8_impl(
+    a: torch.Tensor,
+    b_view: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_lens: torch.Tensor,
+    scale_mode: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return GroupedGemmFP8Dispatcher.dispatch(
+        a=a,
+        b_view=b_view,
+        a_scale=a_scale,
+        b_scale=b_scale,
+        group_lens=group_lens,
+        scale_mode=scale_mode,
+        out_dtype=out_dtype,
+    )
+
+
+@grouped_gemm_fp8_impl.register_fake
+def _(a, b_view, a_scale, b_scale, group_lens, scale_mode, out_dtype):
+    return a.new_empty(a.shape[0], b_view.shape[2], dtype=out_dtype)
+
+
+@torch.library.custom_op("primus_turbo::grouped_gemm_fp8_variable_k", mutates_args=())
+def grouped_gemm_fp8_variable_k_impl(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_scale: torch.Tensor,
+    y_scale: torch.Tensor,
+    group_lens: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return GroupedGemmFP8VariableKDispatcher.dispatch(
+        x=x, y=y, x_scale=x_scale, y_scale=y_scale, group_lens=group_lens, out_dtype=out_dtype
+    )
+
+
+@grouped_gemm_fp8_variable_k_impl.register_fake
+def _(x, y, x_scale, y_scale, group_lens, out_dtype):
+    return x.new_empty(group_lens.shape[0], x.shape[1], y.shape[1], dtype=out_dtype)
+
+
+__all__ += ["SCALE_TENSORWISE", "SCALE_ROWWISE", "SCALE_BLOCKWISE", "dequantize_operands"]
