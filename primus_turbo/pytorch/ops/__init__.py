@@ -1,5 +1,6 @@
 """User-facing ops: thin functions over torch.autograd.Function (forward + backward)."""
 # One import line per op module; keep sorted.
+from primus_turbo.pytorch.ops.attention import flash_attn_func, flash_attn_varlen_func  # noqa: F401
 from primus_turbo.pytorch.ops.gemm import gemm  # noqa: F401
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm  # noqa: F401
 from primus_turbo.pytorch.ops.quantization import dequantize_fp8, quantize_fp8, quantize_fp8_with_transpose  # noqa: F401,E501

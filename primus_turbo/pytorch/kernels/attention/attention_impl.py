@@ -1,0 +1,261 @@
+"""Attention backends and their dispatcher (op name "attention", env PRIMUS_TURBO_ATTENTION_BACKEND).
+
+Backends (all take the same keyword arguments, see ``AttentionDispatcher``):
+
+* ``TRITON``: our flash-attention-2 kernels. Fixed length and varlen, GQA/MQA, head dims up to 256
+  and d_v != d_qk (MLA 192/128), sliding window, attention sink, LSE output. Deterministic (no
+  atomics). No dropout.
+* ``CUDNN`` / ``FLASH``: ``F.scaled_dot_product_attention`` with that SDPA backend forced. They take
+  only what SDPA serves: fixed length, no sink/window, causal only when Sq == Sk (SDPA's causal
+  mask is top-left aligned), no LSE output, not deterministic mode; torch's own
+  ``can_use_{cudnn,flash}_attention`` decides head dims, dtypes and GQA. Autograd runs natively
+  through SDPA, so the backward is the same SDPA backend as the forward.
+* ``TORCH``: fp32 math reference; every feature incl. dropout; the CPU default.
+
+``TRITON`` and ``TORCH`` run through the ``primus_turbo::attention_fwd/bwd`` custom ops (with fake
+kernels, so torch.compile traces them); the backend name chosen in forward is an argument of both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.utils import triton_can_run_on, triton_interpret_enabled
+from primus_turbo.pytorch.kernels.attention.attention_torch_impl import torch_attn_bwd, torch_attn_fwd
+from primus_turbo.pytorch.kernels.attention.attention_triton_impl import (
+    triton_attn_bwd,
+    triton_attn_fwd,
+    triton_supports_head_dims,
+)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom ops (TRITON, TORCH)
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("primus_turbo::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sink: torch.Tensor | None,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    dropout_p: float,
+    dropout_seed: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == BackendType.TRITON.value:
+        return triton_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink,
+                               softmax_scale, window_left, window_right)  # fmt: skip
+    if backend == BackendType.TORCH.value:
+        return torch_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, sink, softmax_scale, window_left,
+                              window_right, dropout_p, dropout_seed)  # fmt: skip
+    raise ValueError(f"attention_fwd: backend {backend!r} does not run through this op (TRITON, TORCH)")
+
+
+@attention_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink, softmax_scale, window_left,
+      window_right, dropout_p, dropout_seed, backend):  # fmt: skip
+    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("primus_turbo::attention_bwd", mutates_args=())
+def attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sink: torch.Tensor | None,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    dropout_p: float,
+    dropout_seed: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink); dsink is an empty tensor when there is no sink."""
+    if backend == BackendType.TRITON.value:
+        dq, dk, dv, dsink = triton_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                            max_seqlen_q, max_seqlen_k, sink, softmax_scale,
+                                            window_left, window_right)  # fmt: skip
+    elif backend == BackendType.TORCH.value:
+        dq, dk, dv, dsink = torch_attn_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, sink, softmax_scale,
+                                           window_left, window_right, dropout_p, dropout_seed)  # fmt: skip
+    else:
+        raise ValueError(f"attention_bwd: backend {backend!r} does not run through this op (TRITON, TORCH)")
+    if dsink is None:
+        dsink = q.new_empty(0, dtype=torch.float32)
+    return dq, dk, dv, dsink
+
+
+@attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink, softmax_scale,
+      window_left, window_right, dropout_p, dropout_seed, backend):  # fmt: skip
+    dsink = torch.empty_like(sink) if sink is not None else q.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
+# ---------------------------------------------------------------------------------------------
+# backends
+# ---------------------------------------------------------------------------------------------
+class TorchAttentionBackend(KernelBackend):
+    @staticmethod
+    def can_handle(**kw: Any) -> bool:
+        return kw["q"].dtype in (*_HALF, torch.float32)
+
+    @staticmethod
+    def execute(**kw: Any):
+        return _custom_op_fwd(BackendType.TORCH, **kw)
+
+
+class TritonAttentionBackend(KernelBackend):
+    @staticmethod
+    def can_handle(**kw: Any) -> bool:
+        q, k, v = kw["q"], kw["k"], kw["v"]
+        dtypes = (*_HALF, torch.float32) if triton_interpret_enabled() else _HALF
+        return (
+            triton_can_run_on(q, k, v)
+            and q.dtype in dtypes
+            and kw["dropout_p"] == 0.0
+            and triton_supports_head_dims(q.shape[-1], v.shape[-1])
+        )
+
+    @staticmethod
+    def execute(**kw: Any):
+        return _custom_op_fwd(BackendType.TRITON, **kw)
+
+
+def _sdpa_params(kw: dict):
+    causal = kw["window_right"] == 0
+    q, k, v = (kw[n].transpose(1, 2) for n in ("q", "k", "v"))
+    return torch.backends.cuda.SDPAParams(q, k, v, None, kw["dropout_p"], causal, q.shape[1] != k.shape[1])
+
+
+def _sdpa_common_ok(kw: dict) -> bool:
+    q, k = kw["q"], kw["k"]
+    return (
+        q.is_cuda
+        and q.dtype in _HALF
+        and kw["cu_seqlens_q"] is None
+        and kw["sink"] is None
+        and not kw["return_lse"]
+        and not kw["deterministic"]
+        and kw["window_left"] < 0
+        and (kw["window_right"] < 0 or (kw["window_right"] == 0 and q.shape[1] == k.shape[1]))
+        and q.numel() > 0
+        and k.numel() > 0
+    )
+
+
+def _sdpa_run(sdpa_backend, **kw: Any):
+    from torch.nn.attention import sdpa_kernel
+
+    q, k, v = (kw[n].transpose(1, 2) for n in ("q", "k", "v"))
+    with sdpa_kernel([sdpa_backend]):
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=kw["dropout_p"], is_causal=kw["window_right"] == 0,
+            scale=kw["softmax_scale"], enable_gqa=q.shape[1] != k.shape[1],
+        )  # fmt: skip
+    return out.transpose(1, 2), None
+
+
+class CudnnAttentionBackend(KernelBackend):
+    @staticmethod
+    def can_handle(**kw: Any) -> bool:
+        try:
+            return _sdpa_common_ok(kw) and torch.backends.cuda.can_use_cudnn_attention(_sdpa_params(kw))
+        except Exception:
+            return False
+
+    @staticmethod
+    def execute(**kw: Any):
+        from torch.nn.attention import SDPBackend
+
+        return _sdpa_run(SDPBackend.CUDNN_ATTENTION, **kw)
+
+
+class FlashAttentionBackend(KernelBackend):
+    @staticmethod
+    def can_handle(**kw: Any) -> bool:
+        try:
+            return _sdpa_common_ok(kw) and torch.backends.cuda.can_use_flash_attention(_sdpa_params(kw))
+        except Exception:
+            return False
+
+    @staticmethod
+    def execute(**kw: Any):
+        from torch.nn.attention import SDPBackend
+
+        return _sdpa_run(SDPBackend.FLASH_ATTENTION, **kw)
+
+
+SDPA_BACKENDS = (BackendType.CUDNN, BackendType.FLASH)
+
+
+class AttentionDispatcher(AutoKernelDispatcher):
+    """Keyword arguments: q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink,
+    softmax_scale, window_left, window_right (-1: unbounded; causal is window_right=0),
+    dropout_p, deterministic, return_lse.
+
+    ``execute`` returns (out, lse or None). SDPA backends return an autograd-tracked ``out`` and
+    ``None``; TRITON/TORCH are called through ``flash_attn`` ops' autograd Function instead (the
+    dispatcher's ``execute`` is only used by autotune timing for them).
+    """
+
+    op_name = "attention"
+    backends = {
+        BackendType.CUDNN: CudnnAttentionBackend,
+        BackendType.TRITON: TritonAttentionBackend,
+        BackendType.FLASH: FlashAttentionBackend,
+        BackendType.TORCH: TorchAttentionBackend,
+    }
+
+    @classmethod
+    def make_key(cls, **kw: Any) -> tuple:
+        q, k, v = kw["q"], kw["k"], kw["v"]
+        varlen = kw["cu_seqlens_q"] is not None
+        seq = (kw["max_seqlen_q"], kw["max_seqlen_k"]) if varlen else (q.shape[1], k.shape[1])
+        batch = kw["cu_seqlens_q"].numel() - 1 if varlen else q.shape[0]
+        return (
+            q.device.type, q.dtype, batch, *seq, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], varlen,
+            kw["window_left"], kw["window_right"], kw["sink"] is not None, kw["dropout_p"] > 0,
+            kw["deterministic"], kw["return_lse"],
+        )  # fmt: skip
+
+    @classmethod
+    def default_backend(cls, **kw: Any) -> BackendType | None:
+        # cuDNN is the fastest measured SDPA path on H200 (538/460 TFLOP/s d128 causal); our kernel
+        # takes everything it cannot serve (MLA dims, window, sink, varlen, LSE, determinism).
+        if kw["q"].is_cuda:
+            return BackendType.CUDNN if CudnnAttentionBackend.can_handle(**kw) else BackendType.TRITON
+        return BackendType.TORCH
+
+
+def _custom_op_fwd(backend: BackendType, **kw: Any):
+    return attention_fwd(
+        kw["q"], kw["k"], kw["v"], kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["max_seqlen_q"],
+        kw["max_seqlen_k"], kw["sink"], kw["softmax_scale"], kw["window_left"], kw["window_right"],
+        kw["dropout_p"], kw.get("dropout_seed", 0), backend.value,
+    )  # fmt: skip
