@@ -113,11 +113,12 @@ def _check_operands(a: torch.Tensor, bs: list[torch.Tensor], a_name: str, scaled
 
 def _to_front_2d(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, list[int]]:
     moved = t.movedim(dim, 0)
-    return moved.contiguous().view(-1, t.shape[-1]), list(moved.shape[:-1])
+    rows = moved.shape[:-1].numel()
+    return moved.contiguous().view(rows, t.shape[-1]), list(moved.shape[:-1])
 
 
 def _from_front_2d(t2d: torch.Tensor, lead: list[int], dim: int) -> torch.Tensor:
-    return t2d.view(*lead, t2d.shape[-1]).movedim(0, dim)
+    return t2d.reshape(*lead, t2d.shape[-1]).movedim(0, dim)
 
 
 # -- FP8 quantization (current scaling) -----------------------------------------------------------

@@ -23,10 +23,21 @@ def all_gather_matmul_ref(
 
 
 def matmul_reduce_scatter_ref(
-    a_per_rank: list[torch.Tensor], b_per_rank: list[torch.Tensor], reduce_op: str, scatter_dim: int, rank: int
+    a_per_rank: list[torch.Tensor],
+    b_per_rank: list[torch.Tensor],
+    reduce_op: str,
+    scatter_dim: int,
+    rank: int,
 ) -> torch.Tensor:
-    """Chunk ``rank`` along scatter_dim of sum/avg over ranks of a_r @ b_r, in fp64."""
-    total = sum(a.double() @ b.double() for a, b in zip(a_per_rank, b_per_rank))
+    """Chunk ``rank`` along scatter_dim of sum/avg over ranks of a_r @ b_r, in fp64.
+
+    Each partial is rounded to the inputs' dtype first: that is what crosses the wire in every
+    backend (and in NCCL's own reduce-scatter), so only the final rounding is left to tolerate.
+    """
+    dtype = a_per_rank[0].dtype if a_per_rank[0].dtype.is_floating_point else torch.float64
+    if dtype.itemsize == 1:  # fp8 operands produce bf16 partials
+        dtype = torch.bfloat16
+    total = sum((a.double() @ b.double()).to(dtype).double() for a, b in zip(a_per_rank, b_per_rank))
     if reduce_op == "avg":
         total = total / len(a_per_rank)
     return total.chunk(len(a_per_rank), dim=scatter_dim)[rank]

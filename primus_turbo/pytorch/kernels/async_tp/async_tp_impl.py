@@ -115,6 +115,11 @@ def _ag_empty_extras(a_shard: torch.Tensor) -> torch.Tensor:
     return a_shard.new_empty(0)
 
 
+def _empty_scale(a_shard: torch.Tensor) -> torch.Tensor:
+    # a separate allocation: custom ops may not return aliased outputs
+    return a_shard.new_empty(0, dtype=torch.float32)
+
+
 class _AGNccl(KernelBackend):
     @staticmethod
     def can_handle(**kw: Any) -> bool:
@@ -136,7 +141,7 @@ class _AGNccl(KernelBackend):
         extras = _ag_empty_extras(a_shard)
         return [
             a_full if return_a else extras,
-            scale_full if (return_a and _rowwise(a_scale)) else extras.float(),
+            scale_full if (return_a and _rowwise(a_scale)) else _empty_scale(a_shard),
             *outs,
         ]
 
@@ -153,7 +158,7 @@ class _AGSymmMem(KernelBackend):
             a_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(
                 a_shard, bs, 0, group_name, return_A=return_a
             )
-            return [a_full if return_a else extras, extras.float(), *outs]
+            return [a_full if return_a else extras, _empty_scale(a_shard), *outs]
         a_full, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
             a_shard,
             bs,
@@ -166,7 +171,7 @@ class _AGSymmMem(KernelBackend):
             [_out_dtype(a_shard, out_dtype)] * len(bs),
             [False] * len(bs),
         )
-        scale_full = extras.float()
+        scale_full = _empty_scale(a_shard)
         if return_a and _rowwise(a_scale):  # torch does not return the gathered scales
             _, world, _ = group_info(group_name)
             scale_full = a_scale.new_empty((world * a_scale.shape[0], 1))
@@ -205,7 +210,7 @@ class _AGTurbo(KernelBackend):
         splits = num_splits if num_splits else _default_splits(a_shard, bs, world)
         pipelined_all_gather_consume(shards, consume, gathered, group_name, world, rank, splits)
         a_full = gathered[0] if return_a else extras
-        scale_full = gathered[1] if (return_a and rowwise) else extras.float()
+        scale_full = gathered[1] if (return_a and rowwise) else _empty_scale(a_shard)
         return [a_full, scale_full, *outs]
 
 

@@ -1,0 +1,197 @@
+"""Async-TP ops: numerics of every backend against an fp64 single-process reference.
+
+CPU (gloo, 2 ranks): the NCCL backend, the op layer's reshaping/validation, FP8 quantization and
+group-of-one fall-through; all checks of one spawn share a body to keep process start-up (~7 s) low.
+2 GPUs (multigpu): TURBO and SYMM_MEM against NCCL at training shapes, bf16 tolerance and FP8 SNR,
+odd row counts split into uneven chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from ref.async_tp_ref import all_gather_matmul_ref, matmul_reduce_scatter_ref, rank_inputs
+from test_utils import assert_close, assert_snr, fp8_snr_gate
+
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
+from primus_turbo.pytorch.ops.async_tp import (
+    fused_all_gather_matmul,
+    fused_all_gather_scaled_matmul,
+    fused_matmul_reduce_scatter,
+    fused_scaled_matmul_reduce_scatter,
+    quantize_for_async_tp,
+)
+
+FP8_CONFIGS = [
+    Float8QuantConfig(format=Format.E4M3, granularity=ScalingGranularity.TENSORWISE),
+    Float8QuantConfig(format=Format.E4M3, granularity=ScalingGranularity.ROWWISE),
+]
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**30, ()).item())
+
+
+def _check_all_gather(rank, world, device, seed, dtype, lead, gather_dim, n_list, backend, num_splits=None):
+    shapes = [lead] + [(lead[-1], n) for n in n_list]
+    ins = rank_inputs(seed, world, *shapes, dtype=dtype)
+    a = ins[rank][0].to(device)
+    bs = [b.to(device) for b in ins[0][1:]]  # weights identical on all ranks
+    a_full, outs = fused_all_gather_matmul(a, bs, gather_dim, backend=backend, num_splits=num_splits)
+    for i, (b, out) in enumerate(zip(ins[0][1:], outs)):
+        ref_a, ref = all_gather_matmul_ref([r[0] for r in ins], b, gather_dim)
+        assert out.shape == ref.shape and out.dtype == dtype
+        assert_close(out.cpu(), ref, dtype, msg=f"AG+GEMM out[{i}] {backend} dim={gather_dim}")
+    torch.testing.assert_close(a_full.cpu().double(), ref_a, rtol=0, atol=0)
+    none_a, outs2 = fused_all_gather_matmul(a, bs[:1], gather_dim, return_a=False, backend=backend)
+    assert none_a is None and outs2[0].shape == outs[0].shape
+
+
+def _check_reduce_scatter(
+    rank, world, device, seed, dtype, shape_a, n, reduce_op, dim, backend, num_splits=None
+):
+    ins = rank_inputs(seed, world, shape_a, (shape_a[-1], n), dtype=dtype)
+    a, b = ins[rank][0].to(device), ins[rank][1].to(device)
+    out = fused_matmul_reduce_scatter(a, b, reduce_op, dim, backend=backend, num_splits=num_splits)
+    ref = matmul_reduce_scatter_ref([r[0] for r in ins], [r[1] for r in ins], reduce_op, dim, rank)
+    assert out.shape == ref.shape and out.dtype == dtype
+    # the reduction adds `world` rounded partials: one extra rounding step of the output dtype
+    assert_close(out.cpu(), ref, dtype, msg=f"GEMM+RS {reduce_op} dim={dim} {backend}")
+
+
+def _check_fp8(rank, world, device, seed, backend):
+    ins = rank_inputs(seed, world, (96, 128), (128, 160), dtype=torch.bfloat16)
+    a, b = ins[rank][0].to(device), ins[0][1].to(device)
+    rs_b = ins[rank][1].to(device)
+    for cfg in FP8_CONFIGS:
+        _, (out,) = fused_all_gather_matmul(a, [b], 0, fp8_config=cfg, backend=backend)
+        _, ref = all_gather_matmul_ref([r[0] for r in ins], ins[0][1], 0)
+        assert out.dtype == torch.bfloat16
+        assert_snr(out.cpu(), ref, fp8_snr_gate(cfg.format), msg=f"AG fp8 {cfg.granularity.name} {backend}")
+        out = fused_matmul_reduce_scatter(a, rs_b, "sum", 0, fp8_config=cfg, backend=backend)
+        ref = matmul_reduce_scatter_ref([r[0] for r in ins], [r[1] for r in ins], "sum", 0, rank)
+        assert_snr(out.cpu(), ref, fp8_snr_gate(cfg.format), msg=f"RS fp8 {cfg.granularity.name} {backend}")
+
+
+def _check_scaled_variants(rank, world, device, seed, backend):
+    """Pre-quantized operands: the scaled APIs must match dequantize-then-matmul exactly-ish."""
+    ins = rank_inputs(seed, world, (2, 24, 64), (64, 48), dtype=torch.float32)
+    a, b = ins[rank][0].to(device), ins[0][1].to(device)
+    a_q, a_scale = quantize_for_async_tp(a, torch.float8_e4m3fn, -1)  # row-wise [2, 24, 1]
+    bt_q, b_scale = quantize_for_async_tp(b.t().contiguous(), torch.float8_e4m3fn, 1)
+    a_full, scale_full, (out,) = fused_all_gather_scaled_matmul(
+        a_q, [bt_q.t()], a_scale, [b_scale.view(1, -1)], 1, backend=backend
+    )
+    assert a_full.shape == (2, 24 * world, 64) and scale_full.shape == (2, 24 * world, 1)
+    deq = a_full.float() * scale_full
+    ref = deq.double() @ (bt_q.t().double() * b_scale.view(1, -1).double().cpu().to(device))
+    assert_snr(out.double().cpu(), ref.cpu(), 40.0, msg="scaled AG vs dequantized reference")
+    out_rs = fused_scaled_matmul_reduce_scatter(
+        a_q, bt_q.t(), a_scale, b_scale.view(1, -1), "sum", 1, out_dtype=torch.float32, backend=backend
+    )
+    assert out_rs.shape == (2, 24 // world, 48) and out_rs.dtype == torch.float32
+
+
+def _gloo_body(rank, world, device, seed):
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_all_gather(rank, world, device, seed, dtype, (3, 32), 0, [40, 24], "NCCL")  # odd rows
+        _check_all_gather(rank, world, device, seed + 1, dtype, (2, 5, 32), 1, [16], None)
+        _check_reduce_scatter(rank, world, device, seed + 2, dtype, (6, 32), 40, "sum", 0, None)
+        _check_reduce_scatter(rank, world, device, seed + 3, dtype, (3, 4, 32), 24, "avg", 1, "NCCL")
+    _check_fp8(rank, world, device, seed + 4, "NCCL")
+    _check_scaled_variants(rank, world, device, seed + 5, "NCCL")
+    # zero-size: K = 0 gives zeros, M = 0 gives empty outputs
+    a_full, (out,) = fused_all_gather_matmul(torch.zeros(3, 0), [torch.zeros(0, 8)], 0)
+    assert a_full.shape == (3 * world, 0) and out.shape == (3 * world, 8) and not out.any()
+    out = fused_matmul_reduce_scatter(torch.randn(0, 8), torch.randn(8, 4), "sum", 0)
+    assert out.shape == (0, 4)
+    # symmetric-memory backends need CUDA + NCCL: pinned on gloo they must refuse, never fall back
+    for backend in ("TURBO", "SYMM_MEM"):
+        with pytest.raises(ValueError, match=backend):
+            fused_all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 8)], 0, backend=backend)
+        with pytest.raises(ValueError, match=backend):
+            fused_matmul_reduce_scatter(torch.randn(4, 8), torch.randn(8, 8), "sum", 0, backend=backend)
+    with pytest.raises(ValueError, match="not divisible by the group size"):
+        fused_matmul_reduce_scatter(torch.randn(5, 8), torch.randn(8, 4), "sum", 0)
+    # groups of one: every rank in its own group runs a plain GEMM, no communication
+    singles = [dist.new_group([r]) for r in range(world)]
+    a, b = torch.randn(5, 16), torch.randn(16, 8)
+    a_full, (out,) = fused_all_gather_matmul(a, [b], 0, singles[rank], backend="NCCL")
+    assert torch.equal(a_full, a) and torch.allclose(out, a @ b)
+    assert torch.allclose(fused_matmul_reduce_scatter(a, b, "avg", 0, singles[rank]), a @ b)
+
+
+def test_async_tp_ops_gloo():
+    run_distributed(_gloo_body, world_size=2, backend="gloo", args=(_seed(),))
+
+
+# -- validation: raised before any communication, so no process group is needed -------------------
+def test_dtype_mix_rejected():
+    with pytest.raises(TypeError, match="dtypes must match"):
+        fused_all_gather_matmul(torch.randn(4, 8, dtype=torch.bfloat16), [torch.randn(8, 4)], 0, "g")
+    with pytest.raises(TypeError, match="dtypes must match"):
+        fused_matmul_reduce_scatter(torch.randn(4, 8), torch.randn(8, 4, dtype=torch.float16), "sum", 0, "g")
+    fp8 = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="fp8_config"):
+        fused_all_gather_matmul(fp8, [fp8.t()], 0, "g")
+    with pytest.raises(TypeError, match="float8"):
+        fused_all_gather_scaled_matmul(torch.randn(4, 8), [fp8.t()], torch.ones(()), [torch.ones(())], 0, "g")
+
+
+def test_bad_dims_and_ops_rejected():
+    with pytest.raises(ValueError, match="gather_dim=1"):
+        fused_all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 4)], 1, "g")
+    with pytest.raises(ValueError, match="K mismatch"):
+        fused_all_gather_matmul(torch.randn(4, 8), [torch.randn(6, 4)], 0, "g")
+    with pytest.raises(ValueError, match="reduce_op"):
+        fused_matmul_reduce_scatter(torch.randn(4, 8), torch.randn(8, 4), "max", 0, "g")
+    with pytest.raises(ValueError, match="scatter_dim=-1"):
+        fused_matmul_reduce_scatter(torch.randn(4, 8), torch.randn(8, 4), "sum", -1, "g")
+    with pytest.raises(TypeError, match="group"):
+        fused_all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 4)], 0, 3)
+
+
+# -- 2 GPUs: TURBO / SYMM_MEM against the fp64 reference and against NCCL ------------------------
+def _gpu_body(rank, world, device, seed):
+    for backend in ("NCCL", "TURBO", "SYMM_MEM"):
+        # training-like shapes; 1000 rows per rank is not a multiple of the 3 / 4 row blocks
+        _check_all_gather(rank, world, device, seed, torch.bfloat16, (1000, 512), 0, [768, 256], backend, 3)
+        _check_all_gather(rank, world, device, seed, torch.bfloat16, (2, 512, 512), 1, [1024], backend)
+        _check_reduce_scatter(
+            rank, world, device, seed, torch.bfloat16, (2002, 512), 768, "sum", 0, backend, 4
+        )
+        _check_reduce_scatter(
+            rank, world, device, seed, torch.bfloat16, (4, 256, 384), 512, "avg", 1, backend
+        )
+        _check_fp8(rank, world, device, seed + 1, backend)
+        _check_scaled_variants(rank, world, device, seed + 2, backend)
+    # the pipeline's workspace is reused across calls and grows: results must stay right
+    for rows in (64, 4096, 64):
+        _check_all_gather(rank, world, device, seed + rows, torch.bfloat16, (rows, 1024), 0, [2048], "TURBO")
+    # the default (no backend) must be consistent across ranks and correct
+    _check_all_gather(rank, world, device, seed + 3, torch.bfloat16, (4096, 4096), 0, [4096], None)
+    _check_reduce_scatter(rank, world, device, seed + 4, torch.bfloat16, (8192, 2048), 4096, "sum", 0, None)
+
+
+@pytest.mark.multigpu
+def test_async_tp_backends_2gpu():
+    run_distributed(_gpu_body, world_size=2, backend="nccl", args=(_seed(),), timeout_s=300)
+
+
+def _gpu_bitwise_body(rank, world, device, seed):
+    """TURBO must equal NCCL bit-for-bit for AG+GEMM in bf16: same cuBLAS GEMM per row block."""
+    gen = torch.Generator(device="cpu").manual_seed(seed + rank)
+    a = torch.randn(2048, 1024, generator=gen).to(device, torch.bfloat16)
+    b = torch.randn(1024, 1536, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16)
+    ref_full, (ref,) = fused_all_gather_matmul(a, [b], 0, backend="NCCL")
+    full, (out,) = fused_all_gather_matmul(a, [b], 0, backend="TURBO")
+    assert torch.equal(full, ref_full)
+    assert_close(out, ref, torch.bfloat16, msg="TURBO vs NCCL")
+
+
+@pytest.mark.multigpu
+@pytest.mark.deterministic
+def test_async_tp_turbo_matches_nccl_2gpu():
+    run_distributed(_gpu_bitwise_body, world_size=2, backend="nccl", args=(_seed(),), timeout_s=180)
