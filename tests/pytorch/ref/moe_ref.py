@@ -62,3 +62,59 @@ def seq_aux_loss_ref(scores, routing_map, seq_length, batch_size, topk, coeff):
     s2 = scores.double().reshape(seq_length, -1)
     tpe = routing_map.reshape(seq_length, -1).sum(0)
     return switch_aux_loss_ref(s2, tpe, seq_length, topk, e, coeff) / batch_size
+
+
+def indices_to_map(indices, num_experts, probs=None):
+    """[T, K] indices (-1 = none) -> bool routing map [T, E] and dense probs [T, E]."""
+    t = indices.shape[0]
+    valid = indices >= 0
+    rmap = torch.zeros(t, num_experts, dtype=torch.bool, device=indices.device)
+    rows = torch.arange(t, device=indices.device).unsqueeze(1).expand_as(indices)
+    rmap[rows[valid], indices[valid]] = True
+    dense = None
+    if probs is not None:
+        dense = torch.zeros(t, num_experts, dtype=torch.float64, device=indices.device)
+        dense[rows[valid], indices[valid]] = probs[valid].double()
+    return rmap, dense
+
+
+def permute_ref(tokens, routing_map, probs=None, pad_multiple=0, capacity=None):
+    """Expert-major permutation (Megatron order) in fp64, with zero padding rows.
+
+    Returns (out [N, H], out_probs [N] or None, tokens_per_expert [E], src [N] token id or -1)."""
+    t, e = routing_map.shape
+    rows, prow, srcs, tpe = [], [], [], []
+    for ex in range(e):
+        tok = torch.nonzero(routing_map[:, ex]).flatten()
+        if capacity is not None:
+            tok = tok[:capacity]
+            n_slots = capacity
+        elif pad_multiple > 1:
+            n_slots = -(-len(tok) // pad_multiple) * pad_multiple
+        else:
+            n_slots = len(tok)
+        pad = n_slots - len(tok)
+        srcs.append(torch.cat([tok, tok.new_full((pad,), -1)]))
+        tpe.append(len(tok) if capacity is not None else n_slots)
+    src = torch.cat(srcs)
+    out = torch.zeros(len(src), tokens.shape[1], dtype=torch.float64)
+    ok = src >= 0
+    out[ok] = tokens.double().cpu()[src[ok].cpu()]
+    out_probs = None
+    if probs is not None:
+        out_probs = torch.zeros(len(src), dtype=torch.float64)
+        ex_of_row = torch.repeat_interleave(torch.arange(e), torch.tensor([len(s) for s in srcs]))
+        out_probs[ok] = probs.double().cpu()[src[ok].cpu(), ex_of_row[ok]]
+    del rows, prow
+    return out, out_probs, torch.tensor(tpe), src
+
+
+def unpermute_ref(permuted, src, num_tokens, weights=None):
+    """out[t] = sum over rows r with src[r] == t of permuted[r] (* weights[r]), fp64."""
+    out = torch.zeros(num_tokens, permuted.shape[1], dtype=torch.float64)
+    ok = src >= 0
+    rows = permuted.double().cpu()[ok]
+    if weights is not None:
+        rows = rows * weights.double().cpu()[ok].unsqueeze(-1)
+    out.index_add_(0, src[ok].cpu(), rows)
+    return out

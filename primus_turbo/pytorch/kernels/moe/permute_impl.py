@@ -1,0 +1,296 @@
+"""Token permute / unpermute: row-id map construction and kernel launches (custom ops).
+
+Backends: TRITON (primus_turbo/triton/moe/permute_kernel.py), TURBO (csrc/kernels/moe/permute.cu,
+when the extension is built; same row-id map, same results) and an eager TORCH fallback for CPUs
+without the Triton interpreter. ``PermuteDispatcher`` picks TURBO > TRITON > TORCH by default;
+the benchmark pins each in turn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.utils import ceil_div, triton_can_run_on
+
+
+def build_row_id_map(
+    routing: torch.Tensor,
+    num_experts: int,
+    num_out_tokens: int | None,
+    pad_multiple: int,
+    capacity: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Destination row of every (token, route) pair, without a host sync when sizes are known.
+
+    ``routing`` is a bool routing map [T, E] or int indices [T, K] (-1 = no route). Rows are
+    grouped by expert, tokens in order within an expert. Returns (row_id_map [T, K or E] int32,
+    tokens_per_expert [E] int32 with padding/capacity applied, number of output rows).
+    """
+    t = routing.shape[0]
+    dev = routing.device
+    if routing.dtype == torch.bool:
+        mask = routing.to(torch.int32)
+    else:
+        valid = routing >= 0
+        mask = torch.zeros((t, num_experts), dtype=torch.int32, device=dev)
+        mask.scatter_add_(1, routing.clamp(min=0).long(), valid.to(torch.int32))
+    rank = torch.cumsum(mask, dim=0, dtype=torch.int32) - 1  # position of token within its expert
+    counts = mask.sum(0, dtype=torch.int32)
+    if capacity is not None:
+        slots = torch.full_like(counts, capacity)
+        keep = (mask > 0) & (rank < capacity)
+        tokens_per_expert = counts.clamp(max=capacity)
+        num_rows = num_experts * capacity
+    else:
+        keep = mask > 0
+        if pad_multiple > 1:
+            slots = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+        else:
+            slots = counts
+        tokens_per_expert = slots
+        if num_out_tokens is None:
+            if routing.dtype == torch.bool:
+                # The only host sync of the op: the output size of a routing-map permute. Pass
+                # num_out_tokens (Megatron knows it) to avoid it.
+                num_out_tokens = int(counts.sum().item())
+            else:
+                num_out_tokens = routing.numel()  # upper bound; exact when no route is -1
+        num_rows = num_out_tokens + (num_experts * (pad_multiple - 1) if pad_multiple > 1 else 0)
+    offsets = torch.cumsum(slots, 0, dtype=torch.int32) - slots
+    dest = offsets.unsqueeze(0) + rank
+    dest = torch.where(keep & (dest < num_rows), dest, torch.full_like(dest, -1))
+    if routing.dtype != torch.bool:
+        dest = dest.gather(1, routing.clamp(min=0).long())
+        dest = torch.where(routing >= 0, dest, torch.full_like(dest, -1))
+    return dest.to(torch.int32).contiguous(), tokens_per_expert, num_rows
+
+
+# -- eager twins (also the TORCH backend) -------------------------------------------------------
+
+
+def _permute_eager(x, row_id_map, probs, num_rows, zero_fill):
+    out = x.new_zeros((num_rows, x.shape[1]))
+    out_probs = probs.new_zeros(num_rows) if probs is not None else None
+    sel = row_id_map >= 0
+    dest = row_id_map[sel].long()
+    src = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(row_id_map)[sel]
+    out[dest] = x[src]
+    if probs is not None:
+        out_probs[dest] = probs[sel]
+    return out, out_probs
+
+
+def _unpermute_eager(y, row_id_map, probs, num_tokens):
+    sel = (row_id_map >= 0).unsqueeze(-1)
+    rows = y.float()[row_id_map.clamp(min=0).long()] * sel
+    if probs is not None:
+        rows = rows * probs.float().unsqueeze(-1)
+    return rows.sum(1).to(y.dtype)
+
+
+# -- backends ------------------------------------------------------------------------------------
+
+
+class PermuteTorch(KernelBackend):
+    @staticmethod
+    def can_handle(**kw) -> bool:
+        return True
+
+    @staticmethod
+    def execute(*, kind, **kw):
+        if kind == "permute":
+            return _permute_eager(kw["x"], kw["row_id_map"], kw["probs"], kw["num_rows"], kw["zero_fill"])
+        return _unpermute_eager(kw["y"], kw["row_id_map"], kw["probs"], kw["num_tokens"])
+
+
+class PermuteTriton(KernelBackend):
+    @staticmethod
+    def can_handle(**kw) -> bool:
+        tensors = [v for v in kw.values() if isinstance(v, torch.Tensor)]
+        return triton_can_run_on(*tensors)
+
+    @staticmethod
+    def execute(*, kind, **kw):
+        from primus_turbo.triton.moe.permute_kernel import permute_block_h, permute_kernel, unpermute_kernel
+
+        row_id_map, probs = kw["row_id_map"], kw["probs"]
+        t, k = row_id_map.shape
+        if kind == "permute":
+            x = kw["x"]
+            h = x.shape[1]
+            alloc = torch.zeros if kw["zero_fill"] else torch.empty
+            out = alloc((kw["num_rows"], h), dtype=x.dtype, device=x.device)
+            out_probs = (
+                alloc((kw["num_rows"],), dtype=probs.dtype, device=x.device) if probs is not None else None
+            )
+            if t and h:
+                block = permute_block_h(h)
+                permute_kernel[(t, ceil_div(h, block))](
+                    x, row_id_map, probs if probs is not None else x, out,
+                    out_probs if out_probs is not None else out, h, k, x.stride(0), out.stride(0),
+                    HAS_PROBS=probs is not None, BLOCK_H=block,
+                )  # fmt: skip
+            return out, out_probs
+        y = kw["y"]
+        h = y.shape[1]
+        out = torch.empty((kw["num_tokens"], h), dtype=y.dtype, device=y.device)
+        if t and h:
+            block = permute_block_h(h)
+            unpermute_kernel[(t, ceil_div(h, block))](
+                y, row_id_map, probs if probs is not None else y, out, h, k, y.stride(0), out.stride(0),
+                HAS_PROBS=probs is not None, BLOCK_H=block,
+            )  # fmt: skip
+        return out
+
+
+class PermuteTurbo(KernelBackend):
+    """CUDA C++ twin (csrc/kernels/moe/permute.cu) through torch.ops.primus_turbo_cpp_extension."""
+
+    @staticmethod
+    def _ops():
+        try:
+            from primus_turbo.pytorch.core import cpp_extension  # noqa: F401  (loads the library)
+
+            return torch.ops.primus_turbo_cpp_extension
+        except Exception:
+            return None
+
+    @classmethod
+    def can_handle(cls, **kw) -> bool:
+        tensors = [v for v in kw.values() if isinstance(v, torch.Tensor)]
+        if not tensors or not all(v.is_cuda for v in tensors):
+            return False
+        ops = cls._ops()
+        return ops is not None and hasattr(ops, "moe_permute") and hasattr(ops, "moe_unpermute")
+
+    @classmethod
+    def execute(cls, *, kind, **kw):
+        ops = cls._ops()
+        if kind == "permute":
+            out, out_probs = ops.moe_permute(
+                kw["x"], kw["row_id_map"], kw["probs"], kw["num_rows"], kw["zero_fill"]
+            )
+            return out, (out_probs if kw["probs"] is not None else None)
+        return ops.moe_unpermute(kw["y"], kw["row_id_map"], kw["probs"], kw["num_tokens"])
+
+
+class PermuteDispatcher(AutoKernelDispatcher):
+    op_name = "moe_permute"
+    backends = {
+        BackendType.TURBO: PermuteTurbo,
+        BackendType.TRITON: PermuteTriton,
+        BackendType.TORCH: PermuteTorch,
+    }
+
+    @classmethod
+    def make_key(cls, **kw):
+        ten = kw.get("x", kw.get("y"))
+        return (kw["kind"], ten.shape[1], ten.dtype, kw["row_id_map"].shape[1], kw["probs"] is not None)
+
+    @classmethod
+    def precision(cls, **kw):
+        return "other"
+
+
+# -- custom ops ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("primus_turbo::moe_permute_fwd", mutates_args=())
+def moe_permute_fwd(
+    x: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None, num_rows: int, zero_fill: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, out_probs = PermuteDispatcher.dispatch(
+        kind="permute", x=x, row_id_map=row_id_map, probs=probs, num_rows=num_rows, zero_fill=zero_fill
+    )
+    if out_probs is None:
+        out_probs = x.new_empty((0,), dtype=torch.float32)
+    return out, out_probs
+
+
+@moe_permute_fwd.register_fake
+def _(x, row_id_map, probs, num_rows, zero_fill):
+    pdt = probs.dtype if probs is not None else torch.float32
+    return x.new_empty((num_rows, x.shape[1])), x.new_empty(
+        (num_rows if probs is not None else 0,), dtype=pdt
+    )
+
+
+@torch.library.custom_op("primus_turbo::moe_unpermute_fwd", mutates_args=())
+def moe_unpermute_fwd(
+    y: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None, num_tokens: int
+) -> torch.Tensor:
+    return PermuteDispatcher.dispatch(
+        kind="unpermute", y=y, row_id_map=row_id_map, probs=probs, num_tokens=num_tokens
+    )
+
+
+@moe_unpermute_fwd.register_fake
+def _(y, row_id_map, probs, num_tokens):
+    return y.new_empty((num_tokens, y.shape[1]))
+
+
+@torch.library.custom_op("primus_turbo::moe_unpermute_bwd_probs", mutates_args=())
+def moe_unpermute_bwd_probs(
+    grad_out: torch.Tensor, y: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_y = torch.zeros_like(y)
+    grad_probs = torch.zeros(row_id_map.shape, dtype=torch.float32, device=y.device)
+    t, k = row_id_map.shape
+    h = y.shape[1]
+    if t == 0 or h == 0:
+        return grad_y, grad_probs
+    grad_out = grad_out.contiguous()
+    if not triton_can_run_on(y):
+        sel = row_id_map >= 0
+        d = row_id_map[sel].long()
+        tok = torch.arange(t, device=y.device).unsqueeze(1).expand_as(row_id_map)[sel]
+        g = grad_out.float()[tok]
+        grad_y[d] = (g * probs.float()[sel].unsqueeze(-1)).to(y.dtype)
+        grad_probs[sel] = (g * y.float()[d]).sum(-1)
+        return grad_y, grad_probs
+    from primus_turbo.triton.moe.permute_kernel import unpermute_bwd_probs_kernel
+
+    unpermute_bwd_probs_kernel[(t,)](
+        grad_out, y, row_id_map, probs, grad_y, grad_probs, h, k, grad_out.stride(0), y.stride(0),
+        BLOCK_H=min(1024, 1 << (max(h, 16) - 1).bit_length()),
+    )  # fmt: skip
+    return grad_y, grad_probs
+
+
+@moe_unpermute_bwd_probs.register_fake
+def _(grad_out, y, row_id_map, probs):
+    return torch.empty_like(y), y.new_empty(row_id_map.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("primus_turbo::moe_permute_fp8_rowwise", mutates_args=())
+def moe_permute_fp8_rowwise(
+    x: torch.Tensor, row_id_map: torch.Tensor, num_rows: int, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8_max = torch.finfo(fp8_dtype).max
+    out = torch.zeros((num_rows, x.shape[1]), dtype=fp8_dtype, device=x.device)
+    scales = torch.ones((num_rows,), dtype=torch.float32, device=x.device)
+    t, k = row_id_map.shape
+    h = x.shape[1]
+    if t == 0 or h == 0:
+        return out, scales
+    if not triton_can_run_on(x):
+        amax = x.float().abs().amax(-1).clamp(min=1e-12)
+        q = (x.float() * (fp8_max / amax).unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+        sel = row_id_map >= 0
+        tok = torch.arange(t, device=x.device).unsqueeze(1).expand_as(row_id_map)[sel]
+        out[row_id_map[sel].long()] = q[tok]
+        scales[row_id_map[sel].long()] = (amax / fp8_max)[tok]
+        return out, scales
+    from primus_turbo.triton.moe.permute_kernel import permute_fp8_rowwise_kernel
+
+    permute_fp8_rowwise_kernel[(t,)](
+        x, row_id_map, out, scales, h, k, x.stride(0), out.stride(0), FP8_MAX=fp8_max,
+        BLOCK_H=min(2048, 1 << (max(h, 16) - 1).bit_length()),
+    )  # fmt: skip
+    return out, scales
+
+
+@moe_permute_fp8_rowwise.register_fake
+def _(x, row_id_map, num_rows, fp8_dtype):
+    return x.new_empty((num_rows, x.shape[1]), dtype=fp8_dtype), x.new_empty((num_rows,), dtype=torch.float32)

@@ -1,0 +1,203 @@
+"""Token permutation for MoE: group token copies by expert, and the inverse.
+
+    permuted, permuted_probs, row_id_map, tokens_per_expert = token_permute(tokens, indices, probs,
+                                                                           num_experts=E)
+    out = token_unpermute(expert_out, row_id_map, merging_probs=probs)    # [T, H]
+
+Routing is either a bool ``routing_map`` [T, E] (Megatron) or int ``indices`` [T, K] (-1 = no route,
+e.g. an expert on another EP rank). Rows of the permuted buffer are grouped by expert, tokens in
+order within an expert; ``tokens_per_expert`` (a device tensor, int32) gives each group's size.
+
+Sizes and host syncs: with indices, the output has T * K rows (an upper bound when some indices are
+-1: trailing rows are zero); with a routing map, pass ``num_out_tokens`` (the routed count), or
+the op reads it from the device once (a host sync). ``pad_multiple`` rounds every expert group up
+to a multiple (16 or 128 for FP8 grouped GEMM) with zero rows; ``capacity`` keeps at most that many
+tokens per expert (later tokens are dropped) and pads every group to exactly ``capacity`` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.kernels.moe.permute_impl import (
+    build_row_id_map,
+    moe_permute_fp8_rowwise,
+    moe_permute_fwd,
+    moe_unpermute_bwd_probs,
+    moe_unpermute_fwd,
+)
+
+__all__ = ["token_permute", "token_unpermute", "token_permute_fp8"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple, capacity, name):
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        raise ValueError(f"{name}: tokens must be a [num_tokens, hidden] tensor")
+    if not isinstance(routing, torch.Tensor) or routing.dim() != 2 or routing.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"{name}: routing must be a routing_map [T, E] (bool) or indices [T, K] (int) with "
+            f"T = {tokens.shape[0]}, got {getattr(routing, 'shape', type(routing))}"
+        )
+    if routing.device != tokens.device:
+        raise ValueError(f"{name}: routing on {routing.device}, tokens on {tokens.device}")
+    if routing.dtype == torch.bool:
+        if num_experts is not None and num_experts != routing.shape[1]:
+            raise ValueError(
+                f"{name}: num_experts={num_experts} but routing_map has {routing.shape[1]} columns"
+            )
+        num_experts = routing.shape[1]
+    elif routing.dtype in (torch.int32, torch.int64):
+        if num_experts is None or num_experts < 1:
+            raise ValueError(f"{name}: num_experts (>= 1) is required with indices, got {num_experts}")
+        if routing.numel() and not torch.compiler.is_compiling() and routing.device.type == "cpu":
+            lo, hi = int(routing.min()), int(routing.max())
+            if lo < -1 or hi >= num_experts:
+                raise ValueError(f"{name}: indices must be in [-1, {num_experts}), got range [{lo}, {hi}]")
+    else:
+        raise TypeError(f"{name}: routing dtype {routing.dtype}; accepted bool (routing map) or int32/int64")
+    if probs is not None and tuple(probs.shape) != tuple(routing.shape):
+        raise ValueError(
+            f"{name}: probs shape {tuple(probs.shape)} must match routing shape {tuple(routing.shape)}"
+        )
+    if pad_multiple < 0 or (capacity is not None and capacity < 0):
+        raise ValueError(f"{name}: pad_multiple={pad_multiple} and capacity={capacity} must be >= 0")
+    if capacity is not None and pad_multiple > 1:
+        raise ValueError(
+            f"{name}: capacity and pad_multiple are exclusive (capacity already fixes group sizes)"
+        )
+    if num_out_tokens is not None and num_out_tokens < 0:
+        raise ValueError(f"{name}: num_out_tokens={num_out_tokens} must be >= 0")
+    return num_experts
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, probs, row_id_map, num_rows, zero_fill):
+        out, out_probs = moe_permute_fwd(tokens, row_id_map, probs, num_rows, zero_fill)
+        ctx.save_for_backward(row_id_map)
+        ctx.num_tokens = tokens.shape[0]
+        return out, (out_probs if probs is not None else None)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_probs):
+        (row_id_map,) = ctx.saved_tensors
+        grad_tokens = moe_unpermute_fwd(grad_out.contiguous(), row_id_map, None, ctx.num_tokens)
+        grad_in_probs = None
+        if grad_probs is not None:
+            idx = row_id_map.clamp(min=0).long()
+            grad_in_probs = torch.where(
+                row_id_map >= 0, grad_probs[idx], torch.zeros((), dtype=grad_probs.dtype)
+            )
+        return grad_tokens, grad_in_probs, None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, row_id_map, probs, num_tokens):
+        out = moe_unpermute_fwd(y, row_id_map, probs, num_tokens)
+        ctx.save_for_backward(y if probs is not None else None, row_id_map, probs)
+        ctx.num_rows = y.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, row_id_map, probs = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if probs is None:
+            grad_y, _ = moe_permute_fwd(grad_out, row_id_map, None, ctx.num_rows, True)
+            return grad_y, None, None, None
+        grad_y, grad_probs = moe_unpermute_bwd_probs(grad_out, y, row_id_map, probs)
+        return grad_y, None, grad_probs.to(probs.dtype), None
+
+
+def token_permute(
+    tokens: torch.Tensor,
+    routing: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+    pad_multiple: int = 0,
+    *,
+    num_experts: int | None = None,
+    capacity: int | None = None,
+):
+    """Permute tokens (and probs) into expert-grouped order.
+
+    Args:
+        tokens: [T, H].
+        routing: bool routing map [T, E] or int indices [T, K] (-1 = no route).
+        probs: laid out like ``routing`` ([T, E] dense or [T, K]); carried to the permuted rows.
+        num_out_tokens: number of routed (token, expert) pairs; avoids a host sync for routing maps.
+        pad_multiple: pad every expert group to a multiple of this (zero rows), e.g. 16 / 128 for FP8.
+        num_experts: required with indices.
+        capacity: per-expert capacity (drop-and-pad mode): output is exactly E * capacity rows.
+
+    Returns:
+        (permuted_tokens [N, H], permuted_probs [N] or None, row_id_map [T, K or E] int32,
+        tokens_per_expert [E] int32 device tensor).
+    """
+    num_experts = _validate(
+        tokens, routing, probs, num_experts, num_out_tokens, pad_multiple, capacity, "token_permute"
+    )
+    tokens = tokens.contiguous()
+    row_id_map, tokens_per_expert, num_rows = build_row_id_map(
+        routing, num_experts, num_out_tokens, pad_multiple, capacity
+    )
+    exact = num_out_tokens is not None and pad_multiple <= 1 and capacity is None
+    out, out_probs = _Permute.apply(
+        tokens, probs.contiguous() if probs is not None else None, row_id_map, num_rows, not exact
+    )
+    return out, out_probs, row_id_map, tokens_per_expert
+
+
+def token_unpermute(
+    permuted_tokens: torch.Tensor,
+    row_id_map: torch.Tensor,
+    merging_probs: torch.Tensor | None = None,
+    num_tokens: int | None = None,
+) -> torch.Tensor:
+    """Inverse of ``token_permute``: out[t] = sum_k permuted[row_id_map[t, k]] (* merging_probs[t, k]).
+
+    Accumulates in fp32, no atomics (deterministic). ``num_tokens`` defaults to row_id_map.shape[0].
+    """
+    if not isinstance(permuted_tokens, torch.Tensor) or permuted_tokens.dim() != 2:
+        raise ValueError("token_unpermute: permuted_tokens must be a [N, hidden] tensor")
+    if row_id_map.dtype != torch.int32 or row_id_map.dim() != 2:
+        raise ValueError("token_unpermute: row_id_map must be the int32 [T, K] map returned by token_permute")
+    if merging_probs is not None and tuple(merging_probs.shape) != tuple(row_id_map.shape):
+        raise ValueError(
+            f"token_unpermute: merging_probs shape {tuple(merging_probs.shape)} must match row_id_map "
+            f"{tuple(row_id_map.shape)}"
+        )
+    if num_tokens is not None and num_tokens != row_id_map.shape[0]:
+        raise ValueError(f"token_unpermute: num_tokens={num_tokens} != row_id_map rows {row_id_map.shape[0]}")
+    probs = merging_probs.contiguous() if merging_probs is not None else None
+    return _Unpermute.apply(permuted_tokens.contiguous(), row_id_map, probs, row_id_map.shape[0])
+
+
+def token_permute_fp8(
+    tokens: torch.Tensor,
+    routing: torch.Tensor,
+    num_out_tokens: int | None = None,
+    pad_multiple: int = 0,
+    *,
+    num_experts: int | None = None,
+    capacity: int | None = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+):
+    """Permute and quantize row-wise to FP8 in one pass (forward only: feeds an FP8 grouped GEMM).
+
+    Returns (permuted_fp8 [N, H], row_scales [N] fp32 with x = fp8 * scale, row_id_map,
+    tokens_per_expert). Padding rows are zero with scale 1.
+    """
+    num_experts = _validate(
+        tokens, routing, None, num_experts, num_out_tokens, pad_multiple, capacity, "token_permute_fp8"
+    )
+    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"token_permute_fp8: fp8_dtype {fp8_dtype}; accepted float8_e4m3fn, float8_e5m2")
+    row_id_map, tokens_per_expert, num_rows = build_row_id_map(
+        routing, num_experts, num_out_tokens, pad_multiple, capacity
+    )
+    out, scales = moe_permute_fp8_rowwise(tokens.detach().contiguous(), row_id_map, num_rows, fp8_dtype)
+    return out, scales, row_id_map, tokens_per_expert

@@ -1,0 +1,194 @@
+import pytest
+import torch
+from ref.moe_compile_check import run_compile_check
+from ref.moe_ref import indices_to_map, permute_ref, unpermute_ref
+from test_utils import assert_close
+from triton_compile_utils import compile_for_sm90
+
+from primus_turbo.pytorch.ops.moe.permute import token_permute, token_permute_fp8, token_unpermute
+from primus_turbo.triton.moe import permute_kernel as pk
+
+
+def _routing(t, e, k, device, drop_frac=0.0):
+    indices = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(t)])
+    if drop_frac:
+        indices = indices.masked_fill(torch.rand(t, k, device=device) < drop_frac, -1)
+    probs = torch.rand(t, k, device=device)
+    return indices, probs
+
+
+@pytest.mark.parametrize("form", ["indices", "map"])
+@pytest.mark.parametrize("pad_multiple,capacity", [(0, None), (16, None), (0, 3)])
+@pytest.mark.parametrize("drop_frac", [0.0, 0.3])
+def test_permute_unpermute(form, pad_multiple, capacity, drop_frac, device):
+    t, e, k, h = 29, 8, 3, 40
+    indices, probs = _routing(t, e, k, device, drop_frac)
+    rmap, dense = indices_to_map(indices, e, probs)
+    x = torch.randn(t, h, device=device, requires_grad=True)
+    if form == "indices":
+        routing, p = indices, probs.clone().requires_grad_(True)
+    else:
+        routing, p = rmap, dense.float().requires_grad_(True)
+    out, out_probs, row_id_map, tpe = token_permute(
+        x, routing, p, pad_multiple=pad_multiple, num_experts=e, capacity=capacity
+    )
+    ref, ref_probs, ref_tpe, src = permute_ref(x.detach(), rmap, dense, pad_multiple, capacity)
+    assert torch.equal(tpe.cpu().long(), ref_tpe)
+    n = ref.shape[0]
+    assert out.shape[0] >= n
+    assert torch.equal(out[:n].double().cpu(), ref), "permute must be an exact copy"
+    assert (out[n:] == 0).all()
+    assert torch.equal(out_probs[:n].double().cpu(), ref_probs)
+
+    # Round trip: unpermute(permute(x)) == x * (number of kept routes of each token).
+    back = token_unpermute(out, row_id_map)
+    kept = unpermute_ref(torch.ones(n, 1), src, t).squeeze(-1)
+    assert_close(back, x.detach().double().cpu() * kept.unsqueeze(-1), torch.float32)
+
+    # Backward through permute (tokens and carried probs).
+    g_out, g_probs = torch.randn_like(out), torch.randn_like(out_probs)
+    torch.autograd.backward([out, out_probs], [g_out, g_probs])
+    assert_close(x.grad, unpermute_ref(g_out[:n], src, t), torch.float32)
+    ref_gp = torch.zeros_like(p, dtype=torch.float64).cpu()
+    sel = row_id_map >= 0
+    ref_gp[sel.cpu()] = g_probs.double().cpu()[row_id_map[sel].long().cpu()]
+    assert_close(p.grad, ref_gp, torch.float32)
+
+
+@pytest.mark.parametrize("form", ["indices", "map"])
+def test_unpermute_with_merging_probs(form, device):
+    t, e, k, h = 31, 6, 2, 24
+    indices, probs = _routing(t, e, k, device)
+    rmap, dense = indices_to_map(indices, e, probs)
+    routing, p = (indices, probs) if form == "indices" else (rmap, dense.float())
+    x = torch.randn(t, h, device=device)
+    y, _, row_id_map, _ = token_permute(x, routing, num_experts=e, num_out_tokens=t * k)
+    y = (y * 1.5).requires_grad_(True)  # "expert output"
+    w = p.clone().requires_grad_(True)
+    out = token_unpermute(y, row_id_map, w)
+    _, ref_probs, _, src = permute_ref(x, rmap, dense)
+    yr = y.detach().double().cpu().requires_grad_(True)
+    ref_probs = ref_probs.clone().requires_grad_(True)
+    ref = unpermute_ref(yr, src, t, ref_probs)
+    assert_close(out, ref, torch.float32)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g.double().cpu())
+    assert_close(y.grad, yr.grad, torch.float32)
+    # probs grad: ref_probs is in permuted order; map it back through row_id_map.
+    sel = row_id_map >= 0
+    ref_gw = torch.zeros(w.shape, dtype=torch.float64)
+    ref_gw[sel.cpu()] = ref_probs.grad[row_id_map[sel].long().cpu()]
+    assert_close(w.grad, ref_gw, torch.float32)
+
+
+def test_permute_fp8_rowwise(device):
+    t, e, k, h = 19, 4, 2, 64
+    indices, _ = _routing(t, e, k, device)
+    x = torch.randn(t, h, device=device) * 3
+    q, scales, row_id_map, tpe = token_permute_fp8(x, indices, num_experts=e, pad_multiple=16)
+    ref, _, ref_tpe, src = permute_ref(x, indices_to_map(indices, e)[0], pad_multiple=16)
+    assert torch.equal(tpe.cpu().long(), ref_tpe)
+    deq = q.float() * scales.unsqueeze(-1)
+    n = ref.shape[0]
+    assert (deq[n:] == 0).all()
+    rel = (deq[:n].double().cpu() - ref).norm() / ref.norm()
+    assert rel < 0.05, f"fp8 rowwise permute relative error {rel:.3f}"
+
+
+def test_permute_empty_and_bad_input(device):
+    x = torch.randn(0, 16, device=device, requires_grad=True)
+    idx = torch.zeros(0, 2, dtype=torch.int64, device=device)
+    out, _, row_id_map, tpe = token_permute(x, idx, num_experts=4)
+    assert out.shape == (0, 16) and tpe.shape == (4,)
+    assert token_unpermute(out, row_id_map).shape == (0, 16)
+
+    x = torch.randn(4, 16, device=device)
+    with pytest.raises(ValueError, match="indices must be in"):
+        token_permute(x, torch.full((4, 2), 5, device=device), num_experts=4)
+    with pytest.raises(ValueError, match="probs shape"):
+        token_permute(x, torch.zeros(4, 2, dtype=torch.long, device=device), torch.rand(4, 3), num_experts=4)
+    with pytest.raises(ValueError, match="num_experts"):
+        token_permute(x, torch.zeros(4, 2, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="T = 4"):
+        token_permute(x, torch.zeros(5, 2, dtype=torch.long, device=device), num_experts=4)
+    with pytest.raises(TypeError, match="routing dtype"):
+        token_permute(x, torch.zeros(4, 2, device=device), num_experts=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,e,k", [(4096, 7168, 256, 8), (8192, 2048, 64, 6)])
+def test_permute_gpu_real_shapes(t, h, e, k, device):
+    indices, probs = _routing(t, e, k, device)
+    x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+    out, out_probs, row_id_map, tpe = token_permute(x, indices, probs, num_experts=e, pad_multiple=128)
+    back = token_unpermute(out, row_id_map, probs)
+    assert_close(back, x.float() * probs.sum(-1, keepdim=True), torch.bfloat16)
+
+
+SIG = {
+    "x_ptr": "*bf16",
+    "map_ptr": "*i32",
+    "probs_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "out_probs_ptr": "*fp32",
+    "H": "i32",
+    "K": "i32",
+    "stride_x": "i32",
+    "stride_out": "i32",
+    "HAS_PROBS": "constexpr",
+    "BLOCK_H": "constexpr",
+}
+USIG = {
+    "y_ptr": "*bf16",
+    "map_ptr": "*i32",
+    "probs_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "H": "i32",
+    "K": "i32",
+    "stride_y": "i32",
+    "stride_out": "i32",
+    "HAS_PROBS": "constexpr",
+    "BLOCK_H": "constexpr",
+}
+BSIG = {
+    "grad_out_ptr": "*bf16",
+    "y_ptr": "*bf16",
+    "map_ptr": "*i32",
+    "probs_ptr": "*fp32",
+    "grad_y_ptr": "*bf16",
+    "grad_probs_ptr": "*fp32",
+    "H": "i32",
+    "K": "i32",
+    "stride_g": "i32",
+    "stride_y": "i32",
+    "BLOCK_H": "constexpr",
+}
+QSIG = {
+    "x_ptr": "*bf16",
+    "map_ptr": "*i32",
+    "out_ptr": "*fp8e4nv",
+    "scale_ptr": "*fp32",
+    "H": "i32",
+    "K": "i32",
+    "stride_x": "i32",
+    "stride_out": "i32",
+    "FP8_MAX": "constexpr",
+    "BLOCK_H": "constexpr",
+}
+
+
+def _compile_all():
+    for has_probs in (False, True):
+        compile_for_sm90(pk.permute_kernel, SIG, {"HAS_PROBS": has_probs, "BLOCK_H": 2048})
+        compile_for_sm90(pk.unpermute_kernel, USIG, {"HAS_PROBS": has_probs, "BLOCK_H": 2048})
+    compile_for_sm90(pk.unpermute_bwd_probs_kernel, BSIG, {"BLOCK_H": 1024})
+    compile_for_sm90(pk.permute_fp8_rowwise_kernel, QSIG, {"FP8_MAX": 448.0, "BLOCK_H": 2048})
+
+
+def test_permute_kernels_compile_sm90():
+    run_compile_check("test_moe_permute")
+
+
+if __name__ == "__main__":
+    _compile_all()
