@@ -121,7 +121,7 @@ def apply_patches(registry: PatchRegistry, ctx, turbo_cfg, framework_version: st
             flag = f"turbo.{patch.feature}" if patch.feature else "(framework gap fix)"
             if turbo_cfg.strict:
                 raise PatchError(
-                    f"{patch.name} {flag} cannot serve this run: {problem}. Set {flag}=false to use the "
+                    f"{flag} cannot serve this run: {problem}. Set {flag}=false to use the "
                     "stock path for it, or turbo.strict=false to fall back automatically."
                     if patch.feature
                     else f"{patch.name} {flag} cannot apply: {problem}"

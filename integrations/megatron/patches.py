@@ -88,7 +88,11 @@ def _fix_all_to_all_splits(ctx) -> str:
 
 def apply_megatron_patches(cfg: DictConfig, spec) -> list:
     """Run the registry for ``cfg`` with ``spec`` (a TurboSpecProvider); returns the report rows."""
-    from primus_turbo.integrations.megatron import turbo_patches  # noqa: F401  (registers the turbo entries)
+    from primus_turbo.integrations.megatron import (
+        turbo_layers,
+        turbo_patches,  # noqa: F401  (registers the turbo entries)
+    )
 
+    turbo_layers.FP8_CONFIG = None  # set again by the turbo.fp8 entry when precision=fp8
     ctx = MegatronPatchContext(cfg=cfg, spec=spec)
     return apply_patches(REGISTRY, ctx, cfg.turbo, megatron.core.__version__)

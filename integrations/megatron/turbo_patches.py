@@ -1,5 +1,176 @@
-"""Turbo feature entries of the Megatron-Core patch registry (importing this module registers them)."""
+"""Turbo feature entries of the Megatron-Core patch registry (importing this module registers them).
+
+Each entry: the turbo flag that requests it, the Megatron target, a condition (is it relevant to this run?),
+a probe (do the turbo ops exist and can they serve this config?) and a small apply function.
+"""
 
 from __future__ import annotations
 
-from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_moe, _needs_op  # noqa: F401
+from primus_turbo.integrations.megatron import turbo_layers, turbo_ops
+from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_moe, _needs_op
+
+# ---- spec swaps ------------------------------------------------------------------------------------------
+
+
+@REGISTRY.register("turbo.gemm", "megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
+                   TESTED, feature="gemm", probe=_needs_op("ops.gemm"))  # fmt: skip
+def _gemm(ctx) -> str:
+    ctx.spec.linear = True
+    return "Column/RowParallelLinear -> TurboColumn/RowParallelLinear (turbo.ops.gemm, main_grad fusion)"
+
+
+@REGISTRY.register("turbo.rmsnorm", "megatron.core.transformer.torch_norm.WrappedTorchNorm", TESTED,
+                   feature="rmsnorm", probe=_needs_op("ops.rmsnorm"))  # fmt: skip
+def _rmsnorm(ctx) -> str:
+    ctx.spec.norm = True
+    return "WrappedTorchNorm(RMSNorm) -> TurboRMSNorm (turbo.ops.rmsnorm)"
+
+
+def _attention_condition(ctx) -> str | None:
+    return "context parallelism (cp > 1) uses the stock attention" if ctx.cfg.parallel.cp > 1 else None
+
+
+@REGISTRY.register("turbo.attention", "megatron.core.transformer.dot_product_attention.DotProductAttention",
+                   TESTED, feature="attention", condition=_attention_condition,
+                   probe=_needs_op("ops.flash_attn_func"))  # fmt: skip
+def _attention(ctx) -> str:
+    ctx.spec.attention = True
+    kind = "MLA" if ctx.cfg.model.mla is not None else "GQA/MHA"
+    return f"DotProductAttention -> TurboCoreAttention ({kind}, turbo.ops.flash_attn_func)"
+
+
+@REGISTRY.register("turbo.grouped_gemm", "megatron.core.transformer.moe.experts.TEGroupedMLP", TESTED,
+                   feature="grouped_gemm", condition=_needs_moe,
+                   probe=_needs_op("ops.grouped_gemm"))  # fmt: skip
+def _grouped_gemm(ctx) -> str:
+    ctx.spec.grouped_mlp = True
+    return "SequentialMLP -> TEGroupedMLP with TurboColumn/RowParallelGroupedLinear (turbo.ops.grouped_gemm)"
+
+
+# ---- runtime patches -------------------------------------------------------------------------------------
+
+
+@REGISTRY.register("turbo.router", "megatron.core.transformer.moe.router.topk_routing_with_score_function",
+                   TESTED, feature="router", condition=_needs_moe,
+                   probe=_needs_op("ops.moe.fused_topk_routing"))  # fmt: skip
+def _router(ctx) -> str:
+    from megatron.core.transformer.moe import router
+
+    fused_topk_routing = turbo_ops.get("ops.moe.fused_topk_routing")
+
+    def turbo_topk_routing(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None,
+                           scaling_factor=None, score_function="softmax", expert_bias=None, fused=False,
+                           router_replay=None):  # fmt: skip
+        if router_replay is not None:
+            raise ValueError("turbo.router: router replay is not supported; set turbo.router=false")
+        return fused_topk_routing(
+            logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
+            num_groups=num_groups, topk_groups=group_topk, scaling_factor=scaling_factor,
+            expert_bias=expert_bias,
+        )  # fmt: skip
+
+    router.topk_routing_with_score_function = turbo_topk_routing
+    return "TopKRouter top-k (incl. group-limited) -> turbo.ops.fused_topk_routing"
+
+
+@REGISTRY.register("turbo.permute", "megatron.core.transformer.moe.token_dispatcher.permute", TESTED,
+                   feature="permute", condition=_needs_moe,
+                   probe=_needs_op("ops.moe.permute.token_permute",
+                                   "ops.moe.permute.token_unpermute"))  # fmt: skip
+def _permute(ctx) -> str:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_permute = turbo_ops.get("ops.moe.permute.token_permute")
+    token_unpermute = turbo_ops.get("ops.moe.permute.token_unpermute")
+
+    def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
+        if drop_and_pad:
+            raise ValueError("turbo.permute: drop-and-pad (capacity factor) is not supported")
+        if hasattr(num_out_tokens, "item"):
+            num_out_tokens = int(num_out_tokens.item())  # the stock alltoall path passes a Python int
+        permuted, permuted_probs, row_id_map, _ = token_permute(tokens, routing_map, probs, num_out_tokens)
+        return permuted, permuted_probs, row_id_map
+
+    def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None, fused=False,
+                  drop_and_pad=False):  # fmt: skip
+        out = token_unpermute(permuted_tokens, sorted_indices, merging_probs=probs)
+        return out.view(restore_shape)
+
+    token_dispatcher.permute = permute
+    token_dispatcher.unpermute = unpermute
+    return "token_dispatcher.permute/unpermute -> turbo token_permute/token_unpermute"
+
+
+def _dispatch_condition(ctx) -> str | None:
+    if not ctx.is_moe:
+        return "dense model"
+    if ctx.cfg.parallel.ep == 1 and ctx.cfg.model.moe.get("dispatcher", "alltoall") == "alltoall":
+        return "ep=1: no expert-parallel communication"
+    return None
+
+
+def _dispatch_probe(ctx) -> str | None:
+    if ctx.cfg.model.moe.get("dispatcher", "alltoall") == "flex":
+        return _needs_op("deep_ep.Buffer")(ctx)
+    return _needs_op("modules.TokenDispatcher")(ctx)
+
+
+@REGISTRY.register("turbo.dispatch",
+                   "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher", TESTED,
+                   feature="dispatch", condition=_dispatch_condition, probe=_dispatch_probe)  # fmt: skip
+def _dispatch(ctx) -> str:
+    raise NotImplementedError("the turbo token-dispatcher adapter is not wired yet; set turbo.dispatch=false")
+
+
+def _async_tp_condition(ctx) -> str | None:
+    p = ctx.cfg.parallel
+    return None if p.tp > 1 and p.sequence_parallel else "needs tp > 1 with sequence_parallel"
+
+
+@REGISTRY.register("turbo.async_tp", "megatron.core.tensor_parallel.layers.ColumnParallelLinear", TESTED,
+                   feature="async_tp", condition=_async_tp_condition,
+                   probe=lambda ctx: "the async-TP linear adapter is not wired yet")  # fmt: skip
+def _async_tp(ctx) -> str:
+    return ""
+
+
+# ---- FP8: owned by the plugin (Megatron-Core without TE ignores config.fp8 and rejects MoE FP8) -----------
+
+_FP8_GRANULARITY = {"tensorwise": "TENSORWISE", "rowwise": "ROWWISE", "blockwise": "BLOCKWISE"}
+
+
+def _fp8_condition(ctx) -> str | None:
+    return None if ctx.cfg.fp8.enabled else "precision=bf16"
+
+
+def _fp8_probe(ctx) -> str | None:
+    cfg = ctx.cfg
+    if not cfg.turbo.enabled:
+        return (
+            "Megatron-Core without Transformer Engine has no FP8 path: precision=fp8 needs turbo.enabled=true"
+        )
+    if cfg.fp8.recipe == "delayed":
+        return (
+            "fp8.recipe=delayed needs module-owned amax history, not wired yet: "
+            "use tensorwise|rowwise|blockwise"
+        )
+    needed = []
+    if cfg.turbo.gemm:
+        needed.append("ops.gemm_fp8")
+    if cfg.turbo.grouped_gemm and ctx.is_moe:
+        needed.append("ops.grouped_gemm_fp8")
+    if not needed:
+        return "precision=fp8 needs turbo.gemm or turbo.grouped_gemm"
+    return _needs_op(*needed)(ctx)
+
+
+@REGISTRY.register("turbo.fp8", "megatron.core.transformer.transformer_config.TransformerConfig.fp8", TESTED,
+                   condition=_fp8_condition, probe=_fp8_probe)  # fmt: skip
+def _fp8(ctx) -> str:
+    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
+
+    recipe = ctx.cfg.fp8.recipe
+    granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
+    fmt = Format.E4M3 if recipe == "blockwise" else Format.HYBRID
+    turbo_layers.FP8_CONFIG = Float8QuantConfig(format=fmt, granularity=granularity)
+    return f"turbo linears/experts run FP8 GEMMs: {fmt.value} {granularity.value} current scaling"

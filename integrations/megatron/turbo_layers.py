@@ -1,0 +1,157 @@
+"""Turbo leaf modules for Megatron-Core 0.16.1 specs: same constructor signatures, parameter names and
+parallel attributes as the stock modules they replace, compute through primus_turbo ops.
+
+- TurboColumnParallelLinear / TurboRowParallelLinear: Megatron's classes with ``_forward_impl`` swapped for
+  turbo GEMM (bf16) or turbo FP8 GEMM; TP communication (sequence-parallel all-gather / dgrad all-reduce)
+  stays Megatron's autograd mappings, and the weight gradient accumulates straight into DDP's fp32
+  ``main_grad`` (Megatron's gradient_accumulation_fusion semantics, without its CUDA extension).
+- TurboRMSNorm: WrappedTorchNorm replacement (parameter ``weight``).
+- TurboCoreAttention: DotProductAttention replacement over ``turbo.ops.flash_attn_func`` (GQA, MLA 192/128).
+- TurboColumn/RowParallelGroupedLinear: TE GroupedLinear-compatible experts for ``TEGroupedMLP``
+  (parameters ``weight0..weight{G-1}``, so expert checkpoints match TE's layout) over turbo grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.module import MegatronModule
+from primus_turbo.integrations.megatron import turbo_ops
+
+# Set by the registry's fp8 entry before the model is built (a primus_turbo Float8QuantConfig), else None.
+FP8_CONFIG = None
+
+
+def _linear_2d(x2d: torch.Tensor, weight: torch.Tensor, fp8_config) -> torch.Tensor:
+    accumulate = weight.requires_grad and isinstance(getattr(weight, "main_grad", None), torch.Tensor)
+    if fp8_config is not None:
+        return turbo_ops.get("ops.gemm_fp8")(x2d, weight, trans_b=True, config=fp8_config)
+    return turbo_ops.get("ops.gemm")(x2d, weight, trans_b=True, accumulate_into_main_grad=accumulate)
+
+
+def turbo_linear_forward_impl(
+    input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+    grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, fp8_config=None, **_unused,
+):  # fmt: skip
+    """Drop-in for ``linear_with_grad_accumulation_and_async_allreduce`` (same arguments)."""
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    elif allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    out = _linear_2d(input.reshape(-1, input.shape[-1]), weight, fp8_config)
+    out = out.view(*input.shape[:-1], weight.shape[0])
+    return out + bias if bias is not None else out
+
+
+class TurboColumnParallelLinear(ColumnParallelLinear):
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if not weight.requires_grad:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return turbo_linear_forward_impl(input, weight, *args, fp8_config=FP8_CONFIG, **kwargs)
+
+
+class TurboRowParallelLinear(RowParallelLinear):
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if not weight.requires_grad:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return turbo_linear_forward_impl(input, weight, *args, fp8_config=FP8_CONFIG, **kwargs)
+
+
+class TurboRMSNorm(torch.nn.Module):
+    """RMSNorm with WrappedTorchNorm's constructor; ``weight`` marked sequence_parallel like Megatron's."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype, device=device))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return turbo_ops.get("ops.rmsnorm")(x, self.weight, self.eps, self.zero_centered_gamma)
+
+
+class TurboCoreAttention(MegatronModule):
+    """DotProductAttention's interface: q [sq, b, hq, d], k/v [sk, b, hk, d|dv] -> [sq, b, hq*dv], causal."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **_unused):  # fmt: skip
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("TurboCoreAttention: context parallelism is not supported (cp must be 1)")
+        self.attn_mask_type = attn_mask_type
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_unused):  # fmt: skip
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("TurboCoreAttention: packed sequences and attention_bias are not supported")
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # -> [b, s, h, d]
+        out = turbo_ops.get("ops.flash_attn_func")(
+            q, k, v, dropout_p=self.dropout_p if self.training else 0.0, softmax_scale=self.softmax_scale,
+            causal=True,
+        )  # fmt: skip
+        sq, b = query.shape[0], query.shape[1]
+        return out.transpose(0, 1).reshape(sq, b, -1)
+
+
+class _TurboGroupedLinear(torch.nn.Module):
+    """TE GroupedLinear constructor; forward(x, m_splits) -> (out, None); weight{i} per local expert."""
+
+    partition_dim = 0  # 0: column (split the output), 1: row (split the input)
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias, skip_bias_add,
+                 is_expert, tp_comm_buffer_name=None, pg_collection=None, **_unused):  # fmt: skip
+        super().__init__()
+        if bias:
+            raise ValueError("Turbo grouped linear: add_bias_linear=True is not supported for experts")
+        self.config = config
+        self.num_gemms = num_gemms
+        tp = parallel_state.get_expert_tensor_parallel_world_size()
+        if self.partition_dim == 0:
+            output_size //= tp
+        else:
+            input_size //= tp
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        for i in range(num_gemms):
+            weight = torch.nn.Parameter(
+                torch.empty(output_size, input_size, dtype=config.params_dtype, device=device)
+            )
+            if config.perform_initialization:
+                init_method(weight)
+            weight.allreduce = not is_expert  # expert params reduce over the expert-data-parallel group
+            weight.tensor_model_parallel = tp > 1
+            weight.partition_dim = self.partition_dim
+            weight.partition_stride = 1
+            setattr(self, f"weight{i}", weight)
+
+    def forward(self, x: torch.Tensor, m_splits):
+        weights = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
+        group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(x.device, non_blocking=True)
+        if FP8_CONFIG is not None:
+            out = turbo_ops.get("ops.grouped_gemm_fp8")(
+                x, weights, group_lens, trans_b=True, config=FP8_CONFIG
+            )
+        else:
+            out = turbo_ops.get("ops.grouped_gemm")(x, weights, group_lens, trans_b=True)
+        return out, None
+
+
+class TurboColumnParallelGroupedLinear(_TurboGroupedLinear):
+    partition_dim = 0
+
+
+class TurboRowParallelGroupedLinear(_TurboGroupedLinear):
+    partition_dim = 1
