@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.kernels.gemm.gemm_impl import SUPPORTED_DTYPES, gemm_impl
+from primus_turbo.pytorch.kernels.gemm.gemm_impl import SUPPORTED_DTYPES, gemm_forward
 
 __all__ = ["gemm"]
 
@@ -96,7 +96,7 @@ class GemmFunction(torch.autograd.Function):
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
         if accumulate_into_main_grad:
             ctx.weight = b  # the Python object carries main_grad / grad_added_to_main_grad
-        return gemm_impl(a, b, trans_a, trans_b, out_dtype)
+        return gemm_forward(a, b, trans_a, trans_b, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -108,16 +108,16 @@ class GemmFunction(torch.autograd.Function):
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             if trans_a:
-                grad_a = gemm_impl(b, grad, trans_b, True, a.dtype)
+                grad_a = gemm_forward(b, grad, trans_b, True, a.dtype)
             else:
-                grad_a = gemm_impl(grad, b, False, not trans_b, a.dtype)
+                grad_a = gemm_forward(grad, b, False, not trans_b, a.dtype)
         if ctx.needs_input_grad[1]:
             weight = ctx.weight if ctx.accumulate_into_main_grad else b
             wgrad_dtype = weight.main_grad.dtype if ctx.accumulate_into_main_grad else b.dtype
             if trans_b:
-                grad_b = gemm_impl(grad, a, True, trans_a, wgrad_dtype)
+                grad_b = gemm_forward(grad, a, True, trans_a, wgrad_dtype)
             else:
-                grad_b = gemm_impl(a, grad, not trans_a, False, wgrad_dtype)
+                grad_b = gemm_forward(a, grad, not trans_a, False, wgrad_dtype)
             if ctx.accumulate_into_main_grad:
                 weight.main_grad.add_(grad_b)
                 grad_b = _wgrad_placeholder(weight)

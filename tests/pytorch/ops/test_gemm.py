@@ -162,13 +162,19 @@ def test_gemm_main_grad_accumulation(device):
 
 
 def test_gemm_torch_compile_fullgraph(device):
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
     def f(a, b):
         return turbo.ops.gemm(a, b, trans_b=True).float().square().sum()
 
     a, b = _operands(32, 48, 64, False, True, torch.float32, device)
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    loss = compiled(a, b)
+    recorder = AotEagerAndRecordGraphs()
+    loss = torch.compile(f, fullgraph=True, backend=recorder)(a, b)
     loss.backward()
+    # the forward GEMM and both backward GEMMs are opaque primus_turbo::gemm nodes
+    fw_code = "".join(g.code for g in recorder.fw_graphs)
+    bw_code = "".join(g.code for g in recorder.bw_graphs)
+    assert fw_code.count("primus_turbo.gemm") == 1 and bw_code.count("primus_turbo.gemm") == 2
     a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     f(a2, b2).backward()
     torch.testing.assert_close(loss, f(a2, b2).detach())

@@ -19,7 +19,7 @@ import torch
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
 from primus_turbo.pytorch.core.utils import triton_can_run_on
 
-__all__ = ["GemmDispatcher", "gemm_impl", "SUPPORTED_DTYPES"]
+__all__ = ["GemmDispatcher", "gemm_impl", "gemm_forward", "SUPPORTED_DTYPES"]
 
 # dtypes the op accepts (inputs and out_dtype); TRITON serves the first three.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -126,6 +126,15 @@ class GemmDispatcher(AutoKernelDispatcher):
         )
 
     @classmethod
+    def candidates(cls, **kwargs) -> list[BackendType]:
+        """Autotune candidates. TORCH is the fp32-upcast reference: on CUDA it is never the fastest
+        and timing it at training shapes costs seconds, so it only competes when alone."""
+        found = super().candidates(**kwargs)
+        if kwargs["a"].is_cuda and len(found) > 1:
+            found = [b for b in found if b != BackendType.TORCH]
+        return found
+
+    @classmethod
     def default_backend(cls, a, **_) -> BackendType:
         return BackendType.CUBLAS if a.is_cuda else BackendType.TORCH
 
@@ -143,3 +152,12 @@ def _gemm_fake(a, b, trans_a, trans_b, out_dtype):
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
     return a.new_empty((m, n), dtype=out_dtype)
+
+
+def gemm_forward(a, b, trans_a: bool, trans_b: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """What ops.gemm calls. Eager calls go straight to the dispatcher: the custom-op layer costs
+    ~10 us of Python per call, as much as a small training GEMM takes on an H200. Traced calls
+    (torch.compile) go through ``primus_turbo::gemm`` so the graph holds one opaque node."""
+    if torch.compiler.is_compiling():
+        return gemm_impl(a, b, trans_a, trans_b, out_dtype)
+    return GemmDispatcher.dispatch(a=a, b=b, trans_a=trans_a, trans_b=trans_b, out_dtype=out_dtype)
