@@ -126,7 +126,8 @@ def main() -> None:
         rows += bench_shape(m, n, k, args.quick)
         torch.cuda.empty_cache()
         r = rows[-1]
-        print(f"  {m}x{n}x{k}: dispatcher {r['Forward TFLOPS']:.0f} fwd / {r['Backward TFLOPS']:.0f} bwd TFLOP/s")
+        fwd, bwd = r["Forward TFLOPS"], r["Backward TFLOPS"]
+        print(f"  {m}x{n}x{k}: dispatcher {fwd:.0f} fwd / {bwd:.0f} bwd TFLOP/s", flush=True)
     write_csv(out_dir(args) / ("gemm_quick.csv" if args.quick else "gemm.csv"), rows, GEMM_COLUMNS)
     print_table(rows, ["label", "M", "N", "K", "Check", "Forward TFLOPS", "Backward TFLOPS", "out_snr"])
     lines = summary(rows)
