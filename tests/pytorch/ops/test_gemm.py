@@ -216,6 +216,22 @@ def test_gemm_autotune_caches_per_shape(device):
     assert_close(out, gemm_ref(a, b), torch.float32)
 
 
+@pytest.mark.parametrize("triton_ms,expected", [(0.99, "default"), (0.90, "TRITON")])
+def test_gemm_autotune_margin_favours_default(triton_ms, expected, device, monkeypatch):
+    a, b = _operands(16, 24, 32, False, False, torch.float32, device, requires_grad=False)
+    kwargs = {"a": a, "b": b, "trans_a": False, "trans_b": False, "out_dtype": a.dtype}
+    default = GemmDispatcher.default_backend(**kwargs)
+    fake_ms = {default: 1.0, BackendType.TRITON: triton_ms}
+    calls = iter(GemmDispatcher.candidates(**kwargs))
+
+    def fake_time(fn, on_cuda):
+        return fake_ms.get(next(calls), 5.0)
+
+    monkeypatch.setattr(GemmDispatcher, "_time", staticmethod(fake_time))
+    chosen = GemmDispatcher._autotune(**kwargs)
+    assert chosen == (default if expected == "default" else BackendType.TRITON)
+
+
 # Llama/DeepSeek training shapes, M = 8192 tokens, as nn.Linear runs them (x @ W.T).
 TRAINING_NK = [(n, k) for n in (2048, 4096, 7168, 14336) for k in (2048, 4096, 7168, 14336)]
 
