@@ -3,3 +3,4 @@
 from primus_turbo.pytorch.modules.grouped_linear import GroupedLinear  # noqa: F401
 from primus_turbo.pytorch.modules.linear import Linear  # noqa: F401
 from primus_turbo.pytorch.modules.normalization import RMSNorm  # noqa: F401
+from primus_turbo.pytorch.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear  # noqa: F401

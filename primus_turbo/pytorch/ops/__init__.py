@@ -1,5 +1,6 @@
 """User-facing ops: thin functions over torch.autograd.Function (forward + backward)."""
 # One import line per op module; keep sorted.
+from primus_turbo.pytorch.ops.async_tp import fused_all_gather_matmul, fused_matmul_reduce_scatter  # noqa: F401
 from primus_turbo.pytorch.ops.attention import flash_attn_func, flash_attn_varlen_func  # noqa: F401
 from primus_turbo.pytorch.ops.gemm import gemm  # noqa: F401
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm  # noqa: F401

@@ -22,6 +22,8 @@ accumulator (128 regs/thread) and the 48 KB/stage ring fits 3 stages + a 64 KB e
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -246,6 +248,11 @@ def num_programs_cap(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 def _aligned16(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
@@ -266,6 +273,10 @@ def _tma_storage(x: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, bool] | Non
 
 def tma_supported(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """True when the TMA kernel's alignment/dtype preconditions hold for logical A[M,K] @ B[K,N]."""
+    if a.device.type == "cuda":
+        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        if not _has_tma(index):
+            return False  # pre-Hopper: no TMA, the pointer kernel serves
     n = b.shape[1]
     out_elem = torch.finfo(out_dtype).bits // 8
     return (
