@@ -54,7 +54,8 @@ class TokenDispatcher(nn.Module):
         x = hidden.reshape(-1, shape[-1])
         if tuple(indices.shape) != (x.shape[0], self.topk) or tuple(probs.shape) != tuple(indices.shape):
             raise ValueError(
-                f"TokenDispatcher.token_dispatch: indices {tuple(indices.shape)} and probs {tuple(probs.shape)} "
+                f"TokenDispatcher.token_dispatch: indices {tuple(indices.shape)} and probs "
+                f"{tuple(probs.shape)} "
                 f"must be [num_tokens={x.shape[0]}, topk={self.topk}]"
             )
         handle = None

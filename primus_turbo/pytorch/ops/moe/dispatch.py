@@ -107,7 +107,8 @@ def _validate(x, x_scale, indices, probs, num_experts, group):
         raise ValueError(f"moe_dispatch: x_scale rows {x_scale.shape[0]} != x rows {x.shape[0]}")
     if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
         raise ValueError(
-            f"moe_dispatch: indices must be [num_tokens={x.shape[0]}, topk], got {getattr(indices, 'shape', None)}"
+            f"moe_dispatch: indices must be [num_tokens={x.shape[0]}, topk], "
+            f"got {getattr(indices, 'shape', None)}"
         )
     if indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"moe_dispatch: indices dtype {indices.dtype}; accepted int32/int64")

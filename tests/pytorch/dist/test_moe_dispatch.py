@@ -1,0 +1,141 @@
+"""EP dispatch/combine on 2 processes: gloo on CPU (NCCL backend over gloo), 2 GPUs when present."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from test_utils import assert_close
+
+NUM_EXPERTS, TOPK, HIDDEN = 8, 3, 32
+
+
+def _inputs(src_rank, device, skew=True):
+    """Each rank's inputs, reproducible on every rank (so each rank can build the reference)."""
+    g = torch.Generator().manual_seed(100 + src_rank)
+    t = 13 + 7 * src_rank  # different token counts per rank
+    if skew:  # skewed routing: low expert ids (rank 0) are much more popular
+        w = torch.linspace(4.0, 0.5, NUM_EXPERTS)
+        indices = torch.stack([torch.multinomial(w, TOPK, generator=g) for _ in range(t)])
+    else:
+        indices = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(t)])
+    indices[0, 1:] = -1  # a token with a single route
+    x = torch.randn(t, HIDDEN, generator=g)
+    probs = torch.rand(t, TOPK, generator=g)
+    return x.to(device), indices.to(device), probs.to(device)
+
+
+def _expected_recv(rank, world, device):
+    epr = NUM_EXPERTS // world
+    xs, idxs, ps = [], [], []
+    for s in range(world):
+        x, ind, p = _inputs(s, "cpu")
+        owner = torch.where(ind >= 0, ind // epr, -1)
+        tok = (owner == rank).any(1)
+        local = torch.where(owner == rank, ind - rank * epr, -1)[tok]
+        xs.append(x[tok])
+        idxs.append(local)
+        ps.append(torch.where(owner == rank, p, 0.0)[tok])
+    return torch.cat(xs), torch.cat(idxs), torch.cat(ps)
+
+
+def _body_roundtrip(rank, world, device, backend_name):
+    from primus_turbo.pytorch.core.backend import GlobalBackendManager
+    from primus_turbo.pytorch.ops.moe.dispatch import moe_combine, moe_dispatch
+
+    GlobalBackendManager.set_moe_dispatch_combine_backend(backend_name)
+    x, indices, probs = _inputs(rank, device)
+    x.requires_grad_(True)
+    probs.requires_grad_(True)
+    recv_x, recv_idx, recv_probs, tpe, handle = moe_dispatch(x, indices, probs, NUM_EXPERTS)
+    ex, ei, ep = _expected_recv(rank, world, device)
+    n = ex.shape[0]
+    assert recv_x.shape[0] >= n
+    assert torch.equal(recv_x[:n].detach().cpu(), ex), "dispatch must deliver exact rows"
+    assert torch.equal(recv_idx[:n].cpu().long(), ei.long())
+    assert torch.equal(recv_probs[:n].detach().cpu(), ep)
+    assert (recv_idx[n:] == -1).all()
+    epr = NUM_EXPERTS // world
+    ref_tpe = torch.stack([(ei == e).sum() for e in range(epr)])
+    assert torch.equal(tpe.cpu().long(), ref_tpe)
+
+    # identity experts: combine(dispatch(x)) == x * number of destination ranks, exactly
+    out = moe_combine(recv_x, None, handle)
+    owners = torch.where(indices >= 0, indices // epr, -1)
+    n_dest = torch.stack([(owners == w).any(1) for w in range(world)], 1).sum(1)
+    assert torch.equal(out.detach(), x.detach() * n_dest.unsqueeze(1).to(x.dtype))
+
+    # backward: rank-dependent expert scaling, grads checked analytically
+    out = moe_combine(recv_x * (rank + 1), None, handle)
+    g = torch.randn_like(out)
+    loss = (out * g).sum() + (recv_probs * (rank + 1)).sum()
+    loss.backward()
+    dest_weight = sum(((owners == w).any(1).float() * (w + 1)) for w in range(world))
+    assert_close(x.grad, g * dest_weight.unsqueeze(1), torch.float32)
+    ref_pg = torch.where(indices >= 0, (owners + 1).float(), 0.0)
+    assert_close(probs.grad, ref_pg, torch.float32)
+
+
+def _body_token_dispatcher(rank, world, device):
+    from primus_turbo.pytorch.modules.token_dispatcher import TokenDispatcher
+
+    x, indices, probs = _inputs(rank, device, skew=False)
+    disp = TokenDispatcher(NUM_EXPERTS, TOPK, dist.group.WORLD, pad_multiple=4)
+    expert_in, tpe, expert_probs = disp.token_dispatch(x, probs, indices)
+    assert int(tpe.sum()) <= expert_in.shape[0] and int(tpe.sum()) % 4 == 0
+    # expert e (local) scales by (global id + 1)
+    epr = NUM_EXPERTS // world
+    scale = torch.repeat_interleave(torch.arange(epr, dtype=torch.float32) + rank * epr + 1, tpe.cpu().long())
+    pad = expert_in.shape[0] - scale.shape[0]
+    scale = torch.cat([scale, torch.zeros(pad)]).to(device)
+    out = disp.token_combine(expert_in * scale.unsqueeze(1))
+    w = torch.where(indices >= 0, probs * (indices + 1).float(), 0.0).sum(1, keepdim=True)
+    assert_close(out, x * w, torch.float32)
+
+
+def _body_bad_sizes(rank, world, device):
+    from primus_turbo.pytorch.ops.moe.dispatch import moe_dispatch
+
+    hidden = 16 if rank == 0 else 24
+    x = torch.randn(4, hidden, device=device)
+    idx = torch.zeros(4, 2, dtype=torch.long, device=device)
+    idx[:, 1] = 5
+    with pytest.raises(ValueError, match="ranks"):
+        moe_dispatch(x, idx, None, NUM_EXPERTS)
+
+
+def _body_bad_input(rank, world, device):
+    from primus_turbo.pytorch.ops.moe.dispatch import moe_dispatch
+
+    x = torch.randn(4, 8, device=device)
+    idx = torch.zeros(4, 2, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="indices must be in"):
+        moe_dispatch(x, idx + NUM_EXPERTS, None, NUM_EXPERTS)
+    with pytest.raises(ValueError, match="probs shape"):
+        moe_dispatch(x, idx, torch.rand(4, 3, device=device), NUM_EXPERTS)
+    with pytest.raises(ValueError, match="multiple of the EP size"):
+        moe_dispatch(x, idx, None, 7)
+    with pytest.raises(ValueError, match="topk"):
+        moe_dispatch(x, torch.zeros(4, 9, dtype=torch.long, device=device), None, NUM_EXPERTS)
+
+
+def _body_all(rank, world, device, backend_name):
+    _body_roundtrip(rank, world, device, backend_name)
+    _body_token_dispatcher(rank, world, device)
+    _body_bad_sizes(rank, world, device)
+    _body_bad_input(rank, world, device)
+
+
+def test_dispatch_combine_gloo():
+    """Round trip exact, TokenDispatcher, bad input, rank mismatch: one spawn (spawning is ~30 s on CI)."""
+    run_distributed(_body_all, world_size=2, backend="gloo", args=("NCCL",))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend_name", ["NCCL", "TURBO"])
+def test_dispatch_combine_roundtrip_2gpu(backend_name):
+    run_distributed(_body_roundtrip, world_size=2, backend="nccl", args=(backend_name,))
+
+
+@pytest.mark.multigpu
+def test_token_dispatcher_2gpu():
+    run_distributed(_body_token_dispatcher, world_size=2, backend="nccl")
