@@ -101,8 +101,9 @@ def attention_bwd(
                                             max_seqlen_q, max_seqlen_k, sink, softmax_scale,
                                             window_left, window_right)  # fmt: skip
     elif backend == BackendType.TORCH.value:
-        dq, dk, dv, dsink = torch_attn_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, sink, softmax_scale,
-                                           window_left, window_right, dropout_p, dropout_seed)  # fmt: skip
+        dq, dk, dv, dsink = torch_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sink,
+                                           softmax_scale, window_left, window_right, dropout_p,
+                                           dropout_seed)  # fmt: skip
     else:
         raise ValueError(f"attention_bwd: backend {backend!r} does not run through this op (TRITON, TORCH)")
     if dsink is None:

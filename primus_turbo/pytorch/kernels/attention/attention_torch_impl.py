@@ -23,11 +23,12 @@ def window_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: in
     return valid
 
 
-def _dense(q, k, v, sink, softmax_scale, window_left, window_right, dropout_p, generator, dout=None):
+def _dense(q, k, v, sink, softmax_scale, window_left, window_right, dropout_p, generator, bwd=None):
     """One fixed-length batch in fp32: q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, Dv].
 
-    Forward (dout None): (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]). Backward: (dq, dk, dv, dsink [Hq])
-    from the analytic flash-attention gradient (custom ops run below autograd, so no autograd here).
+    Forward (bwd None): (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]). Backward, ``bwd = (dout, out, lse)``:
+    (dq, dk, dv, dsink [Hq]) from the analytic flash-attention gradient using the given out/lse (as
+    the Triton kernels do, so ring attention can pass the merged global out/lse of a block).
     """
     hq, hk = q.shape[2], k.shape[2]
     group = hq // hk
@@ -43,6 +44,8 @@ def _dense(q, k, v, sink, softmax_scale, window_left, window_right, dropout_p, g
     else:
         lse = torch.logsumexp(scores, dim=-1)
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+    if bwd is not None:
+        lse = bwd[2].float()
     probs = torch.exp(scores - lse.unsqueeze(-1))
     keep_scale = None
     if dropout_p > 0.0:
@@ -50,10 +53,10 @@ def _dense(q, k, v, sink, softmax_scale, window_left, window_right, dropout_p, g
         keep_scale = keep.float() / (1.0 - dropout_p)
     probs_d = probs * keep_scale if keep_scale is not None else probs
     out = torch.matmul(probs_d, vt)
-    if dout is None:
+    if bwd is None:
         return out.transpose(1, 2), lse
-    dout_t = dout.float().transpose(1, 2)
-    delta = (dout_t * out).sum(-1, keepdim=True)
+    dout_t = bwd[0].float().transpose(1, 2)
+    delta = (dout_t * bwd[1].float().transpose(1, 2)).sum(-1, keepdim=True)
     dv = torch.matmul(probs_d.transpose(-1, -2), dout_t)
     dprobs = torch.matmul(dout_t, vt.transpose(-1, -2))
     if keep_scale is not None:
@@ -78,19 +81,19 @@ def _generator(device, dropout_p: float, seed: int):
     return gen
 
 
-def _per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, sink, args, dout=None):
+def _per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, sink, args, bwd=None):
     """Run ``_dense`` on fixed-length or (one sequence at a time) packed inputs."""
     if cu_seqlens_q is None:
-        return _dense(q.float(), k.float(), v.float(), sink, *args, dout=dout)
+        return _dense(q.float(), k.float(), v.float(), sink, *args, bwd=bwd)
     parts = []
     bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(bq) - 1):
         qs, ks = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
-        do = dout[qs][None] if dout is not None else None
+        seq_bwd = (bwd[0][qs][None], bwd[1][qs][None], bwd[2][:, qs][None]) if bwd is not None else None
         parts.append(
-            _dense(q[qs].float()[None], k[ks].float()[None], v[ks].float()[None], sink, *args, dout=do)
+            _dense(q[qs].float()[None], k[ks].float()[None], v[ks].float()[None], sink, *args, bwd=seq_bwd)
         )
-    if dout is None:
+    if bwd is None:
         return torch.cat([p[0][0] for p in parts], 0), torch.cat([p[1][0] for p in parts], 1)
     dq, dk, dv = (torch.cat([p[i][0] for p in parts], 0) for i in range(3))
     dsink = torch.stack([p[3] for p in parts]).sum(0) if sink is not None and parts else None
@@ -128,6 +131,8 @@ def torch_attn_bwd(
     q,
     k,
     v,
+    out,
+    lse,
     cu_seqlens_q,
     cu_seqlens_k,
     sink,
@@ -145,6 +150,6 @@ def torch_attn_bwd(
         dropout_p,
         _generator(q.device, dropout_p, dropout_seed),
     )
-    dq, dk, dv, dsink = _per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, sink, args, dout=dout)
+    dq, dk, dv, dsink = _per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, sink, args, bwd=(dout, out, lse))
     dsink = dsink.to(sink.dtype) if dsink is not None else None
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dsink
