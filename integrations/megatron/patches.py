@@ -86,6 +86,27 @@ def _fix_all_to_all_splits(ctx) -> str:
     return "split sizes -> list"
 
 
+def _needs_mla_without_te(ctx) -> str | None:
+    if ctx.cfg.model.mla is None:
+        return "no MLA"
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return None
+    return "Transformer Engine is installed"
+
+
+@REGISTRY.register("fix.mla_have_te", "megatron.core.transformer.multi_latent_attention.HAVE_TE", TESTED,
+                   condition=_needs_mla_without_te)  # fmt: skip
+def _fix_mla_have_te(ctx) -> str:
+    """MLA sets HAVE_TE=True when megatron's TE extension module imports, even with TE absent (TELinear is
+    None), then crashes on ``isinstance(linear_proj, TELinear)``: make HAVE_TE tell the truth."""
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+    return "multi_latent_attention.HAVE_TE = False (TE not importable)"
+
+
 def apply_megatron_patches(cfg: DictConfig, spec) -> list:
     """Run the registry for ``cfg`` with ``spec`` (a TurboSpecProvider); returns the report rows."""
     from primus_turbo.integrations.megatron import (

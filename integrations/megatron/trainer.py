@@ -128,7 +128,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Run:
         init_lr=0.0,
         max_lr=t.lr,
         min_lr=t.min_lr,
-        lr_warmup_steps=t.warmup_steps,
+        lr_warmup_steps=min(t.warmup_steps, t.steps - 1),  # Megatron asserts warmup < decay steps
         lr_decay_steps=t.steps,
         lr_decay_style="cosine",
         start_wd=t.weight_decay,
@@ -159,7 +159,8 @@ def _forward_step_func(run: Run, step: int):
 
         def loss_func(per_token_loss):
             loss = per_token_loss.float().mean()
-            return loss, {"lm loss": loss.detach()}
+            # clone: the schedule divides the returned loss by num_microbatches in place.
+            return loss, {"lm loss": loss.detach().clone()}
 
         return output, loss_func
 

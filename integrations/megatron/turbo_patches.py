@@ -16,7 +16,26 @@ from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_
                    TESTED, feature="gemm", probe=_needs_op("ops.gemm"))  # fmt: skip
 def _gemm(ctx) -> str:
     ctx.spec.linear = True
+    if ctx.cfg.model.mla is not None:
+        _accept_turbo_linear_in_mla()
     return "Column/RowParallelLinear -> TurboColumn/RowParallelLinear (turbo.ops.gemm, main_grad fusion)"
+
+
+def _accept_turbo_linear_in_mla() -> None:
+    """MLASelfAttention accepts q/kv down-projections only from a fixed class list (ColumnParallelLinear,
+    TEColumnParallelLinear, modelopt Linear), by identity. Without TE the TE slot is unused: put the turbo
+    class there so MLA builds with it (gather_output=False, like ColumnParallelLinear)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    try:
+        import transformer_engine  # noqa: F401
+
+        raise RuntimeError(
+            "Transformer Engine is installed: turbo MLA linears would shadow TEColumnParallelLinear"
+        )
+    except ImportError:
+        pass
+    mla.TEColumnParallelLinear = turbo_layers.TurboColumnParallelLinear
 
 
 @REGISTRY.register("turbo.rmsnorm", "megatron.core.transformer.torch_norm.WrappedTorchNorm", TESTED,
