@@ -243,6 +243,11 @@ def test_gemm_training_shapes_gpu(n, k, backend, device):
     # fp32 reference on the GPU (TF32 off): an fp64 one at these sizes costs seconds per test
     torch.backends.cuda.matmul.allow_tf32 = False
     _check_fwd_bwd(8192, n, k, False, True, torch.bfloat16, device, backend, ref_acc=torch.float32)
+    if backend == "TRITON":  # all three GEMMs (fwd NT, dgrad NN, wgrad TN) take the TMA kernel
+        x, w = _operands(8192, n, k, False, True, torch.bfloat16, device, requires_grad=False)
+        dy = torch.empty(8192, n, dtype=torch.bfloat16, device=device)
+        for lhs, rhs in ((x, w.T), (dy, w), (dy.T, x)):
+            assert gk.tma_supported(lhs, rhs, torch.bfloat16)
 
 
 @pytest.mark.gpu
