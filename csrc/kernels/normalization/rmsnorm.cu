@@ -1,0 +1,346 @@
+// RMSNorm forward / backward for Hopper (sm_90), memory-bound: the goal is copy bandwidth.
+//
+// Work split: a "row group" of `tpr` threads owns one row at a time. tpr = 32 (one warp per row,
+// 4 rows per 128-thread CTA, shuffle-only reduction) for short rows; otherwise one CTA per row
+// (tpr <= 512 threads, shuffle + shared-memory reduction). Each thread holds <= VPT vectors of the
+// row in registers, so x is read from HBM exactly once per pass. VEC elements = 16 bytes per access
+// (LDG.128) when hidden % VEC == 0 and every pointer is 16-byte aligned, else scalar accesses with
+// 8 elements per thread. CTAs loop over rows (grid = SMs x occupancy): in the backward this keeps
+// the per-column dweight partial sums in registers across rows, written once per row group and
+// reduced by a second deterministic kernel (no atomics: bitwise run-to-run reproducible).
+//
+// 512 threads max per CTA: the backward keeps x, dy (as T) and dweight partials (fp32) in
+// registers, 86-128 regs/thread; __launch_bounds__(512) caps it at 128 (ptxas -v, nvcc 13.0: no
+// spills except bf16 vectorized backward, 80 B of spill stores, outside the per-element math).
+
+#include <algorithm>
+
+#include "primus_turbo/common.h"
+#include "primus_turbo/rmsnorm.h"
+
+namespace primus_turbo {
+namespace {
+
+constexpr int kMaxThreadsPerRow = 512;
+constexpr int kWarpRowsPerCta = 4;  // rows per CTA when tpr == 32
+constexpr int kVecVpt = 4;          // 16-byte vectors per thread (vectorized path)
+constexpr int kScalarVpt = 8;       // elements per thread (scalar path)
+
+struct Plan {
+    bool vectorized;
+    int vec;  // elements per access
+    int tpr;  // threads per row
+    int rpc;  // rows (row groups) per CTA
+};
+
+int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+Plan make_plan(int64_t hidden, DType dtype, bool aligned) {
+    Plan p;
+    const int full_vec = 16 / dtype_size(dtype);
+    p.vectorized = aligned && hidden % full_vec == 0;
+    p.vec = p.vectorized ? full_vec : 1;
+    const int vpt = p.vectorized ? kVecVpt : kScalarVpt;
+    const int64_t n_vec = hidden / p.vec;
+    const int64_t threads = std::max<int64_t>(32, ((n_vec + vpt - 1) / vpt + 31) / 32 * 32);
+    p.tpr = static_cast<int>(std::min<int64_t>(threads, 1 << 20));
+    p.rpc = p.tpr == 32 ? kWarpRowsPerCta : 1;
+    return p;
+}
+
+// Sum over the row group. tpr == 32: shuffles only (row groups of a CTA never synchronise, so
+// they may run different row counts). tpr > 32: one row group per CTA, uniform loop trip count.
+__device__ __forceinline__ float row_sum(float v, float* smem) {
+    v = warp_sum(v);
+    if (blockDim.x == 32) return v;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+    __syncthreads();  // smem may still be read by the previous row's reduction
+    if (lane == 0) smem[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < n_warps ? smem[lane] : 0.f);
+}
+
+template <typename T, int VEC, int VPT>
+__global__ void __launch_bounds__(kMaxThreadsPerRow)
+    rmsnorm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
+                       T* __restrict__ y, T* __restrict__ sum_out, float* __restrict__ rstd_out, int64_t rows,
+                       int hidden, float eps, bool zero_centered_gamma) {
+    using V = Vec<T, VEC>;
+    __shared__ float smem[32];
+    const int n_vec = hidden / VEC;
+    const float w_shift = zero_centered_gamma ? 1.f : 0.f;
+    V w[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int idx = threadIdx.x + i * blockDim.x;
+        if (idx < n_vec) w[i] = reinterpret_cast<const V*>(weight)[idx];
+    }
+    const int64_t groups = static_cast<int64_t>(gridDim.x) * blockDim.y;
+    for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows; row += groups) {
+        const V* x_row = reinterpret_cast<const V*>(x + row * hidden);
+        V v[VPT];
+        float sum_sq = 0.f;
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const int idx = threadIdx.x + i * blockDim.x;
+            if (idx < n_vec) v[i] = x_row[idx];
+        }
+        if (residual != nullptr) {
+            const V* r_row = reinterpret_cast<const V*>(residual + row * hidden);
+            V* s_row = reinterpret_cast<V*>(sum_out + row * hidden);
+#pragma unroll
+            for (int i = 0; i < VPT; ++i) {
+                const int idx = threadIdx.x + i * blockDim.x;
+                if (idx < n_vec) {
+                    const V r = r_row[idx];
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) v[i].v[j] = from_float<T>(to_float(v[i].v[j]) + to_float(r.v[j]));
+                    s_row[idx] = v[i];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            if (threadIdx.x + i * blockDim.x < n_vec) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) sum_sq += to_float(v[i].v[j]) * to_float(v[i].v[j]);
+            }
+        }
+        sum_sq = row_sum(sum_sq, smem);
+        const float rstd = rsqrtf(sum_sq / hidden + eps);
+        if (threadIdx.x == 0) rstd_out[row] = rstd;
+        V* y_row = reinterpret_cast<V*>(y + row * hidden);
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const int idx = threadIdx.x + i * blockDim.x;
+            if (idx < n_vec) {
+                V out;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j)
+                    out.v[j] = from_float<T>(to_float(v[i].v[j]) * rstd * (to_float(w[i].v[j]) + w_shift));
+                y_row[idx] = out;
+            }
+        }
+    }
+}
+
+// One long function on purpose: the register-cached row (x, dy) and dweight partials must stay
+// in one scope so the compiler keeps them in registers.
+template <typename T, int VEC, int VPT>
+__global__ void __launch_bounds__(kMaxThreadsPerRow)
+    rmsnorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* weight,
+                       const float* __restrict__ rstd_in, const T* __restrict__ dsum, T* __restrict__ dx,
+                       float* __restrict__ dw_partial, int64_t rows, int hidden, bool zero_centered_gamma) {
+    using V = Vec<T, VEC>;
+    __shared__ float smem[32];
+    const int n_vec = hidden / VEC;
+    const float w_shift = zero_centered_gamma ? 1.f : 0.f;
+    const float inv_hidden = 1.f / hidden;
+    float dw[VPT][VEC];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dw[i][j] = 0.f;
+
+    const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+    const int64_t groups = static_cast<int64_t>(gridDim.x) * blockDim.y;
+    for (int64_t row = group; row < rows; row += groups) {
+        const V* x_row = reinterpret_cast<const V*>(x + row * hidden);
+        const V* dy_row = reinterpret_cast<const V*>(dy + row * hidden);
+        const float rstd = rstd_in[row];
+        V xv[VPT], dyv[VPT];
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const int idx = threadIdx.x + i * blockDim.x;
+            if (idx < n_vec) {
+                xv[i] = x_row[idx];
+                dyv[i] = dy_row[idx];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const int idx = threadIdx.x + i * blockDim.x;
+            if (idx < n_vec) {
+                // weight has no __restrict__ so it is re-read (L1 hit) per row instead of being hoisted
+                // into 16-32 more registers, which spills the bf16 kernel.
+                const V w = reinterpret_cast<const V*>(weight)[idx];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float x_hat = to_float(xv[i].v[j]) * rstd;
+                    const float g = to_float(dyv[i].v[j]);
+                    dot += x_hat * g * (to_float(w.v[j]) + w_shift);
+                }
+            }
+        }
+        const float mean_dot = row_sum(dot, smem) * inv_hidden;
+        V* dx_row = reinterpret_cast<V*>(dx + row * hidden);
+        const V* ds_row = dsum == nullptr ? nullptr : reinterpret_cast<const V*>(dsum + row * hidden);
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const int idx = threadIdx.x + i * blockDim.x;
+            if (idx < n_vec) {
+                const V w = reinterpret_cast<const V*>(weight)[idx];
+                V ds;
+                if (ds_row != nullptr) ds = ds_row[idx];
+                V out;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float x_hat = to_float(xv[i].v[j]) * rstd;
+                    const float dy_j = to_float(dyv[i].v[j]);
+                    dw[i][j] += dy_j * x_hat;  // here, not in the first pass: shorter live ranges, no spills
+                    float g = rstd * (dy_j * (to_float(w.v[j]) + w_shift) - x_hat * mean_dot);
+                    if (ds_row != nullptr) g += to_float(ds.v[j]);
+                    out.v[j] = from_float<T>(g);
+                }
+                dx_row[idx] = out;
+            }
+        }
+    }
+    float* partial = dw_partial + group * hidden;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int idx = threadIdx.x + i * blockDim.x;
+        if (idx < n_vec) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) partial[idx * VEC + j] = dw[i][j];
+        }
+    }
+}
+
+// dweight[c] = sum_g partial[g, c]: a 32x32 CTA, coalesced over columns, fixed summation order.
+template <typename T>
+__global__ void __launch_bounds__(1024) dweight_reduce_kernel(const float* __restrict__ partial,
+                                                               T* __restrict__ dweight, int64_t groups,
+                                                               int hidden) {
+    __shared__ float tile[32][33];
+    const int col = blockIdx.x * 32 + threadIdx.x;
+    float acc = 0.f;
+    if (col < hidden)
+        for (int64_t g = threadIdx.y; g < groups; g += 32) acc += partial[g * hidden + col];
+    tile[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < hidden) {
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) total += tile[k][threadIdx.x];
+        dweight[col] = from_float<T>(total);
+    }
+}
+
+// Persistent grid: at most the CTAs that are resident at once.
+template <typename Kernel>
+int persistent_grid(Kernel kernel, const Plan& p, int64_t rows) {
+    int device = 0, sms = 132, per_sm = 1;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, p.tpr * p.rpc, 0);
+    const int64_t needed = (rows + p.rpc - 1) / p.rpc;
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed, int64_t{sms} * std::max(per_sm, 1))));
+}
+
+template <typename T, int VEC, int VPT>
+cudaError_t fwd_typed(const void* x, const void* residual, const void* weight, void* y, void* sum_out,
+                      float* rstd, int64_t rows, int64_t hidden, float eps, bool zcg, const Plan& p,
+                      cudaStream_t stream) {
+    auto kernel = rmsnorm_fwd_kernel<T, VEC, VPT>;
+    const int grid = persistent_grid(kernel, p, rows);
+    kernel<<<grid, dim3(p.tpr, p.rpc), 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(weight),
+        static_cast<T*>(y), static_cast<T*>(sum_out), rstd, rows, static_cast<int>(hidden), eps, zcg);
+    return cudaGetLastError();
+}
+
+template <typename T, int VEC, int VPT>
+cudaError_t bwd_typed(const void* dy, const void* x, const void* weight, const float* rstd, const void* dsum,
+                      void* dx, void* dweight, float* workspace, int64_t rows, int64_t hidden, bool zcg,
+                      const Plan& p, cudaStream_t stream) {
+    auto kernel = rmsnorm_bwd_kernel<T, VEC, VPT>;
+    const int grid = persistent_grid(kernel, p, rows);
+    kernel<<<grid, dim3(p.tpr, p.rpc), 0, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), rstd,
+        static_cast<const T*>(dsum), static_cast<T*>(dx), workspace, rows, static_cast<int>(hidden), zcg);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    dweight_reduce_kernel<T><<<ceil_div_int(hidden, 32), dim3(32, 32), 0, stream>>>(
+        workspace, static_cast<T*>(dweight), int64_t{grid} * p.rpc, static_cast<int>(hidden));
+    return cudaGetLastError();
+}
+
+template <typename T>
+int64_t workspace_rows_typed(const Plan& p, int64_t rows) {
+    if (p.vectorized) return int64_t{persistent_grid(rmsnorm_bwd_kernel<T, 16 / sizeof(T), kVecVpt>, p, rows)} * p.rpc;
+    return int64_t{persistent_grid(rmsnorm_bwd_kernel<T, 1, kScalarVpt>, p, rows)} * p.rpc;
+}
+
+}  // namespace
+
+int64_t rmsnorm_max_hidden(int64_t hidden, DType dtype, bool aligned) {
+    const Plan p = make_plan(hidden, dtype, aligned);
+    return int64_t{kMaxThreadsPerRow} * (p.vectorized ? kVecVpt : kScalarVpt) * p.vec;
+}
+
+#define PT_DISPATCH_DTYPE(dtype, T, ...)                  \
+    switch (dtype) {                                      \
+        case DType::kFloat32: {                           \
+            using T = float;                              \
+            __VA_ARGS__                                   \
+        }                                                 \
+        case DType::kFloat16: {                           \
+            using T = __half;                             \
+            __VA_ARGS__                                   \
+        }                                                 \
+        case DType::kBFloat16: {                          \
+            using T = __nv_bfloat16;                      \
+            __VA_ARGS__                                   \
+        }                                                 \
+        default:                                          \
+            return cudaErrorInvalidValue;                 \
+    }
+
+cudaError_t rmsnorm_fwd_launch(const void* x, const void* residual, const void* weight, void* y, void* sum_out,
+                               float* rstd, int64_t rows, int64_t hidden, float eps, bool zero_centered_gamma,
+                               DType dtype, bool aligned, cudaStream_t stream) {
+    if (rows == 0 || hidden == 0) return cudaSuccess;
+    if (hidden > rmsnorm_max_hidden(hidden, dtype, aligned) || (residual != nullptr) != (sum_out != nullptr))
+        return cudaErrorInvalidValue;
+    const Plan p = make_plan(hidden, dtype, aligned);
+    PT_DISPATCH_DTYPE(dtype, T, {
+        if (p.vectorized)
+            return fwd_typed<T, 16 / sizeof(T), kVecVpt>(x, residual, weight, y, sum_out, rstd, rows, hidden, eps,
+                                                         zero_centered_gamma, p, stream);
+        return fwd_typed<T, 1, kScalarVpt>(x, residual, weight, y, sum_out, rstd, rows, hidden, eps,
+                                           zero_centered_gamma, p, stream);
+    })
+}
+
+int64_t rmsnorm_bwd_workspace_rows(int64_t rows, int64_t hidden, DType dtype, bool aligned) {
+    if (rows == 0 || hidden == 0) return 0;
+    const Plan p = make_plan(hidden, dtype, aligned);
+    switch (dtype) {
+        case DType::kFloat32:
+            return workspace_rows_typed<float>(p, rows);
+        case DType::kFloat16:
+            return workspace_rows_typed<__half>(p, rows);
+        default:
+            return workspace_rows_typed<__nv_bfloat16>(p, rows);
+    }
+}
+
+cudaError_t rmsnorm_bwd_launch(const void* dy, const void* x, const void* weight, const float* rstd,
+                               const void* dsum, void* dx, void* dweight, float* workspace, int64_t rows,
+                               int64_t hidden, bool zero_centered_gamma, DType dtype, bool aligned,
+                               cudaStream_t stream) {
+    if (rows == 0 || hidden == 0) return cudaSuccess;  // the glue zero-fills dweight
+    if (hidden > rmsnorm_max_hidden(hidden, dtype, aligned)) return cudaErrorInvalidValue;
+    const Plan p = make_plan(hidden, dtype, aligned);
+    PT_DISPATCH_DTYPE(dtype, T, {
+        if (p.vectorized)
+            return bwd_typed<T, 16 / sizeof(T), kVecVpt>(dy, x, weight, rstd, dsum, dx, dweight, workspace, rows,
+                                                         hidden, zero_centered_gamma, p, stream);
+        return bwd_typed<T, 1, kScalarVpt>(dy, x, weight, rstd, dsum, dx, dweight, workspace, rows, hidden,
+                                           zero_centered_gamma, p, stream);
+    })
+}
+
+}  // namespace primus_turbo

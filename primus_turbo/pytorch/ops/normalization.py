@@ -1,0 +1,145 @@
+"""RMSNorm: ``rmsnorm(x, weight)`` and the fused pre-norm residual ``rmsnorm_residual(x, residual, weight)``.
+
+    y = x * rsqrt(mean(x^2, -1) + eps) * w,   w = weight (+ 1 when zero_centered_gamma)
+
+x: any leading dims, last dim = hidden (any size >= 0); weight: [hidden]; x, residual and weight share
+one dtype (float32, float16 or bfloat16) and one device. Math in fp32; rstd is saved for the
+backward. Backend per call: TURBO (csrc CUDA) > TRITON > TORCH, or pinned with ``backend=``
+(see primus_turbo/pytorch/kernels/normalization/rmsnorm_impl.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from primus_turbo.pytorch.core.backend import BackendType
+from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import (
+    SUPPORTED_DTYPES,
+    rmsnorm_bwd_impl,
+    rmsnorm_fwd_impl,
+)
+
+__all__ = ["rmsnorm", "rmsnorm_residual"]
+
+
+def _validate(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    backend: BackendType | str | None,
+    op: str,
+) -> str:
+    """Check every argument; return the backend name ('' = automatic)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{op}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have at least 1 dim (last = hidden), got a 0-dim tensor")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: x dtype {x.dtype} is not supported; accepted: float32, float16, bfloat16")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{op}: weight dtype {weight.dtype} != x dtype {x.dtype}; cast one so they match")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"{op}: weight must have shape [{x.shape[-1]}] (x.shape[-1]), got {list(weight.shape)}"
+        )
+    if weight.device != x.device:
+        raise ValueError(f"{op}: weight is on {weight.device} but x is on {x.device}; use one device")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"{op}: residual must be a torch.Tensor, got {type(residual).__name__}")
+        if residual.shape != x.shape:
+            raise ValueError(f"{op}: residual shape {list(residual.shape)} != x shape {list(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"{op}: residual dtype {residual.dtype} != x dtype {x.dtype}")
+        if residual.device != x.device:
+            raise ValueError(f"{op}: residual is on {residual.device} but x is on {x.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
+    if backend is None:
+        return ""
+    return BackendType.parse(backend, source=f"{op}(backend=...)").name
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """[..., hidden] -> contiguous [rows, hidden] (a view when already contiguous)."""
+    if t is None:
+        return None
+    rows = math.prod(t.shape[:-1])  # not reshape(-1, ...): ambiguous when hidden == 0
+    return t.reshape(rows, t.shape[-1]).contiguous()
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """Plain and residual variants; outputs (y,) or (y, x + residual)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, zero_centered_gamma, backend):
+        ctx.set_materialize_grads(False)
+        y, sum_out, rstd = rmsnorm_fwd_impl(
+            _rows(x), _rows(residual), weight.contiguous(), float(eps), zero_centered_gamma, backend
+        )
+        normalised = _rows(x) if residual is None else sum_out
+        ctx.save_for_backward(normalised, weight, rstd)
+        ctx.zero_centered_gamma, ctx.backend, ctx.has_residual = (
+            zero_centered_gamma,
+            backend,
+            residual is not None,
+        )
+        ctx.x_shape = x.shape
+        if residual is None:
+            return y.view(x.shape)
+        return y.view(x.shape), sum_out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy, dsum=None):
+        normalised, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(normalised)
+        dx, dweight = rmsnorm_bwd_impl(
+            _rows(dy),
+            normalised,
+            weight.contiguous(),
+            rstd,
+            _rows(dsum),
+            ctx.zero_centered_gamma,
+            ctx.backend,
+        )
+        dx = dx.view(ctx.x_shape)
+        return dx, (dx if ctx.has_residual else None), dweight, None, None, None
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    backend: BackendType | str | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x``; differentiable in x and weight.
+
+    zero_centered_gamma: the stored weight is gamma - 1 (weight initialised to 0, Megatron's
+    ``apply_layernorm_1p`` convention). backend: None (automatic) or 'TURBO' / 'TRITON' / 'TORCH'.
+    """
+    name = _validate(x, None, weight, eps, backend, "rmsnorm")
+    return _RMSNormFunction.apply(x, None, weight, eps, bool(zero_centered_gamma), name)
+
+
+def rmsnorm_residual(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    backend: BackendType | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused pre-norm residual: s = x + residual (in x.dtype); returns (rmsnorm(s, weight), s).
+
+    One pass over memory instead of an add kernel and a norm kernel; gradients flow to x and
+    residual (both get d(s) = norm backward + the gradient of the returned s) and to weight.
+    """
+    name = _validate(x, residual, weight, eps, backend, "rmsnorm_residual")
+    return _RMSNormFunction.apply(x, residual, weight, eps, bool(zero_centered_gamma), name)
