@@ -37,6 +37,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
 from primus_turbo.pytorch.kernels.async_tp.symm_mem_pipeline import (
+    enable_symm_mem_for_group,
     pipelined_all_gather_consume,
     pipelined_produce_reduce_scatter,
     symm_mem_available,
@@ -153,6 +154,7 @@ class _AGSymmMem(KernelBackend):
 
     @staticmethod
     def execute(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtype, **_) -> list[torch.Tensor]:
+        enable_symm_mem_for_group(group_name)
         extras = _ag_empty_extras(a_shard)
         if a_scale is None:
             a_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(
@@ -253,6 +255,7 @@ class _RSSymmMem(KernelBackend):
 
     @staticmethod
     def execute(a, b, a_scale, b_scale, reduce_op, group_name, out_dtype, **_) -> torch.Tensor:
+        enable_symm_mem_for_group(group_name)
         if a_scale is None:
             return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, reduce_op, 0, group_name)
         return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(

@@ -25,13 +25,19 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["symm_mem_available", "pipelined_all_gather_consume", "pipelined_produce_reduce_scatter"]
+__all__ = [
+    "symm_mem_available",
+    "enable_symm_mem_for_group",
+    "pipelined_all_gather_consume",
+    "pipelined_produce_reduce_scatter",
+]
 
 _ALIGN = 256  # bytes; keeps every slot 16-byte aligned for cuBLAS (row-wise scales) and copy engines
 _MAX_SPLITS = 8  # barrier channels 1..8 are ours; channel 0 closes the call
 _workspaces: dict[str, tuple[torch.Tensor, object]] = {}
 _retired: list[torch.Tensor] = []
 _side_streams: dict[int, torch.cuda.Stream] = {}
+_cuda = torch.cuda  # stream/event API, swapped for a synchronous fake by the CPU pipeline test
 
 
 def symm_mem_available() -> bool:
@@ -46,6 +52,26 @@ def symm_mem_available() -> bool:
     return hasattr(symm_mem, "empty") and hasattr(symm_mem, "rendezvous")
 
 
+_enabled_groups: set[str] = set()
+
+
+def enable_symm_mem_for_group(group_name: str) -> None:
+    """Register the group with torch's symmetric memory once (required by older torch releases,
+    a deprecated no-op in newer ones; harmless either way)."""
+    if group_name in _enabled_groups:
+        return
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group_name)
+    _enabled_groups.add(group_name)
+
+
 def _aligned(nbytes: int) -> int:
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -53,6 +79,7 @@ def _aligned(nbytes: int) -> int:
 def _workspace(group_name: str, nbytes: int, device: torch.device):
     import torch.distributed._symmetric_memory as symm_mem
 
+    enable_symm_mem_for_group(group_name)
     entry = _workspaces.get(group_name)
     if entry is None or entry[0].numel() < nbytes:
         if torch.cuda.is_current_stream_capturing():
@@ -108,7 +135,7 @@ def pipelined_all_gather_consume(
     shard_bytes = [_aligned(x.numel() * x.element_size()) for x in shards]
     slot_bytes = sum(shard_bytes)
     handle = _workspace(group_name, slot_bytes * world_size, shards[0].device)
-    compute = torch.cuda.current_stream()
+    compute = _cuda.current_stream()
     side = _side_stream(shards[0].device)
     side.wait_stream(compute)
 
@@ -120,14 +147,14 @@ def pipelined_all_gather_consume(
         return views
 
     arrived = []
-    with torch.cuda.stream(side):
+    with _cuda.stream(side):
         for channel, (r0, r1) in enumerate(parts, start=1):
             for step in range(1, world_size):
                 peer = (rank + step) % world_size
                 for dst, x in zip(slot(peer, rank), shards):
                     dst[r0:r1].copy_(x[r0:r1], non_blocking=True)
             handle.barrier(channel=channel)
-            event = torch.cuda.Event()
+            event = _cuda.Event()
             event.record(side)
             arrived.append(event)
 
@@ -141,7 +168,7 @@ def pipelined_all_gather_consume(
 
     if gathered is not None:
         # The copy-out of the gathered tensors overlaps the GEMMs above (side stream is past arrival).
-        with torch.cuda.stream(side):
+        with _cuda.stream(side):
             for src in range(world_size):
                 views = shards if src == rank else local[src]
                 for full, part in zip(gathered, views):
@@ -170,7 +197,7 @@ def pipelined_produce_reduce_scatter(
     parts = _row_parts(m, max(1, min(num_splits, _MAX_SPLITS))) if m else []
     slot_bytes = _aligned(out.numel() * out.element_size())
     handle = _workspace(group_name, slot_bytes * world_size, out.device)
-    compute = torch.cuda.current_stream()
+    compute = _cuda.current_stream()
     side = _side_stream(out.device)
     side.wait_stream(compute)
 
@@ -188,16 +215,16 @@ def pipelined_produce_reduce_scatter(
                 compute.wait_event(stage_free[n % 2])
             produce(peer * m + r0, peer * m + r1, stage)
             side.wait_stream(compute)
-            with torch.cuda.stream(side):
+            with _cuda.stream(side):
                 slot(peer, rank)[r0:r1].copy_(stage, non_blocking=True)
-                done = torch.cuda.Event()
+                done = _cuda.Event()
                 done.record(side)
             stage_free[n % 2] = done
             n += 1
     own = slot(rank, rank)
     for r0, r1 in parts:
         produce(rank * m + r0, rank * m + r1, own[r0:r1])
-    with torch.cuda.stream(side):
+    with _cuda.stream(side):
         handle.barrier(channel=1)
     compute.wait_stream(side)
     _reduce_slots(handle, rank, world_size, slot_bytes, out, reduce_op)

@@ -1,0 +1,224 @@
+"""Async-TP on 2 GPUs: all-gather+GEMM and GEMM+reduce-scatter, every backend vs unfused vs GEMM alone.
+
+    torchrun --nproc_per_node=2 benchmark/ops/bench_async_tp.py --quick   # bf16, 4 shapes (< 60 s)
+    torchrun --nproc_per_node=2 benchmark/ops/bench_async_tp.py           # + FP8 rowwise/tensorwise,
+                                                                          #   TURBO num_splits sweep
+
+Shapes (M, K, N) are the global problem: AG+GEMM (column-parallel) gathers a [M/tp, K] shard and
+multiplies by a [K, N/tp] weight shard; GEMM+RS (row-parallel) multiplies [M, K/tp] by
+[K/tp, N] and reduce-scatters to [M/tp, N]. Per rank FLOPs: 2*M*K*N/tp for both.
+Rows: "gemm only" (the local GEMM, no comm), "comm only" (the NCCL collective alone),
+"unfused" (NCCL backend: collective then GEMM, or GEMM then collective), SYMM_MEM (torch's fused
+symm-mem ops), TURBO (push pipeline), TURBO splits=k (forced row blocks), dispatcher (backend=None).
+Forward TFLOPS is per GPU. "vs unfused" = unfused time / row time. Check: PASS when the output
+matches the unfused output of the same precision (bf16: rtol=atol=1e-2; FP8: SNR >= 25 dB).
+
+Timing: collectives need the same call count on every rank, so instead of do_bench (which picks
+its repetition count per rank) a fixed number of iterations is timed with CUDA events, 5 times;
+the median is taken and the max over ranks reported. The GPU box must keep NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (set here if absent).
+Target (2x H200): TURBO >= 1.15x unfused for both ops at the first three shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import GEMM_COLUMNS, bench_parser, out_dir, print_table, tflops, write_csv  # noqa: E402
+
+from primus_turbo.pytorch.ops.async_tp import (  # noqa: E402
+    fused_all_gather_matmul,
+    fused_all_gather_scaled_matmul,
+    fused_matmul_reduce_scatter,
+    fused_scaled_matmul_reduce_scatter,
+    quantize_for_async_tp,
+)
+
+SHAPES = [(8192, 4096, 14336), (8192, 8192, 8192), (16384, 7168, 2048), (4096, 4096, 4096)]
+EXTRA_COLUMNS = ["op", "precision", "vs unfused", "vs gemm only"]
+
+
+def time_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    ms = torch.tensor(statistics.median(samples), device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms)
+
+
+def snr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.float(), out.float()
+    return float(10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum().clamp_min(1e-30)))
+
+
+def _check(ref: torch.Tensor, out: torch.Tensor, fp8: bool) -> tuple[str, float]:
+    snr = snr_db(ref, out)
+    if fp8:
+        ok = snr >= 25.0
+    else:
+        ok = torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    ok_t = torch.tensor(int(ok), device="cuda")
+    dist.all_reduce(ok_t, op=dist.ReduceOp.MIN)
+    return ("PASS" if ok_t.item() else "FAIL"), snr
+
+
+def _ag_case(M, K, N, world, precision):
+    """Callables for AG+GEMM at one shape: {label: fn returning the output}, gemm-only, comm-only."""
+    gen = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
+    a = torch.randn(M // world, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    b = torch.randn(K, N // world, device="cuda", dtype=torch.bfloat16) / K**0.5
+    full = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+    if precision == "bf16":
+        run = lambda backend, splits=None: fused_all_gather_matmul(  # noqa: E731
+            a, [b], 0, return_a=False, backend=backend, num_splits=splits
+        )[1][0]
+        gemm = lambda: full @ b  # noqa: E731
+    else:
+        rowwise = precision == "fp8 rowwise"
+        a_q, a_s = quantize_for_async_tp(
+            a, torch.float8_e4m3fn, 1 if rowwise else None, dist.group.WORLD.group_name
+        )
+        bt_q, b_s = quantize_for_async_tp(b.t().contiguous(), torch.float8_e4m3fn, 1 if rowwise else None)
+        b_s = b_s.view(1, -1) if rowwise else b_s
+        run = lambda backend, splits=None: fused_all_gather_scaled_matmul(  # noqa: E731
+            a_q, [bt_q.t()], a_s, [b_s], 0, return_a=False, backend=backend, num_splits=splits
+        )[2][0]
+        fq = torch.empty(M, K, device="cuda", dtype=torch.float8_e4m3fn)
+        fs = torch.ones(M, 1, device="cuda") if rowwise else a_s
+        gemm = lambda: torch._scaled_mm(fq, bt_q.t(), fs, b_s, out_dtype=torch.bfloat16)  # noqa: E731
+        full = fq.view(torch.uint8)
+        a = a_q.view(torch.uint8)
+    comm = lambda: dist.all_gather_into_tensor(full, a)  # noqa: E731
+    return run, gemm, comm
+
+
+def _rs_case(M, K, N, world, precision):
+    gen = torch.Generator(device="cuda").manual_seed(4321 + dist.get_rank())
+    a = torch.randn(M, K // world, device="cuda", generator=gen, dtype=torch.bfloat16)
+    b = torch.randn(K // world, N, device="cuda", generator=gen, dtype=torch.bfloat16) / K**0.5
+    partial = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(M // world, N, device="cuda", dtype=torch.bfloat16)
+    if precision == "bf16":
+        run = lambda backend, splits=None: fused_matmul_reduce_scatter(  # noqa: E731
+            a, b, "sum", 0, backend=backend, num_splits=splits
+        )
+        gemm = lambda: a @ b  # noqa: E731
+    else:
+        rowwise = precision == "fp8 rowwise"
+        a_q, a_s = quantize_for_async_tp(a, torch.float8_e4m3fn, 1 if rowwise else None)
+        bt_q, b_s = quantize_for_async_tp(b.t().contiguous(), torch.float8_e4m3fn, 1 if rowwise else None)
+        b_s = b_s.view(1, -1) if rowwise else b_s
+        run = lambda backend, splits=None: fused_scaled_matmul_reduce_scatter(  # noqa: E731
+            a_q, bt_q.t(), a_s, b_s, "sum", 0, backend=backend, num_splits=splits
+        )
+        gemm = lambda: torch._scaled_mm(a_q, bt_q.t(), a_s, b_s, out_dtype=torch.bfloat16)  # noqa: E731
+    comm = lambda: dist.reduce_scatter_tensor(out, partial)  # noqa: E731
+    return run, gemm, comm
+
+
+def bench_shape(M, K, N, op, precision, quick, iters) -> list[dict]:
+    world = dist.get_world_size()
+    run, gemm, comm = (_ag_case if op == "AG+GEMM" else _rs_case)(M, K, N, world, precision)
+    flop = 2 * M * K * N / world
+    fp8 = precision != "bf16"
+    ref = run("NCCL")
+    variants = [("unfused", "NCCL", None), ("SYMM_MEM", "SYMM_MEM", None), ("TURBO", "TURBO", None)]
+    if not quick:
+        variants += [(f"TURBO splits={s}", "TURBO", s) for s in (1, 2, 4)]
+    variants.append(("dispatcher", None, None))
+    base = dict(B=1, M=M, N=N, K=K, op=op, precision=precision)
+    gemm_ms, comm_ms = time_ms(gemm, iters), time_ms(comm, iters)
+    rows = [
+        dict(base, label=f"{op} gemm only", Check="", **{"Forward Time (ms)": gemm_ms}),
+        dict(base, label=f"{op} comm only (NCCL)", Check="", **{"Forward Time (ms)": comm_ms}),
+    ]
+    unfused_ms = None
+    for label, backend, splits in variants:
+        try:
+            out = run(backend, splits)
+            check, snr = _check(ref, out, fp8)
+            ms = time_ms(lambda backend=backend, splits=splits: run(backend, splits), iters)
+        except Exception as e:  # keep the table going; the failure is in the row
+            if dist.get_rank() == 0:
+                print(f"{op} {precision} {M}x{K}x{N} {label}: {type(e).__name__}: {e}")
+            rows.append(dict(base, label=f"{op} {label}", Check=f"ERROR {type(e).__name__}"))
+            continue
+        unfused_ms = ms if backend == "NCCL" else unfused_ms
+        rows.append(
+            dict(
+                base,
+                label=f"{op} {label}",
+                Check=check,
+                out_snr=round(snr, 1),
+                **{
+                    "Forward TFLOPS": tflops(flop, ms),
+                    "Forward Time (ms)": ms,
+                    "vs unfused": (unfused_ms / ms) if unfused_ms else "",
+                    "vs gemm only": gemm_ms / ms,
+                },
+            )
+        )
+    for r in rows[:2]:
+        r["Forward TFLOPS"] = tflops(flop, r["Forward Time (ms)"]) if "gemm" in r["label"] else ""
+    return rows
+
+
+def main() -> None:
+    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    precisions = ["bf16"] if args.quick else ["bf16", "fp8 rowwise", "fp8 tensorwise"]
+    iters = 10 if args.quick else 30
+    rows = []
+    for precision in precisions:
+        for M, K, N in SHAPES:
+            for op in ("AG+GEMM", "GEMM+RS"):
+                rows += bench_shape(M, K, N, op, precision, args.quick, iters)
+    if dist.get_rank() == 0:
+        columns = GEMM_COLUMNS + EXTRA_COLUMNS
+        write_csv(out_dir(args) / "async_tp.csv", rows, columns)
+        print_table(
+            rows,
+            [
+                "label",
+                "precision",
+                "M",
+                "K",
+                "N",
+                "Check",
+                "Forward Time (ms)",
+                "Forward TFLOPS",
+                "vs unfused",
+                "vs gemm only",
+                "out_snr",
+            ],
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
