@@ -3,6 +3,7 @@
 from primus_turbo.pytorch.ops.async_tp import fused_all_gather_matmul, fused_matmul_reduce_scatter  # noqa: F401
 from primus_turbo.pytorch.ops.attention import flash_attn_func, flash_attn_varlen_func  # noqa: F401
 from primus_turbo.pytorch.ops.gemm import gemm  # noqa: F401
+from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8  # noqa: F401
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm  # noqa: F401
 from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8  # noqa: F401
 from primus_turbo.pytorch.ops.normalization import rmsnorm, rmsnorm_residual  # noqa: F401

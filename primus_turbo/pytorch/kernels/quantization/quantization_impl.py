@@ -15,6 +15,8 @@ slow, and its fp32->fp8 conversion does not produce NaN; tests call the Triton p
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from primus_turbo.pytorch.core.low_precision import fp8_max
@@ -60,9 +62,10 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> to
 def _torch_groups(x3: torch.Tensor, gr: int, gc: int, out_dtype, pow2):
     """x3 (B, R, C); group (gr, gc) with 0 = whole dim. Returns q (B, R, C), scale_inv (B, nR, nC)."""
     b, r, c = x3.shape
+    nr = ceil_div(r, gr) if gr else 1  # a whole-dim group exists (scale 1) even when the dim is empty
+    nc = ceil_div(c, gc) if gc else 1
     gr = gr or max(r, 1)
     gc = gc or max(c, 1)
-    nr, nc = ceil_div(r, gr), ceil_div(c, gc)
     xp = torch.nn.functional.pad(x3.float(), (0, nc * gc - c, 0, nr * gr - r))
     amax = finite_amax(xp.view(b, nr, gr, nc, gc), dim=(2, 4))  # (B, nR, nC)
     scale = scale_from_amax(amax, out_dtype, pow2)
@@ -270,10 +273,10 @@ def _as_3d(x: torch.Tensor, granularity: str, axis: int, block_r: int) -> torch.
     if x.dim() == 1:
         return x.reshape(1, 1, -1)
     if granularity == "blockwise" and block_r > 1 and axis is None:  # 2-D tiles, leading dims batched
-        return x.reshape(-1, x.shape[-2], x.shape[-1])
+        return x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
     if axis == 0:  # column groups of a 2-D tensor
         return x.reshape(1, x.shape[0], x.shape[1])
-    return x.reshape(1, -1, x.shape[-1])
+    return x.reshape(1, math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def quantize_fp8_impl(

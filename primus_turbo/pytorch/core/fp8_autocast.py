@@ -1,0 +1,105 @@
+"""``turbo.fp8_autocast``: turn FP8 on/off for a region, and delayed-scaling amax histories.
+
+Turbo modules (Float8Linear, Linear with an FP8 config, ...) read the innermost active context:
+
+    with turbo.fp8_autocast(enabled=True, config=Float8QuantConfig(granularity=BLOCKWISE)):
+        y = model(x)                       # every turbo Linear runs FP8 with that config
+        with turbo.fp8_autocast(enabled=False):
+            logits = model.lm_head(y)      # ...except what runs in here (first/last layers)
+
+A module's own config wins over the context's config; ``enabled=False`` wins over both.
+The state is a ``contextvars.ContextVar`` (thread- and task-local). Backward passes run outside the
+context; modules capture the recipe at forward time, so the backward matches the forward.
+
+Delayed scaling (``ScalingStrategy.DELAYED``, Transformer Engine's DelayedScaling): each quantized
+tensor keeps an ``AmaxHistory`` on device; its scale comes from the history (max over the window or
+the most recent entry) and the current amax is pushed after the cast, all with device ops (no host
+sync). The very first call of a history uses current scaling, so step 0 does not saturate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
+
+__all__ = ["fp8_autocast", "fp8_autocast_state", "FP8AutocastState", "AmaxHistory", "DelayedScalingState"]
+
+
+@dataclass(frozen=True)
+class FP8AutocastState:
+    enabled: bool
+    config: Float8QuantConfig | None
+
+
+_STATE: contextvars.ContextVar[FP8AutocastState | None] = contextvars.ContextVar("turbo_fp8", default=None)
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = True, config: Float8QuantConfig | None = None):
+    """Run turbo modules in FP8 (``enabled=True``) or high precision (``False``) inside the block."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"fp8_autocast: enabled must be a bool, got {enabled!r}")
+    if config is not None and not isinstance(config, Float8QuantConfig):
+        raise TypeError(
+            f"fp8_autocast: config must be a Float8QuantConfig or None, got {type(config).__name__}"
+        )
+    token = _STATE.set(FP8AutocastState(enabled, config))
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
+
+
+def fp8_autocast_state() -> FP8AutocastState | None:
+    """The innermost active fp8_autocast state, or None outside any."""
+    return _STATE.get()
+
+
+class AmaxHistory(torch.nn.Module):
+    """Rolling window of amaxes for one tensor; index 0 is the most recent.
+
+    The buffer is non-persistent: modules that own histories keep nn.Linear-compatible state dicts.
+    """
+
+    def __init__(self, length: int = 16, algo: str = "max", device=None) -> None:
+        super().__init__()
+        if length < 1:
+            raise ValueError(f"AmaxHistory: length must be >= 1, got {length}")
+        if algo not in ("max", "most_recent"):
+            raise ValueError(f"AmaxHistory: algo must be 'max' or 'most_recent', got {algo!r}")
+        self.algo = algo
+        self.initialized = False  # python flag: the first quantization uses current scaling
+        self.register_buffer(
+            "history", torch.zeros(length, dtype=torch.float32, device=device), persistent=False
+        )
+
+    def amax(self) -> torch.Tensor:
+        return self.history.amax() if self.algo == "max" else self.history[0]
+
+    def scale(self, fp8_dtype: torch.dtype) -> torch.Tensor:
+        """Device scalar ``fp8_max / amax`` (1 where the history is all zero)."""
+        from primus_turbo.pytorch.kernels.quantization.quantization_impl import scale_from_amax
+
+        return scale_from_amax(self.amax(), fp8_dtype, False)
+
+    @torch.no_grad()
+    def update(self, amax: torch.Tensor) -> None:
+        amax = amax.detach().float().reshape(1).to(self.history.device)
+        self.history.copy_(torch.cat([amax, self.history[:-1]]))
+        self.initialized = True
+
+
+class DelayedScalingState(torch.nn.Module):
+    """The three histories one FP8 GEMM needs: its two inputs and the output gradient."""
+
+    def __init__(self, config: Float8QuantConfig, device=None) -> None:
+        super().__init__()
+        n, algo = config.amax_history_len, config.amax_compute_algo
+        self.a = AmaxHistory(n, algo, device)
+        self.b = AmaxHistory(n, algo, device)
+        self.grad = AmaxHistory(n, algo, device)

@@ -1,0 +1,234 @@
+"""``turbo.ops.gemm_fp8``: C = op(a) @ op(b) with FP8 forward, dgrad and wgrad.
+
+``a`` is [M, K] ([K, M] with ``trans_a``), ``b`` is [K, N] ([N, K] with ``trans_b``; the nn.Linear
+case is ``gemm_fp8(x, weight, trans_b=True)``). Each may be a high-precision tensor (fp32/bf16/fp16;
+quantized here) or a ``Float8Tensor`` (quantized once by the caller, e.g. a weight once per step).
+
+Recipe (``config: Float8QuantConfig``):
+
+* format: E4M3 / E5M2 everywhere, or HYBRID = E4M3 operands forward, E5M2 output gradient.
+* granularity: TENSORWISE, ROWWISE (scales along the reduction axis of each GEMM), BLOCKWISE
+  (``a`` and the gradient 1 x bs, ``b`` bs x bs, as DeepSeek-V3 trains; a Float8Tensor ``b`` with
+  1 x bs groups also works).
+* strategy: CURRENT (default) or DELAYED (TENSORWISE only; needs ``delayed_state``, a
+  ``DelayedScalingState`` owned by the calling module).
+
+Every GEMM gets K-major operands: forward reads ``a`` scaled along K and ``b^T`` scaled along K;
+dgrad reads dC scaled along N and ``b`` scaled along N; wgrad reads dC^T and ``a^T`` scaled along M.
+``quantize_fp8_with_transpose`` makes both copies of each operand in one pass.
+
+Sizes need not be multiples of the block: partial blocks are quantized as if zero-padded and the
+TRITON/TORCH backends mask them (CUBLAS declines shapes it cannot run). M == 0 (or N == 0) gives
+empty outputs and zero weight gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.float8_tensor import Float8Tensor
+from primus_turbo.pytorch.core.fp8_autocast import AmaxHistory, DelayedScalingState
+from primus_turbo.pytorch.core.low_precision import (
+    Float8QuantConfig,
+    ScalingGranularity,
+    ScalingStrategy,
+)
+from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_impl
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
+    finite_amax,
+    quantize_fp8_tensorwise_static_impl,
+)
+from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_transpose
+
+__all__ = ["gemm_fp8"]
+
+_HP = (torch.float32, torch.bfloat16, torch.float16)
+G = ScalingGranularity
+
+
+class _Operand:
+    """The two K-major copies of a logical matrix X: ``fwd`` = X scaled along its last axis,
+    ``bwd`` = X^T scaled along X's first axis; each a (data, scale_inv) pair or None."""
+
+    def __init__(self, fwd, bwd, block):
+        self.fwd, self.bwd, self.block = fwd, bwd, block
+
+
+def _quantize_physical(p, dtype, config, block, need_t, history: AmaxHistory | None):
+    """Quantize contiguous 2-D p: returns ((q, s), (qt, st) | None)."""
+    g = config.granularity
+    kw = {"block_size": block, "power_of_two_scales": config.power_of_two_scales}
+    if history is not None:
+        if history.initialized:
+            q, s, qt, amax = quantize_fp8_tensorwise_static_impl(p, history.scale(dtype), dtype, need_t)
+            history.update(amax)
+            return (q, s), ((qt, s) if need_t else None)
+        history.update(finite_amax(p))
+    if need_t:
+        q, s, qt, st = quantize_fp8_with_transpose(p, dtype, g, **kw)
+        return (q, s), (qt, st)
+    return quantize_fp8(p, dtype, g, **kw), None
+
+
+def _prepare(x, phys_is_x, dtype, config, block, need_fwd_only, history=None) -> _Operand:
+    """x: the physical tensor (hp or Float8Tensor); phys_is_x: physical == logical X (else X^T)."""
+    if isinstance(x, Float8Tensor):
+        main = (x.data, x.scale_inv)
+        other = (x.data_t, x.scale_inv_t) if x.data_t is not None else None
+        fwd, bwd = (main, other) if phys_is_x else (other, main)
+        if fwd is None:
+            raise ValueError(
+                "Float8Tensor: this layout (trans flag) reads the transposed copy (data_t), which it does "
+                "not have; build it with Float8Tensor.from_tensor(..., with_transpose=True)"
+            )
+        return _Operand(fwd, bwd, x.block_size)
+    p = x.detach()
+    p = p if p.is_contiguous() else p.contiguous()
+    need_t = not (need_fwd_only and phys_is_x)
+    main, other = _quantize_physical(p, dtype, config, block, need_t, history)
+    fwd, bwd = (main, other) if phys_is_x else (other, main)
+    return _Operand(fwd, bwd, block)
+
+
+def _mode(granularity, b_block) -> int:
+    if granularity is G.TENSORWISE:
+        return 0
+    if granularity is G.ROWWISE:
+        return 1
+    return 2 if isinstance(b_block, tuple) else 3
+
+
+class _GemmFP8Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a_hp, b_hp, a_in, b_in, trans_a, trans_b, out_dtype, config, state):
+        fwd_dtype, bs = config.format.fwd_dtype, config.block_size
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # grad mode is off in here
+        a_blk = bs if config.granularity is G.BLOCKWISE else None
+        b_blk = (bs, bs) if a_blk else None
+        hist_a, hist_b = (state.a, state.b) if state is not None else (None, None)
+        a_op = _prepare(a_in, not trans_a, fwd_dtype, config, a_blk, not needs_grad, hist_a)
+        b_op = _prepare(b_in, trans_b, fwd_dtype, config, b_blk, not needs_grad, hist_b)
+        mode = _mode(config.granularity, b_op.block)
+        out = gemm_fp8_impl(*a_op.fwd, *b_op.fwd, mode, bs or 0, out_dtype)
+        ctx.trans_a, ctx.trans_b, ctx.config, ctx.state, ctx.mode = trans_a, trans_b, config, state, mode
+        ctx.b_block = b_op.block
+        ctx.grad_dtypes = tuple(t.dtype if t is not None else out_dtype for t in (a_hp, b_hp))
+        if needs_grad:
+            # Only the FP8 copies the backward GEMMs read are kept (1 byte/element).
+            tensors = [*(a_op.bwd or (None, None)), *(b_op.bwd or (None, None))]
+            ctx.save_for_backward(*tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a_t, a_t_s, b_n, b_n_s = ctx.saved_tensors
+        config, bs = ctx.config, ctx.config.block_size
+        need_da, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_blk = bs if config.granularity is G.BLOCKWISE else None
+        history = ctx.state.grad if ctx.state is not None else None
+        g = _prepare(grad_out, True, config.format.bwd_dtype, config, g_blk, not need_db, history)
+        grad_a = grad_b = None
+        if need_da:  # dA[M, K] = dC[M, N] @ B[K, N]^T  (B rows scaled along N)
+            grad_a = gemm_fp8_impl(
+                *g.fwd, b_n, b_n_s, _mode(config.granularity, ctx.b_block), bs or 0, ctx.grad_dtypes[0]
+            )
+            grad_a = grad_a.t() if ctx.trans_a else grad_a
+        if need_db:
+            wmode = _mode(config.granularity, g_blk)
+            if ctx.trans_b:  # dB^T[N, K] = dC^T[N, M] @ A^T[K, M]^T
+                grad_b = gemm_fp8_impl(*g.bwd, a_t, a_t_s, wmode, bs or 0, ctx.grad_dtypes[1])
+            else:  # dB[K, N] = A^T[K, M] @ dC^T[N, M]^T
+                grad_b = gemm_fp8_impl(a_t, a_t_s, *g.bwd, wmode, bs or 0, ctx.grad_dtypes[1])
+        return grad_a, grad_b, None, None, None, None, None, None, None
+
+
+def _check_operand(x, name: str, trans: bool, config: Float8QuantConfig, is_b: bool):
+    if isinstance(x, Float8Tensor):
+        if x.granularity is not config.granularity:
+            raise ValueError(
+                f"{name}: Float8Tensor is {x.granularity.name}, config asks {config.granularity.name}"
+            )
+        if x.dtype != config.format.fwd_dtype:
+            raise ValueError(
+                f"{name}: Float8Tensor dtype {x.dtype}, config {config.format.name} needs "
+                f"{config.format.fwd_dtype}"
+            )
+        if config.granularity is G.BLOCKWISE:
+            bs = config.block_size
+            ok = (bs, bs) if is_b else bs
+            if x.block_size not in ((ok, bs) if is_b else (ok,)):
+                raise ValueError(
+                    f"{name}: Float8Tensor block_size {x.block_size!r}; with block_size={bs} "
+                    f"accepted: {ok!r}" + (f" or {bs}" if is_b else "")
+                )
+        return x.shape
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or Float8Tensor, got {type(x).__name__}")
+    if x.dtype not in _HP:
+        raise TypeError(f"{name}: expected float32/bfloat16/float16 (or a Float8Tensor), got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    return x.shape
+
+
+def gemm_fp8(
+    a: torch.Tensor | Float8Tensor,
+    b: torch.Tensor | Float8Tensor,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    out_dtype: torch.dtype | None = None,
+    config: Float8QuantConfig | None = None,
+    *,
+    delayed_state: DelayedScalingState | None = None,
+) -> torch.Tensor:
+    """op(a) @ op(b) in FP8 with autograd (see the module docstring). ``out_dtype`` defaults to the
+    high-precision input dtype (bf16 when both inputs are Float8Tensors)."""
+    config = Float8QuantConfig() if config is None else config
+    if not isinstance(config, Float8QuantConfig):
+        raise TypeError(f"config: expected a Float8QuantConfig, got {type(config).__name__}")
+    if not isinstance(trans_a, bool) or not isinstance(trans_b, bool):
+        raise TypeError(f"trans_a/trans_b: expected bools, got {trans_a!r}, {trans_b!r}")
+    sa = _check_operand(a, "a", trans_a, config, False)
+    sb = _check_operand(b, "b", trans_b, config, True)
+    m, k = (sa[1], sa[0]) if trans_a else (sa[0], sa[1])
+    kb, n = (sb[1], sb[0]) if trans_b else (sb[0], sb[1])
+    if k != kb:
+        raise ValueError(
+            f"a/b: reduction sizes differ: op(a) is {m}x{k}, op(b) is {kb}x{n} "
+            f"(trans_a={trans_a}, trans_b={trans_b})"
+        )
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device != b.device:
+        raise ValueError(f"a/b: on different devices ({a.device}, {b.device})")
+    hp = [x for x in (a, b) if isinstance(x, torch.Tensor)]
+    out_dtype = out_dtype or (hp[0].dtype if hp else torch.bfloat16)
+    if out_dtype not in _HP:
+        raise TypeError(f"out_dtype: expected float32/bfloat16/float16, got {out_dtype}")
+    if config.strategy is ScalingStrategy.DELAYED:
+        if not isinstance(delayed_state, DelayedScalingState):
+            raise ValueError(
+                "delayed_state: DELAYED scaling needs the DelayedScalingState owned by the calling "
+                "module (e.g. Float8Linear); got None"
+            )
+    else:
+        delayed_state = None
+    a_hp = a.source if isinstance(a, Float8Tensor) else a
+    b_hp = b.source if isinstance(b, Float8Tensor) else b
+    grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a_hp, b_hp))
+    if grad_needed:
+        _check_backward_copies(a, b, a_hp, b_hp)
+    return _GemmFP8Function.apply(a_hp, b_hp, a, b, trans_a, trans_b, out_dtype, config, delayed_state)
+
+
+def _check_backward_copies(a, b, a_hp, b_hp) -> None:
+    """wgrad reads a's transposed copy, dgrad b's: a Float8Tensor made without it cannot train."""
+    for x, other_hp, name in ((a, b_hp, "a"), (b, a_hp, "b")):
+        if (
+            isinstance(x, Float8Tensor)
+            and x.data_t is None
+            and other_hp is not None
+            and other_hp.requires_grad
+        ):
+            raise ValueError(
+                f"{name}: Float8Tensor has no transposed copy (data_t), which the backward GEMM of "
+                "the other operand needs; build it with Float8Tensor.from_tensor(..., with_transpose=True)"
+            )
