@@ -8,21 +8,21 @@ views, never copies:
     wgrad  dB = op(a)^T @ dC        (stored [N, K] when trans_b: dC^T @ op(a))
 
 Megatron-style weight-gradient accumulation (``accumulate_into_main_grad=True``): ``b`` is a
-weight carrying an fp32 ``b.main_grad`` buffer of b's shape. The backward computes the wgrad GEMM
-with ``out_dtype=main_grad.dtype`` (fp32 accumulator written directly, no bf16 rounding) and does
-``b.main_grad += wgrad``. Like Megatron's ``gradient_accumulation_fusion``, the gradient returned
-for ``b`` is then a placeholder: ``None`` when ``b`` has no ``grad_added_to_main_grad`` attribute,
-otherwise an uninitialised tensor (zeros when ``b.zero_out_wgrad`` is True) and
-``b.grad_added_to_main_grad`` is set to True so Megatron's DDP skips ``b.grad``.
-The accumulation is a separate ``add_`` (one fp32 read+write of the weight gradient), not fused
-into the GEMM epilogue.
+weight carrying an fp32 ``b.main_grad`` buffer of b's shape. The backward accumulates the wgrad
+GEMM into it in fp32 (no bf16 rounding): ``b.main_grad += op(a)^T @ dC``. Like Megatron's
+``gradient_accumulation_fusion``, the gradient returned for ``b`` is then a placeholder: ``None``
+when ``b`` has no ``grad_added_to_main_grad`` attribute, otherwise an uninitialised tensor (zeros
+when ``b.zero_out_wgrad`` is True) and ``b.grad_added_to_main_grad`` is set to True so Megatron's
+DDP skips ``b.grad``.
+With the CUBLAS backend the accumulation is fused (one cuBLASLt GEMM with beta=1 into main_grad);
+TRITON/TORCH compute the fp32 product and ``add_`` it (one extra fp32 pass over the gradient).
 """
 
 from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.kernels.gemm.gemm_impl import SUPPORTED_DTYPES, gemm_forward
+from primus_turbo.pytorch.kernels.gemm.gemm_impl import SUPPORTED_DTYPES, gemm_accumulate_, gemm_forward
 
 __all__ = ["gemm"]
 
@@ -112,15 +112,13 @@ class GemmFunction(torch.autograd.Function):
             else:
                 grad_a = gemm_forward(grad, b, False, not trans_b, a.dtype)
         if ctx.needs_input_grad[1]:
-            weight = ctx.weight if ctx.accumulate_into_main_grad else b
-            wgrad_dtype = weight.main_grad.dtype if ctx.accumulate_into_main_grad else b.dtype
-            if trans_b:
-                grad_b = gemm_forward(grad, a, True, trans_a, wgrad_dtype)
-            else:
-                grad_b = gemm_forward(a, grad, not trans_a, False, wgrad_dtype)
+            # wgrad operands: dB = op(a)^T @ dC, or dC^T @ op(a) when b is stored transposed
+            lhs, rhs, t_lhs, t_rhs = (grad, a, True, trans_a) if trans_b else (a, grad, not trans_a, False)
             if ctx.accumulate_into_main_grad:
-                weight.main_grad.add_(grad_b)
-                grad_b = _wgrad_placeholder(weight)
+                gemm_accumulate_(ctx.weight.main_grad, lhs, rhs, t_lhs, t_rhs)
+                grad_b = _wgrad_placeholder(ctx.weight)
+            else:
+                grad_b = gemm_forward(lhs, rhs, t_lhs, t_rhs, b.dtype)
         return grad_a, grad_b, None, None, None, None
 
 

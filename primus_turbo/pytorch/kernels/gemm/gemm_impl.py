@@ -19,7 +19,7 @@ import torch
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
 from primus_turbo.pytorch.core.utils import triton_can_run_on
 
-__all__ = ["GemmDispatcher", "gemm_impl", "gemm_forward", "SUPPORTED_DTYPES"]
+__all__ = ["GemmDispatcher", "gemm_impl", "gemm_forward", "gemm_accumulate_", "SUPPORTED_DTYPES"]
 
 # dtypes the op accepts (inputs and out_dtype); TRITON serves the first three.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -184,3 +184,30 @@ def gemm_forward(a, b, trans_a: bool, trans_b: bool, out_dtype: torch.dtype) -> 
     if torch.compiler.is_compiling():
         return gemm_impl(a, b, trans_a, trans_b, out_dtype)
     return GemmDispatcher.dispatch(a=a, b=b, trans_a=trans_a, trans_b=trans_b, out_dtype=out_dtype)
+
+
+def gemm_accumulate_(c: torch.Tensor, a, b, trans_a: bool, trans_b: bool) -> None:
+    """c += op(a) @ op(b) in c's dtype: the Megatron ``main_grad`` accumulation.
+
+    When the dispatcher picks CUBLAS this is one cuBLASLt GEMM with beta=1 writing into ``c``
+    (``addmm(out=c)``, half inputs with fp32 ``c`` through ``out_dtype``): no temporary and no extra
+    pass over the fp32 gradient. Other backends (and traced calls) compute the product in
+    ``c.dtype`` and ``add_`` it.
+    """
+    kwargs = {"a": a, "b": b, "trans_a": trans_a, "trans_b": trans_b, "out_dtype": c.dtype}
+    if not torch.compiler.is_compiling() and c.is_cuda:
+        backend = GemmDispatcher.resolve(**kwargs)
+        if backend == BackendType.CUBLAS:
+            GemmDispatcher.last_backend = backend
+            al, bl = _logical(a, b, trans_a, trans_b)
+            if c.dtype == a.dtype:
+                c.addmm_(al, bl)
+                return
+            if (
+                c.dtype == torch.float32
+                and a.dtype in _HALF_DTYPES
+                and hasattr(torch.ops.aten.addmm, "dtype_out")
+            ):
+                torch.addmm(c, al, bl, out_dtype=torch.float32, out=c)
+                return
+    c.add_(gemm_forward(a, b, trans_a, trans_b, c.dtype))
