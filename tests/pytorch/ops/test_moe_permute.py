@@ -192,3 +192,22 @@ def test_permute_kernels_compile_sm90():
 
 if __name__ == "__main__":
     _compile_all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_permute_turbo_csrc_matches_triton(dtype, device):
+    from primus_turbo.pytorch.kernels.moe.permute_impl import PermuteTriton, PermuteTurbo, build_row_id_map
+
+    t, h, e, k = 2048, 7168, 256, 8
+    indices, probs = _routing(t, e, k, device, drop_frac=0.1)
+    x = torch.randn(t, h, device=device, dtype=dtype)
+    row_id_map, _, num_rows = build_row_id_map(indices, e, None, 128, None)
+    kw = dict(kind="permute", x=x, row_id_map=row_id_map, probs=probs, num_rows=num_rows, zero_fill=True)
+    if not PermuteTurbo.can_handle(**kw):
+        pytest.skip("csrc extension (primus_turbo.pytorch._C) not built")
+    out_c, probs_c = PermuteTurbo.execute(**kw)
+    out_t, probs_t = PermuteTriton.execute(**kw)
+    assert torch.equal(out_c, out_t) and torch.equal(probs_c, probs_t)
+    ukw = dict(kind="unpermute", y=out_t, row_id_map=row_id_map, probs=probs, num_tokens=t)
+    assert torch.equal(PermuteTurbo.execute(**ukw), PermuteTriton.execute(**ukw))

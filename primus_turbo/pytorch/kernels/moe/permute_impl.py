@@ -149,17 +149,24 @@ class PermuteTurbo(KernelBackend):
 
     @staticmethod
     def _ops():
-        try:
-            from primus_turbo.pytorch.core import cpp_extension  # noqa: F401  (loads the library)
+        from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION
 
-            return torch.ops.primus_turbo_cpp_extension
-        except Exception:
-            return None
+        return torch.ops.primus_turbo_cpp_extension if HAS_CPP_EXTENSION else None
 
     @classmethod
     def can_handle(cls, **kw) -> bool:
         tensors = [v for v in kw.values() if isinstance(v, torch.Tensor)]
         if not tensors or not all(v.is_cuda for v in tensors):
+            return False
+        probs = kw.get("probs")
+        if probs is not None and probs.dtype != torch.float32:
+            return False
+        if kw["row_id_map"].shape[1] > 1024:
+            return False
+        ten = kw.get("x", kw.get("y"))
+        if kw["kind"] == "unpermute" and ten.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return False
+        if ten.shape[1] * ten.element_size() % 2:
             return False
         ops = cls._ops()
         return ops is not None and hasattr(ops, "moe_permute") and hasattr(ops, "moe_unpermute")

@@ -1,0 +1,119 @@
+// Torch glue for the MoE permute/unpermute CUDA kernels (csrc/kernels/moe/permute.cu).
+//
+//   torch.ops.primus_turbo_cpp_extension.moe_permute(x, row_id_map, probs?, num_rows, zero_fill) -> (out, out_probs)
+//   torch.ops.primus_turbo_cpp_extension.moe_unpermute(y, row_id_map, probs?, num_tokens) -> out
+//
+// x / y: contiguous [rows, hidden] (permute: any dtype with even row bytes; unpermute: fp32/fp16/bf16);
+// row_id_map: int32 [T, K] (K <= 1024); probs: fp32 [T, K]. The Python layer
+// (primus_turbo/pytorch/kernels/moe/permute_impl.py) builds the map and validates.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "primus_turbo/dtype.h"
+
+namespace primus_turbo {
+int moe_permute_max_k();
+cudaError_t moe_permute_launch(const void* x, const int32_t* row_id_map, const float* probs, void* out,
+                               float* out_probs, int64_t num_tokens, int64_t row_bytes, int K, bool aligned16,
+                               cudaStream_t stream);
+cudaError_t moe_unpermute_launch(const void* y, const int32_t* row_id_map, const float* probs, void* out,
+                                 int64_t num_tokens, int64_t hidden, int K, DType dtype, bool aligned16,
+                                 cudaStream_t stream);
+}  // namespace primus_turbo
+
+namespace {
+
+using at::Tensor;
+
+bool aligned16(std::initializer_list<const void*> ptrs) {
+    for (const void* p : ptrs)
+        if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    return true;
+}
+
+void check_map(const Tensor& x, const Tensor& map, const std::optional<Tensor>& probs, int64_t rows) {
+    TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "moe_permute: input must be a contiguous 2-D CUDA tensor");
+    TORCH_CHECK(map.is_cuda() && map.scalar_type() == at::kInt && map.dim() == 2 && map.is_contiguous() &&
+                    map.size(0) == rows,
+                "moe_permute: row_id_map must be a contiguous int32 [", rows, ", K] CUDA tensor, got ", map.sizes());
+    TORCH_CHECK(map.size(1) <= primus_turbo::moe_permute_max_k(), "moe_permute: K=", map.size(1), " > ",
+                primus_turbo::moe_permute_max_k());
+    if (probs) {
+        TORCH_CHECK(probs->is_cuda() && probs->scalar_type() == at::kFloat && probs->is_contiguous() &&
+                        probs->sizes() == map.sizes(),
+                    "moe_permute: probs must be contiguous fp32 with the shape of row_id_map ", map.sizes());
+    }
+}
+
+std::tuple<Tensor, Tensor> moe_permute_cuda(const Tensor& x, const Tensor& row_id_map,
+                                            const std::optional<Tensor>& probs, int64_t num_rows, bool zero_fill) {
+    check_map(x, row_id_map, probs, x.size(0));
+    const int64_t row_bytes = x.size(1) * x.element_size();
+    TORCH_CHECK(row_bytes % 2 == 0, "moe_permute (TURBO): row bytes must be even, got ", row_bytes);
+    const c10::cuda::CUDAGuard guard(x.device());
+    Tensor out = zero_fill ? at::zeros({num_rows, x.size(1)}, x.options()) : at::empty({num_rows, x.size(1)}, x.options());
+    Tensor out_probs = probs ? (zero_fill ? at::zeros({num_rows}, probs->options()) : at::empty({num_rows}, probs->options()))
+                             : at::empty({0}, x.options().dtype(at::kFloat));
+    const float* p = probs ? probs->data_ptr<float>() : nullptr;
+    C10_CUDA_CHECK(primus_turbo::moe_permute_launch(
+        x.data_ptr(), row_id_map.data_ptr<int32_t>(), p, out.data_ptr(), probs ? out_probs.data_ptr<float>() : nullptr,
+        x.size(0), row_bytes, static_cast<int>(row_id_map.size(1)), aligned16({x.data_ptr(), out.data_ptr()}),
+        c10::cuda::getCurrentCUDAStream()));
+    return {out, out_probs};
+}
+
+Tensor moe_unpermute_cuda(const Tensor& y, const Tensor& row_id_map, const std::optional<Tensor>& probs,
+                          int64_t num_tokens) {
+    check_map(y, row_id_map, probs, num_tokens);
+    primus_turbo::DType dtype;
+    switch (y.scalar_type()) {
+        case at::kFloat: dtype = primus_turbo::DType::kFloat32; break;
+        case at::kHalf: dtype = primus_turbo::DType::kFloat16; break;
+        case at::kBFloat16: dtype = primus_turbo::DType::kBFloat16; break;
+        default: TORCH_CHECK(false, "moe_unpermute (TURBO): dtype ", y.scalar_type(), " not supported; fp32/fp16/bf16");
+    }
+    const c10::cuda::CUDAGuard guard(y.device());
+    Tensor out = at::empty({num_tokens, y.size(1)}, y.options());
+    const float* p = probs ? probs->data_ptr<float>() : nullptr;
+    C10_CUDA_CHECK(primus_turbo::moe_unpermute_launch(
+        y.data_ptr(), row_id_map.data_ptr<int32_t>(), p, out.data_ptr(), num_tokens, y.size(1),
+        static_cast<int>(row_id_map.size(1)), dtype, aligned16({y.data_ptr(), out.data_ptr()}),
+        c10::cuda::getCurrentCUDAStream()));
+    return out;
+}
+
+std::tuple<Tensor, Tensor> moe_permute_meta(const Tensor& x, const Tensor& row_id_map,
+                                            const std::optional<Tensor>& probs, int64_t num_rows, bool zero_fill) {
+    return {at::empty({num_rows, x.size(1)}, x.options()),
+            at::empty({probs ? num_rows : 0}, x.options().dtype(at::kFloat))};
+}
+
+Tensor moe_unpermute_meta(const Tensor& y, const Tensor& row_id_map, const std::optional<Tensor>& probs,
+                          int64_t num_tokens) {
+    return at::empty({num_tokens, y.size(1)}, y.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(primus_turbo_cpp_extension, m) {
+    m.def("moe_permute(Tensor x, Tensor row_id_map, Tensor? probs, int num_rows, bool zero_fill) -> (Tensor, Tensor)");
+    m.def("moe_unpermute(Tensor y, Tensor row_id_map, Tensor? probs, int num_tokens) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, CUDA, m) {
+    m.impl("moe_permute", &moe_permute_cuda);
+    m.impl("moe_unpermute", &moe_unpermute_cuda);
+}
+
+TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, Meta, m) {
+    m.impl("moe_permute", &moe_permute_meta);
+    m.impl("moe_unpermute", &moe_unpermute_meta);
+}
