@@ -131,7 +131,9 @@ def test_gemm_bad_input(device):
         turbo.ops.gemm(a.to("meta"), b)
 
 
-def test_gemm_main_grad_accumulation(device):
+@pytest.mark.parametrize("backend", _backends())
+def test_gemm_main_grad_accumulation(backend, device):
+    GlobalBackendManager.set_gemm_backend(backend)
     x = torch.randn(24, 40, dtype=torch.bfloat16, device=device, requires_grad=True)
     w = torch.nn.Parameter(torch.randn(32, 40, dtype=torch.bfloat16, device=device))
     init = torch.randn(32, 40, dtype=torch.float32, device=device)
@@ -147,6 +149,7 @@ def test_gemm_main_grad_accumulation(device):
     expected = init.double() + grads[0] + grads[1]
     torch.testing.assert_close(w.main_grad.double(), expected, rtol=1e-4, atol=1e-3)
     assert w.grad_added_to_main_grad is True
+    assert GemmDispatcher.last_backend == BackendType[backend]
     assert w.grad is not None and torch.count_nonzero(w.grad) == 0  # zero_out_wgrad placeholder
     assert x.grad is not None
 
