@@ -18,6 +18,14 @@ DISPATCHERS = ("alltoall", "flex")
 TURBO_FEATURES = ("gemm", "grouped_gemm", "attention", "rmsnorm", "router", "permute", "dispatch", "async_tp")
 
 
+def moe_layer_pattern(model_cfg: DictConfig) -> list[int]:
+    """1 for an MoE layer, 0 for a dense one: the first ``moe.first_k_dense`` layers are dense."""
+    if model_cfg.moe is None:
+        return [0] * model_cfg.num_layers
+    first_dense = int(model_cfg.moe.get("first_k_dense", 0) or 0)
+    return [0] * first_dense + [1] * (model_cfg.num_layers - first_dense)
+
+
 class ConfigError(ValueError):
     """A config value that cannot run; the message names the key and the accepted values."""
 

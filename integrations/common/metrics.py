@@ -18,6 +18,7 @@ import sys
 import time
 
 import torch
+from primus_turbo.integrations.common.config import moe_layer_pattern
 
 # Dense (non-sparse) peak TFLOP/s per GPU by (device-name substring, precision).
 PEAK_TFLOPS = {
@@ -69,8 +70,6 @@ def _mlp_flops_per_token(m, is_moe: bool) -> float:
 
 def model_flops_per_token(model_cfg) -> float:
     """Training FLOPs per token of the full model (all layers, all ranks together)."""
-    from primus_turbo.integrations.megatron.model import moe_layer_pattern
-
     attention = _attention_flops_per_token(model_cfg)
     pattern = moe_layer_pattern(model_cfg)
     layers = sum(attention + _mlp_flops_per_token(model_cfg, bool(is_moe)) for is_moe in pattern)

@@ -24,6 +24,7 @@ import types
 import torch
 
 _APPLIED = False
+_ORIGINALS: list[tuple[object, str, object]] = []  # (object, attribute, original value) for remove_cpu_shims
 TESTED_MEGATRON_CORE = ("0.16.1",)
 
 
@@ -135,6 +136,7 @@ def apply_cpu_shims() -> list[str]:
     patched = []
 
     def put(obj, name, value):
+        _ORIGINALS.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
         patched.append(f"{getattr(obj, '__name__', type(obj).__name__)}.{name}")
 
@@ -178,3 +180,12 @@ def apply_cpu_shims() -> list[str]:
             put(module, "torch", cpu_torch)
     _APPLIED = True
     return patched
+
+
+def remove_cpu_shims() -> None:
+    """Undo apply_cpu_shims (tests that build Megatron modules in-process restore torch afterwards)."""
+    global _APPLIED
+    while _ORIGINALS:
+        obj, name, original = _ORIGINALS.pop()
+        setattr(obj, name, original)
+    _APPLIED = False

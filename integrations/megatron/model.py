@@ -26,14 +26,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 from omegaconf import DictConfig
-
-
-def moe_layer_pattern(model_cfg: DictConfig) -> list[int]:
-    """1 for an MoE layer, 0 for a dense one: the first ``moe.first_k_dense`` layers are dense."""
-    if model_cfg.moe is None:
-        return [0] * model_cfg.num_layers
-    first_dense = int(model_cfg.moe.get("first_k_dense", 0) or 0)
-    return [0] * first_dense + [1] * (model_cfg.num_layers - first_dense)
+from primus_turbo.integrations.common.config import moe_layer_pattern
 
 
 def build_transformer_config(cfg: DictConfig, params_dtype: torch.dtype, use_grouped_gemm: bool):

@@ -1,0 +1,120 @@
+"""Recipes compose; bad values fail in validate_config with a message naming the key; FLOPs formula."""
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from primus_turbo.integrations.common.config import ConfigError, validate_config
+from primus_turbo.integrations.common.metrics import model_flops_per_token, peak_tflops
+
+RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "recipes")
+ALL_RECIPES = ["tiny_moe", "tiny_dense", "deepseek_moe_bf16", "deepseek_moe_fp8", "llama3_8b_fp8",
+               "mixtral_8x7b_proxy"]  # fmt: skip
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=os.path.abspath(RECIPES), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_default_is_tiny_moe_with_ep2_and_turbo_strict():
+    cfg = _cfg()
+    assert cfg.recipe_name == "tiny_moe" and cfg.parallel.ep == 2 and cfg.framework.name == "megatron"
+    assert cfg.turbo.enabled is True and cfg.turbo.strict is True and cfg.fp8.enabled is False
+    validate_config(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+def test_every_recipe_composes_and_validates_on_one_gpu_shape(recipe):
+    cfg = _cfg(f"recipe={recipe}")
+    assert cfg.recipe_name == recipe
+    assert cfg.fp8.enabled == recipe.endswith("fp8")
+    if cfg.fp8.enabled:  # this machine has no FP8 GPU: the fp8 check must say so
+        with pytest.raises(ConfigError, match="precision=fp8 needs an FP8-capable GPU"):
+            validate_config(cfg, world_size=1)
+        validate_config(_cfg(f"recipe={recipe}", "precision=bf16"), world_size=1)
+    else:
+        validate_config(cfg, world_size=1 if recipe != "tiny_moe" else 2)
+
+
+def test_precision_override_and_fp8_recipe_choice():
+    cfg = _cfg("recipe=deepseek_moe_bf16", "precision=fp8", "fp8.recipe=blockwise")
+    assert cfg.fp8.enabled and cfg.fp8.recipe == "blockwise"
+    assert _cfg("recipe=deepseek_moe_fp8", "precision=bf16").fp8.enabled is False
+
+
+def test_unknown_recipe_lists_the_options():
+    with pytest.raises(ConfigCompositionException) as err:
+        _cfg("recipe=no_such_recipe")
+    assert "no_such_recipe" in str(err.value) and "tiny_moe" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["parallel.ep=3"], 2, r"parallel.tp\*ep\*pp = 1\*3\*1 = 3 does not divide world size 2"),
+        (
+            ["parallel.tp=2", "parallel.ep=1"],
+            3,
+            r"parallel.tp\*pp\*cp = 2\*1\*1 = 2 does not divide world size 3",
+        ),
+        (
+            ["parallel.tp=2", "parallel.ep=1", "model.num_query_groups=1"],
+            2,
+            "num_query_groups=1 not divisible",
+        ),
+        (["parallel.ep=2", "model.moe.num_experts=5"], 2, r"num_experts=5 % ep=2"),
+        (["model.moe.topk=9"], 2, r"model.moe.topk=9: expected 1..4"),
+        (
+            ["parallel.pp=2", "parallel.ep=1", "model.num_layers=3"],
+            2,
+            "num_layers=3 not divisible by parallel.pp=2",
+        ),
+        (["parallel.sequence_parallel=true"], 2, "sequence_parallel=true needs parallel.tp > 1"),
+        (["data.global_batch_size=6"], 2, "global_batch_size=6 is not a multiple of micro_batch_size\\*dp"),
+        (["fp8.recipe=mxfp8"], 2, "fp8.recipe='mxfp8': expected one of"),
+        (["train.dtype=fp16"], 2, "train.dtype='fp16'"),
+        (["train.steps=0"], 2, "train.steps=0"),
+        (["resume=true"], 2, "resume=true needs train.ckpt_dir"),
+        (["data.path=/no/such/file.txt"], 2, "data.path='/no/such/file.txt' does not exist"),
+        (["turbo.gemm=maybe"], 2, "turbo.gemm='maybe': expected true or false"),
+        (["model.moe.dispatcher=nccl"], 2, "model.moe.dispatcher='nccl'"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, world, message):
+    cfg = _cfg(*overrides)
+    if cfg.data.kind == "text" and not os.path.isabs(cfg.data.path) and cfg.data.path == "data/sample.txt":
+        cfg.data.path = os.path.join(RECIPES, "..", "data", "sample.txt")
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg, world_size=world)
+
+
+def test_dense_model_rejects_expert_parallel():
+    with pytest.raises(ConfigError, match="needs an MoE model"):
+        validate_config(_cfg("recipe=tiny_dense", "parallel.ep=2"), world_size=2)
+
+
+def test_flops_dense_gqa_matches_hand_count():
+    cfg = _cfg("recipe=llama3_8b_fp8").model
+    h, f, s, v, L = 4096, 14336, 4096, 128256, 8
+    attn_proj = h * (32 + 2 * 8) * 128 + 32 * 128 * h
+    per_layer = 2 * attn_proj + 2 * s * 32 * 256 * 0.5 + 2 * 3 * h * f
+    expected = 3 * (L * per_layer + 2 * h * v)
+    assert model_flops_per_token(cfg) == pytest.approx(expected, rel=1e-12)
+
+
+def test_flops_moe_counts_topk_and_shared_experts_only():
+    cfg = _cfg("recipe=deepseek_moe_bf16").model
+    base = model_flops_per_token(cfg)
+    cfg.moe.num_experts = 128  # more experts: only the router grows
+    grown = model_flops_per_token(cfg)
+    assert grown - base == pytest.approx(3 * 3 * 2 * 2048 * 64, rel=1e-12)  # 3 MoE layers, router 2*h*dE
+    cfg.moe.topk = 7
+    assert model_flops_per_token(cfg) - grown == pytest.approx(3 * 3 * 2 * 3 * 2048 * 1408, rel=1e-12)
+
+
+def test_peak_table():
+    assert peak_tflops("NVIDIA H200", "bf16") == 989.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == 1979.0
+    assert peak_tflops(None, "bf16") is None and peak_tflops("NVIDIA A100", "bf16") is None
