@@ -35,6 +35,7 @@ from bench_utils import (  # noqa: E402
 import primus_turbo.pytorch as turbo  # noqa: E402
 from primus_turbo.pytorch.core.backend import GlobalBackendManager  # noqa: E402
 from primus_turbo.pytorch.kernels.gemm.gemm_impl import GemmDispatcher  # noqa: E402
+from primus_turbo.triton.gemm import gemm_kernel  # noqa: E402
 
 SNR_GATE_DB = 40.0
 DIMS = (2048, 4096, 7168, 14336)
@@ -64,9 +65,17 @@ def _torch_matmul(x, w):
     return x @ w.T
 
 
+def _config_tag(config) -> str:
+    kw = config.kwargs
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} w{config.num_warps} s{config.num_stages}"
+
+
 def run_label(label, fn, x, w, grad, ref, m, n, k, rep_ms: int) -> dict:
     out = fn(x, w)
     picked = GemmDispatcher.last_backend.name if label == "dispatcher+autotune" else label
+    if label == "TRITON":  # the forward's autotuned TMA config, for the summary table
+        best = getattr(gemm_kernel.gemm_tma_persistent_kernel, "best_config", None)
+        picked = _config_tag(best) if best is not None else "pointer"
     da, db = torch.autograd.grad(out, (x, w), grad)
     row = {"label": label, "B": 1, "M": m, "N": n, "K": k, "backend": picked}
     row["out_snr"], row["da_snr"], row["db_snr"] = (snr_db(r, t) for r, t in zip(ref, (out, da, db)))
@@ -116,6 +125,7 @@ def summary(rows: list[dict]) -> list[dict]:
             line[f"{tag} fwd x"] = by[label]["Forward TFLOPS"] / base["Forward TFLOPS"]
             line[f"{tag} bwd x"] = by[label]["Backward TFLOPS"] / base["Backward TFLOPS"]
         line["disp picks"] = by["dispatcher+autotune"]["backend"]
+        line["triton fwd cfg"] = by["TRITON"]["backend"]
         line["check"] = "PASS" if all(r["Check"] == "PASS" for r in by.values()) else "FAIL"
         out.append(line)
     return out
