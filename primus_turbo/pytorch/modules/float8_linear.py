@@ -1,0 +1,118 @@
+"""``turbo.modules.Float8Linear``: nn.Linear whose forward, dgrad and wgrad GEMMs run in FP8.
+
+Same parameters, shapes, initialisation and state dict as ``torch.nn.Linear`` (it subclasses
+``turbo.modules.Linear``); the FP8 recipe is ``config`` (a ``Float8QuantConfig``), else the config
+of the active ``turbo.fp8_autocast``, else the default (E4M3 tensorwise, current scaling). Inside
+``turbo.fp8_autocast(enabled=False)`` it runs the high-precision GEMM.
+
+Weight quantization is cached: the FP8 weight (both K-major copies, one fused pass) is rebuilt
+only when the weight changes (``weight._version`` / storage), so gradient-accumulation microbatches
+reuse one quantization per optimizer step. DELAYED scaling owns a ``DelayedScalingState``
+(amax histories for input, weight and output gradient; non-persistent buffers, so state dicts stay
+nn.Linear-compatible) and quantizes the weight every call from its history.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from primus_turbo.pytorch.core.float8_tensor import Float8Tensor
+from primus_turbo.pytorch.core.fp8_autocast import DelayedScalingState, fp8_autocast_state
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, ScalingStrategy
+from primus_turbo.pytorch.modules.linear import Linear
+from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
+
+__all__ = ["Float8Linear", "resolve_fp8_config"]
+
+
+def resolve_fp8_config(
+    module_config: Float8QuantConfig | None, fp8_by_default: bool
+) -> Float8QuantConfig | None:
+    """The FP8 recipe a turbo module should use now, or None for high precision.
+
+    ``fp8_autocast(enabled=False)`` wins; then the module's own config; then the autocast's config
+    (or the default config when the autocast gives none); outside any autocast, modules that are
+    FP8 by construction (``fp8_by_default``) use the default config and others stay high precision.
+    """
+    state = fp8_autocast_state()
+    if state is not None and not state.enabled:
+        return None
+    if module_config is not None:
+        return module_config
+    if state is not None:
+        return state.config or Float8QuantConfig()
+    return Float8QuantConfig() if fp8_by_default else None
+
+
+class Float8Linear(Linear):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        config: Float8QuantConfig | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if config is not None and not isinstance(config, Float8QuantConfig):
+            raise TypeError(
+                f"Float8Linear: config must be a Float8QuantConfig or None, got {type(config).__name__}"
+            )
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config
+        self._weight_cache: tuple[tuple, Float8Tensor] | None = None
+        self.delayed_state: DelayedScalingState | None = None
+        if config is not None and config.strategy is ScalingStrategy.DELAYED:
+            self.delayed_state = DelayedScalingState(config, device=device)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, config: Float8QuantConfig | None = None) -> Float8Linear:
+        """Wrap an existing nn.Linear (or turbo Linear), sharing its Parameters (no copy)."""
+        if not isinstance(linear, nn.Linear | Linear):
+            raise TypeError(f"Float8Linear.from_float: expected an nn.Linear, got {type(linear).__name__}")
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            config=config,
+            device="meta",
+        )
+        new.weight = linear.weight
+        new.bias = linear.bias
+        if new.delayed_state is not None:
+            new.delayed_state = DelayedScalingState(config, device=linear.weight.device)
+        return new
+
+    def _quantized_weight(self, config: Float8QuantConfig) -> Float8Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device, config)
+        if self._weight_cache is not None and self._weight_cache[0] == key:
+            return self._weight_cache[1]
+        block = (
+            (config.block_size, config.block_size)
+            if config.granularity is ScalingGranularity.BLOCKWISE
+            else None
+        )
+        w8 = Float8Tensor.from_tensor(
+            w,
+            config.format.fwd_dtype,
+            config.granularity,
+            block,
+            power_of_two_scales=config.power_of_two_scales,
+        )
+        self._weight_cache = (key, w8)
+        return w8
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        config = resolve_fp8_config(self.config, fp8_by_default=True)
+        if config is None:
+            return super()._matmul(x2d)
+        if config.strategy is ScalingStrategy.DELAYED:
+            if self.delayed_state is None:
+                self.delayed_state = DelayedScalingState(config, device=self.weight.device)
+            return gemm_fp8(x2d, self.weight, trans_b=True, config=config, delayed_state=self.delayed_state)
+        return gemm_fp8(x2d, self._quantized_weight(config), trans_b=True, out_dtype=x2d.dtype, config=config)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, config={self.config}"

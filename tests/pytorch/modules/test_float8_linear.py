@@ -1,0 +1,118 @@
+"""Float8Linear: nn.Linear compatibility, FP8 accuracy of y/dx/dw, weight cache, fp8_autocast, delayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_utils import assert_snr, fp8_snr_gate
+
+from primus_turbo.pytorch.core.fp8_autocast import fp8_autocast
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingStrategy
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity as G
+from primus_turbo.pytorch.modules.float8_linear import Float8Linear
+
+
+def _ref(layer, x, grad):
+    w = layer.weight.detach().double().requires_grad_()
+    xr = x.detach().double().requires_grad_()
+    y = xr @ w.t() + (layer.bias.double() if layer.bias is not None else 0)
+    y.backward(grad.double())
+    return y.detach(), xr.grad, w.grad
+
+
+def _run(layer, x):
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    return y, x.grad, layer.weight.grad, grad
+
+
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID], ids=lambda f: f.name)
+@pytest.mark.parametrize("gran", list(G), ids=lambda g: g.name)
+def test_float8_linear_snr(gran, fmt):
+    cfg = Float8QuantConfig(format=fmt, granularity=gran)
+    layer = Float8Linear(160, 96, config=cfg)
+    x = torch.randn(2, 40, 160)  # leading dims flattened
+    y, dx, dw, grad = _run(layer, x)
+    ry, rdx, rdw = _ref(layer, x, grad)
+    gate = fp8_snr_gate(fmt)
+    assert y.shape == (2, 40, 96)
+    assert_snr(y, ry, gate, "y")
+    assert_snr(dx, rdx, gate, "dx")
+    assert_snr(dw, rdw, gate, "dw")
+
+
+def test_state_dict_and_from_float_compat():
+    ref = torch.nn.Linear(64, 32)
+    layer = Float8Linear(64, 32)
+    layer.load_state_dict(ref.state_dict())  # strict: same keys, shapes
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    ref.load_state_dict(layer.state_dict())
+    wrapped = Float8Linear.from_float(ref)
+    assert wrapped.weight is ref.weight and wrapped.bias is ref.bias  # shared, optimizer refs stay valid
+    delayed = Float8Linear(64, 32, config=Float8QuantConfig(strategy=ScalingStrategy.DELAYED))
+    assert set(delayed.state_dict()) == {"weight", "bias"}  # histories are not checkpointed
+    with pytest.raises(TypeError, match="config"):
+        Float8Linear(64, 32, config="fp8")
+    with pytest.raises(TypeError, match="nn.Linear"):
+        Float8Linear.from_float(torch.nn.Conv1d(3, 3, 1))
+
+
+def test_weight_quantized_once_per_step():
+    layer = Float8Linear(64, 32, bias=False)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(8, 64)
+    layer(x).sum().backward()
+    first = layer._weight_cache[1]
+    layer(x).sum().backward()  # second microbatch: same FP8 weight object
+    assert layer._weight_cache[1] is first
+    opt.step()  # in-place update bumps weight._version: re-quantize
+    layer(x)
+    assert layer._weight_cache[1] is not first
+
+
+def test_fp8_autocast_controls_modules():
+    layer = Float8Linear(64, 32)
+    hp = torch.nn.Linear(64, 32)
+    hp.load_state_dict(layer.state_dict())
+    x = torch.randn(8, 64)
+    with fp8_autocast(enabled=False):
+        torch.testing.assert_close(layer(x), hp(x))  # high precision: exact nn.Linear
+    y_fp8 = layer(x)
+    assert not torch.equal(y_fp8, hp(x))
+    with fp8_autocast(enabled=True, config=Float8QuantConfig(granularity=G.ROWWISE)):
+        y_row = layer(x)
+        assert layer._weight_cache[0][-1].granularity is G.ROWWISE
+    assert_snr(y_row, hp(x).double(), 25.0, "autocast rowwise")
+    with pytest.raises(TypeError, match="config"):
+        with fp8_autocast(config="rowwise"):
+            pass
+
+
+def test_delayed_scaling_module():
+    cfg = Float8QuantConfig(format=Format.HYBRID, strategy=ScalingStrategy.DELAYED, amax_history_len=4)
+    layer = Float8Linear(64, 48, config=cfg)
+    for _ in range(3):
+        layer.weight.grad = None
+        y, dx, dw, grad = _run(layer, torch.randn(16, 64))
+    st = layer.delayed_state
+    assert st.a.initialized and st.b.initialized and st.grad.initialized
+    assert torch.all(st.a.history[:3] > 0) and st.a.history[3] == 0
+    torch.testing.assert_close(st.b.history[0], layer.weight.detach().abs().max())
+    assert torch.isfinite(dw).all() and torch.isfinite(dx).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gran", list(G), ids=lambda g: g.name)
+@pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336), (2048, 7168)])
+def test_float8_linear_training_shapes_gpu(gran, nk):
+    n, k = nk
+    cfg = Float8QuantConfig(format=Format.HYBRID, granularity=gran)
+    layer = Float8Linear(k, n, config=cfg, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
+    y, dx, dw, grad = _run(layer, x)
+    ry, rdx, rdw = _ref(layer, x, grad)
+    assert_snr(y, ry, 25.0, "y")
+    assert_snr(dx, rdx, 20.0, "dx")
+    assert_snr(dw, rdw, 20.0, "dw")
