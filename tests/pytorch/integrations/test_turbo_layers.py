@@ -1,0 +1,173 @@
+"""Turbo leaf modules against the stock Megatron-Core modules they replace (fp32, CPU, one gloo rank).
+
+The stock module is the reference here: a turbo module must be a drop-in (same constructor, parameter
+names, outputs and gradients within fp32 tolerance).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import free_port
+from test_utils import assert_close
+
+megatron = pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from primus_turbo.integrations.megatron.cpu_shims import apply_cpu_shims, remove_cpu_shims
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-shim test; the GPU path is covered by the train.py GPU runs")
+    apply_cpu_shims()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    remove_cpu_shims()
+
+
+def _config(**extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                  params_dtype=torch.float32, add_bias_linear=False, gradient_accumulation_fusion=False,
+                  attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False)  # fmt: skip
+    kwargs.update(extra)
+    return TransformerConfig(**kwargs)
+
+
+def _forward_backward(module, *inputs):
+    inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = module(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    return out.detach(), [x.grad for x in inputs]
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_parallel_linear_matches_stock(megatron_world, kind):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from primus_turbo.integrations.megatron.turbo_layers import (
+        TurboColumnParallelLinear,
+        TurboRowParallelLinear,
+    )
+
+    config = _config()
+    stock_cls, turbo_cls = {
+        "column": (ColumnParallelLinear, TurboColumnParallelLinear),
+        "row": (RowParallelLinear, TurboRowParallelLinear),
+    }[kind]
+    extra = {"gather_output": False} if kind == "column" else {"input_is_parallel": True}
+    init = torch.nn.init.normal_
+    stock = stock_cls(64, 96, config=config, init_method=init, bias=False, skip_bias_add=False, **extra)
+    turbo = turbo_cls(64, 96, config=config, init_method=init, bias=False, skip_bias_add=False, **extra)
+    assert set(turbo.state_dict()) == set(stock.state_dict())
+    turbo.load_state_dict(stock.state_dict())
+    x = torch.randn(7, 3, 64)
+    out_s, (dx_s,) = _forward_backward(stock, x)
+    out_t, (dx_t,) = _forward_backward(turbo, x)
+    assert_close(out_t, out_s, msg="linear out")
+    assert_close(dx_t, dx_s, msg="linear dgrad")
+    assert_close(turbo.weight.grad, stock.weight.grad, msg="linear wgrad")
+
+
+def test_rmsnorm_matches_stock(megatron_world):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from primus_turbo.integrations.megatron.turbo_layers import TurboRMSNorm
+
+    config = _config(normalization="RMSNorm")
+    stock = WrappedTorchNorm(config=config, hidden_size=64, eps=1e-5)
+    turbo = TurboRMSNorm(config=config, hidden_size=64, eps=1e-5)
+    assert set(turbo.state_dict()) == set(stock.state_dict()) == {"weight"}
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5)
+    turbo.load_state_dict(stock.state_dict())
+    x = torch.randn(5, 2, 64)
+    out_s, (dx_s,) = _forward_backward(stock, x)
+    out_t, (dx_t,) = _forward_backward(turbo, x)
+    assert_close(out_t, out_s, msg="rmsnorm out")
+    assert_close(dx_t, dx_s, msg="rmsnorm dx")
+    assert_close(turbo.weight.grad, stock.weight.grad, msg="rmsnorm dweight")
+
+
+def _reference_causal_attention(q, k, v, scale):
+    """fp64 causal attention on Megatron layouts: q [s, b, hq, d], k/v [s, b, hk, d|dv] -> [s, b, hq*dv]."""
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    mask = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+    out = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v  # [b, h, s, dv]
+    return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)
+
+
+@pytest.mark.parametrize("heads, groups, d_qk, d_v", [(4, 4, 16, 16), (4, 2, 16, 16), (4, 4, 24, 16)])
+def test_core_attention_matches_reference(megatron_world, heads, groups, d_qk, d_v):
+    from megatron.core.transformer.enums import AttnMaskType
+    from primus_turbo.integrations.megatron.turbo_layers import TurboCoreAttention
+
+    config = _config(num_attention_heads=heads, num_query_groups=groups, kv_channels=d_qk)
+    attention = TurboCoreAttention(config, 1, AttnMaskType.causal, "self")
+    q, k, v = (
+        torch.randn(12, 2, heads, d_qk),
+        torch.randn(12, 2, groups, d_qk),
+        torch.randn(12, 2, groups, d_v),
+    )
+    out, grads = _forward_backward(lambda *t: attention(*t, None), q, k, v)
+    qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    ref = _reference_causal_attention(qr, kr, vr, d_qk**-0.5)
+    ref.backward(torch.linspace(-1, 1, ref.numel()).view_as(ref).double())
+    assert out.shape == (12, 2, heads * d_v)
+    assert_close(out, ref.float(), torch.float32, msg="attention out")
+    for got, want, name in zip(grads, (qr.grad, kr.grad, vr.grad), "qkv"):
+        assert_close(got, want.float(), torch.float32, msg=f"attention d{name}")
+
+
+def test_grouped_linear_matches_per_expert_matmul(megatron_world):
+    from primus_turbo.integrations.megatron.turbo_layers import TurboColumnParallelGroupedLinear
+
+    config = _config()
+    layer = TurboColumnParallelGroupedLinear(3, 64, 32, config=config, init_method=torch.nn.init.normal_,
+                                             bias=False, skip_bias_add=False, is_expert=True)  # fmt: skip
+    assert sorted(layer.state_dict()) == ["weight0", "weight1", "weight2"]
+    assert all(getattr(layer, f"weight{i}").allreduce is False for i in range(3))
+    splits = [5, 0, 7]
+    x = torch.randn(sum(splits), 64)
+    out, (dx,) = _forward_backward(lambda t: layer(t, splits), x)
+    xr = x.clone().requires_grad_(True)
+    ref = torch.cat([c @ getattr(layer, f"weight{i}").detach().t() for i, c in enumerate(xr.split(splits))])
+    ref.backward(torch.linspace(-1, 1, ref.numel()).view_as(ref))
+    assert_close(out, ref, msg="grouped out")
+    assert_close(dx, xr.grad, msg="grouped dgrad")
+    assert torch.count_nonzero(layer.weight1.grad) == 0  # an expert with no tokens gets a zero gradient
+
+
+def test_spec_provider_switches_per_feature(megatron_world):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from omegaconf import OmegaConf
+    from primus_turbo.integrations.megatron import turbo_layers as tl
+    from primus_turbo.integrations.megatron.spec_provider import TurboSpecProvider
+
+    spec = TurboSpecProvider(OmegaConf.create({"model": {"moe": None}}))
+    assert spec.column_parallel_linear() is ColumnParallelLinear
+    assert spec.core_attention() is DotProductAttention
+    assert spec.layer_norm(rms_norm=True) is WrappedTorchNorm
+    assert spec.grouped_mlp_modules(False, False)[0] is SequentialMLP
+    spec.linear = spec.attention = spec.norm = spec.grouped_mlp = True
+    assert spec.column_parallel_linear() is tl.TurboColumnParallelLinear
+    assert spec.row_parallel_linear() is tl.TurboRowParallelLinear
+    assert spec.core_attention() is tl.TurboCoreAttention
+    assert spec.layer_norm(rms_norm=True) is tl.TurboRMSNorm
+    experts, subs = spec.grouped_mlp_modules(True, False)
+    assert experts is TEGroupedMLP and subs.linear_fc1 is tl.TurboColumnParallelGroupedLinear
