@@ -67,7 +67,7 @@ def grouped_gemm_kernel(
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bsg, stride_bsk, stride_bsn,
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -82,8 +82,15 @@ def grouped_gemm_kernel(
         local = tile - (_pick(gidx, cum_tiles, g) - _pick(gidx, tiles, g))
         row_start = _pick(gidx, starts, g)
         row_end = row_start + _pick(gidx, lens, g)
-        tile_m = local // num_n
-        tile_n = local % num_n
+        # GROUP_M-swizzled order inside the expert: a wave of NUM_PROGS tiles touches GROUP_M
+        # row blocks of A and ~NUM_PROGS / GROUP_M column blocks of B[g], so both stay in L2
+        # (row-major order re-reads B[g] from HBM once per row block: memory-bound at N >= 8K).
+        num_m = _pick(gidx, tiles, g) // num_n
+        tiles_per_band = GROUP_M * num_n
+        first_m = (local // tiles_per_band) * GROUP_M
+        band_m = tl.minimum(num_m - first_m, GROUP_M)
+        tile_m = first_m + (local % tiles_per_band) % band_m
+        tile_n = (local % tiles_per_band) // band_m
         rows = row_start + tile_m * BLOCK_M + offs_bm
         cols = tile_n * BLOCK_N + offs_bn
         row_mask = rows < row_end
@@ -243,7 +250,7 @@ def launch_grouped_gemm(a, b_view, out, group_lens, a_scale=None, b_scale=None, 
         a.stride(0), a.stride(1), b_view.stride(0), b_view.stride(1), b_view.stride(2),
         out.stride(0), out.stride(1),
         a_s[0], a_s[1], b_s[0], b_s[1], b_s[2],
-        NUM_PROGS=_num_programs(a.device), BLOCK_G=_block_g(g),
+        NUM_PROGS=_num_programs(a.device), BLOCK_G=_block_g(g), GROUP_M=8 if on_gpu else 2,
         SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
     )  # fmt: skip
     return out

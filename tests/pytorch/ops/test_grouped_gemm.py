@@ -154,6 +154,20 @@ def test_bad_inputs(device, monkeypatch):
     turbo.ops.grouped_gemm(a, b, lens, group_offs=torch.tensor([0, 4, 8, 12], device=device))
 
 
+def test_custom_ops_opcheck(device):
+    """Schema, fake (meta) kernels and torch.compile tracing of both custom ops."""
+    from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
+        grouped_gemm_impl,
+        grouped_gemm_variable_k_impl,
+    )
+
+    lens = make_group_lens(24, 3, "skewed", device)
+    a = torch.randn(24, 16, device=device)
+    torch.library.opcheck(grouped_gemm_impl, (a, torch.randn(3, 16, 8, device=device), lens, False))
+    torch.library.opcheck(grouped_gemm_impl, (a, torch.randn(3, 8, 16, device=device), lens, True))
+    torch.library.opcheck(grouped_gemm_variable_k_impl, (a, torch.randn(24, 8, device=device), lens))
+
+
 # -- sm_90 compilation (catches what the interpreter cannot: compile errors, smem overflow) ----
 _FWD_SIG = {
     "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "group_lens_ptr": "*i64",
@@ -163,7 +177,7 @@ _FWD_SIG = {
     "stride_cm": "i64", "stride_cn": "i32", "stride_asm": "i32", "stride_ask": "i32",
     "stride_bsg": "i32", "stride_bsk": "i32", "stride_bsn": "i32",
     "NUM_PROGS": "constexpr", "BLOCK_G": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-    "BLOCK_K": "constexpr", "SCALE_MODE": "constexpr", "UPCAST": "constexpr",
+    "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "SCALE_MODE": "constexpr", "UPCAST": "constexpr",
 }  # fmt: skip
 _WGRAD_SIG = {
     "x_ptr": "*bf16", "y_ptr": "*bf16", "c_ptr": "*bf16", "group_lens_ptr": "*i64",
@@ -198,6 +212,7 @@ def _compile_all():
         cfg = kmod._fwd_config(a_dtype.startswith("fp8"), scale_mode, n, on_gpu=True)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         consts = dict(NUM_PROGS=132, BLOCK_G=kmod._block_g(256), SCALE_MODE=scale_mode, UPCAST=False, **cfg)
+        consts["GROUP_M"] = 8
         sig = _with_dtype(_with_dtype(_FWD_SIG, f"*{a_dtype}", ("a_ptr",)), f"*{b_dtype}", ("b_ptr",))
         compile_for_sm90(kmod.grouped_gemm_kernel, sig, consts, num_warps=warps, num_stages=stages)
     for in_dtype, scale_mode in WGRAD_CASES:
