@@ -258,18 +258,15 @@ class _RSSymmMem(KernelBackend):
         enable_symm_mem_for_group(group_name)
         if a_scale is None:
             return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, reduce_op, 0, group_name)
-        return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
-            a,
-            b,
-            a_scale,
-            b_scale,
-            reduce_op,
-            0,
-            0,
-            group_name,
-            [a.shape[0], b.shape[1]],
-            out_dtype=_out_dtype(a, out_dtype),
-        )
+        op = torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter.default
+        names = {arg.name for arg in op._schema.arguments}
+        kwargs = dict(A=a, B=b, A_scale=a_scale, B_scale=b_scale, reduce_op=reduce_op, group_name=group_name)
+        if "orig_scatter_dim" in names:  # torch >= 2.8 schema (reshape-aware scatter dims)
+            kwargs.update(orig_scatter_dim=0, scatter_dim_after_maybe_reshape=0)
+            kwargs.update(output_shape=[a.shape[0], b.shape[1]])
+        else:
+            kwargs.update(scatter_dim=0)
+        return op(**kwargs, out_dtype=_out_dtype(a, out_dtype))
 
 
 class _RSTurbo(KernelBackend):
