@@ -1,5 +1,6 @@
 """nn.Module wrappers over turbo ops."""
 # One import line per module file; keep sorted.
+from primus_turbo.pytorch.modules.attention import TurboAttention  # noqa: F401
 from primus_turbo.pytorch.modules.float8_linear import Float8Linear  # noqa: F401
 from primus_turbo.pytorch.modules.grouped_linear import GroupedLinear  # noqa: F401
 from primus_turbo.pytorch.modules.linear import Linear  # noqa: F401
