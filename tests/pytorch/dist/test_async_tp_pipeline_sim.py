@@ -57,6 +57,7 @@ def _simulate(world, per_rank_fn, monkeypatch):
     )
     local = threading.local()
     monkeypatch.setattr(pipe, "_cuda", fake_cuda)
+    monkeypatch.setattr(pipe, "_views", {})  # cached views of another test's fake buffers
     monkeypatch.setattr(pipe, "_side_stream", lambda device: stream)
 
     def workspace(group_name, nbytes, device):

@@ -35,7 +35,7 @@ __all__ = [
 _ALIGN = 256  # bytes; keeps every slot 16-byte aligned for cuBLAS (row-wise scales) and copy engines
 _MAX_SPLITS = 8  # barrier channels 1..8 are ours; channel 0 closes the call
 _workspaces: dict[str, tuple[torch.Tensor, object]] = {}
-_retired: list[torch.Tensor] = []
+_retired: list = []  # grown-out-of workspaces and handles, never freed (see module doc)
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _cuda = torch.cuda  # stream/event API, swapped for a synchronous fake by the CPU pipeline test
 
@@ -89,6 +89,8 @@ def _workspace(group_name: str, nbytes: int, device: torch.device):
             )
         if entry is not None:
             _retired.append(entry[0])
+            _retired.append(entry[1])  # keep the handle alive too: cached views key on its id()
+            _views.clear()
         size = max(nbytes, 64 << 20)  # 64 MiB floor: one growth covers typical TP shapes
         buf = symm_mem.empty(size, dtype=torch.uint8, device=device)
         _workspaces[group_name] = (buf, symm_mem.rendezvous(buf, group_name))
@@ -103,10 +105,24 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[index]
 
 
+_views: dict[tuple, torch.Tensor] = {}
+
+
 def _view(handle, rank: int, offset: int, like: torch.Tensor) -> torch.Tensor:
-    nbytes = like.numel() * like.element_size()
-    raw = handle.get_buffer(rank, (nbytes,), torch.uint8, offset)
-    return raw.view(like.dtype).view(like.shape)
+    """``like``-shaped view of ``rank``'s workspace at byte ``offset``.
+
+    Cached: get_buffer builds a tensor from a raw pointer (~5 us of host time each, a dozen per
+    call), and a small GEMM's pipeline is host-bound without the cache.
+    """
+    key = (id(handle), rank, offset, tuple(like.shape), like.dtype)
+    view = _views.get(key)
+    if view is None:
+        if len(_views) > 4096:
+            _views.clear()
+        nbytes = like.numel() * like.element_size()
+        raw = handle.get_buffer(rank, (nbytes,), torch.uint8, offset)
+        view = _views[key] = raw.view(like.dtype).view(like.shape)
+    return view
 
 
 def _row_parts(rows: int, splits: int) -> list[tuple[int, int]]:
