@@ -107,10 +107,21 @@ def bench_shape(m, n, k, quick: bool, device: str = "cuda") -> list[dict]:
         labels.append(("TORCH", _turbo("TORCH")))
     labels.append(("dispatcher+autotune", _turbo(None)))
     # full mode: 49 shapes x 4 labels x 2 directions must fit in ~4 minutes with Triton autotuning
-    rep_ms = 100 if quick else 50
-    rows = [run_label(label, fn, x, w, grad, ref, m, n, k, rep_ms) for label, fn in labels]
+    rep_ms = 100 if quick else 30
+    # Two passes, the second in reverse order, keeping each label's faster pass: a sustained bf16 GEMM
+    # lowers the H200's clocks within seconds, so whichever label ran first would otherwise win
+    # (seen: torch.matmul 781 TFLOP/s first vs the same cuBLAS call 685 right after it).
+    first = [run_label(label, fn, x, w, grad, ref, m, n, k, rep_ms) for label, fn in labels]
+    second = [run_label(label, fn, x, w, grad, ref, m, n, k, rep_ms) for label, fn in reversed(labels)]
+    best = {r["label"]: r for r in first}
+    for r in second:
+        a = best[r["label"]]
+        for direction in ("Forward", "Backward"):
+            if r[f"{direction} Time (ms)"] < a[f"{direction} Time (ms)"]:
+                for col in (f"{direction} Time (ms)", f"{direction} TFLOPS", f"{direction} TFLOPS_stddev"):
+                    a[col] = r[col]
     GlobalBackendManager.reset()
-    return rows
+    return [best[label] for label, _ in labels]
 
 
 def summary(rows: list[dict]) -> list[dict]:
