@@ -206,3 +206,33 @@ def _gpu_bitwise_body(rank, world, device, seed):
 @pytest.mark.deterministic
 def test_async_tp_turbo_matches_nccl_2gpu():
     run_distributed(_gpu_bitwise_body, world_size=2, backend="nccl", args=(_seed(),), timeout_s=180)
+
+
+def _compile_body(rank, world, device, seed):
+    """torch.compile(fullgraph=True) traces the custom ops through their fake implementations."""
+    from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
+        all_gather_matmul_impl,
+        matmul_reduce_scatter_impl,
+    )
+
+    group_name = dist.group.WORLD.group_name
+
+    def step(a, b):
+        res = all_gather_matmul_impl(a, [b], None, [], group_name, True, None, "", 0)
+        return (
+            res[0],
+            res[2],
+            matmul_reduce_scatter_impl(res[2], b, None, None, "sum", group_name, None, "", 0),
+        )
+
+    gen = torch.Generator().manual_seed(seed + rank)
+    a = torch.randn(256, 512, generator=gen).to(device, torch.bfloat16)
+    b = (torch.randn(512, 512, generator=torch.Generator().manual_seed(seed)) / 16).to(device, torch.bfloat16)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(a, b), step(a, b)):
+        assert_close(got, want, torch.bfloat16, msg="compiled async-TP")
+
+
+@pytest.mark.multigpu
+def test_async_tp_torch_compile_2gpu():
+    run_distributed(_compile_body, world_size=2, backend="nccl", args=(_seed(),), timeout_s=300)
