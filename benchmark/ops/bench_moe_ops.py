@@ -1,0 +1,218 @@
+"""MoE memory-bound ops: router, permute/unpermute, swiglu_with_probs, in GB/s.
+
+turbo (Triton; permute also the csrc TURBO kernel) vs eager PyTorch (Megatron-Core's formulation)
+vs torch.compile of the same eager code, plus a device-copy line (the bandwidth ceiling).
+
+    python benchmark/ops/bench_moe_ops.py --quick      # one shape per op, < 60 s on H200
+    python benchmark/ops/bench_moe_ops.py              # DeepSeek-V3 and V2-Lite shapes
+
+Bytes counted are the minimum an ideal kernel moves (inputs read once, outputs written once).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import MEMORY_COLUMNS, bench_ms, bench_parser, gbps, out_dir, print_table, write_csv  # noqa: E402
+
+from primus_turbo.pytorch.kernels.moe.permute_impl import (  # noqa: E402
+    PermuteTriton,
+    PermuteTurbo,
+    build_row_id_map,
+)
+from primus_turbo.pytorch.kernels.moe.router_impl import router_forward_eager  # noqa: E402
+from primus_turbo.pytorch.ops.activation import swiglu_with_probs  # noqa: E402
+from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute  # noqa: E402
+from primus_turbo.pytorch.ops.moe.router import fused_topk_routing  # noqa: E402
+
+
+def _row(label, shape, dtype, check, fwd_bytes, fwd_ms, bwd_bytes=None, bwd_ms=None):
+    return {
+        "label": label,
+        "shape": shape,
+        "dtype": str(dtype).replace("torch.", ""),
+        "Check": check,
+        "Forward GB/s": gbps(fwd_bytes, fwd_ms),
+        "Forward Time (ms)": fwd_ms,
+        "Backward GB/s": gbps(bwd_bytes, bwd_ms) if bwd_ms else "",
+        "Backward Time (ms)": bwd_ms if bwd_ms else "",
+    }
+
+
+def _fwd_bwd(fn, inputs, grad):
+    """(fwd ms, bwd ms) of fn(*inputs) -> tensor; backward with retain_graph on one forward."""
+    fwd, _ = bench_ms(lambda: fn(*inputs))
+    out = fn(*inputs)
+    bwd, _ = bench_ms(lambda: torch.autograd.grad(out, [i for i in inputs if i.requires_grad], grad,
+                                                  retain_graph=True))  # fmt: skip
+    return fwd, bwd
+
+
+def _check(a, b, atol=2e-2):
+    return "PASS" if torch.allclose(a.float(), b.float(), atol=atol, rtol=2e-2) else "FAIL"
+
+
+def bench_copy(t, h):
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms, _ = bench_ms(lambda: y.copy_(x))
+    return [_row("copy (bw ceiling)", f"{t}x{h}", x.dtype, "PASS", 2 * x.numel() * 2, ms)]
+
+
+def bench_router(t, e, k, groups, topk_groups):
+    logits = torch.randn(t, e, device="cuda", requires_grad=True)
+    bias = torch.randn(e, device="cuda") * 0.1
+    kw = dict(score_function="sigmoid", num_groups=groups, topk_groups=topk_groups, scaling_factor=2.5,
+              expert_bias=bias)  # fmt: skip
+
+    def turbo(x):
+        return fused_topk_routing(x, k, **kw)[0]
+
+    def eager(x):  # the same math in eager PyTorch (sigmoid = score code 2)
+        return router_forward_eager(x, k, 2, groups, topk_groups, 2.5, bias)[0]
+
+    compiled = torch.compile(eager)
+    fwd_b = t * e * (4 + 4 + 1) + t * k * 8
+    bwd_b = t * e * (4 + 4 + 1 + 4)
+    grad = torch.randn(t, e, device="cuda")
+    rows = []
+    ref = eager(logits)
+    for label, fn in (("router/turbo", turbo), ("router/eager", eager), ("router/torch.compile", compiled)):
+        f, b = _fwd_bwd(fn, (logits,), grad)
+        rows.append(_row(label, f"{t}x{e} top{k} g{groups}/{topk_groups}", logits.dtype,
+                         _check(fn(logits), ref), fwd_b, f, bwd_b, b))  # fmt: skip
+    return rows
+
+
+def _megatron_permute(x, routing_map, num_out):
+    t = x.shape[0]
+    rmap = routing_map.T.contiguous()
+    idx = torch.arange(t, device=x.device).unsqueeze(0).expand_as(rmap).masked_select(rmap)
+    return x.index_select(0, idx), idx
+
+
+def _megatron_unpermute(y, sorted_idx, probs_t, t):
+    y = y * probs_t.unsqueeze(-1)
+    out = torch.zeros(t, y.shape[1], dtype=y.dtype, device=y.device)
+    return out.scatter_add_(0, sorted_idx.unsqueeze(1).expand(-1, y.shape[1]), y)
+
+
+def bench_permute(t, h, e, k):
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    scores = torch.rand(t, e, device="cuda")
+    probs, indices = scores.topk(k, dim=-1)
+    probs = probs / probs.sum(-1, keepdim=True)
+    routing_map = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, indices, True)
+    n = t * k
+    p_bytes = n * h * 2 + t * h * 2  # read T*H, write N*H (bf16)
+    rows = []
+
+    # Forward + backward of the full ops (map construction included).
+    def turbo_perm(inp):
+        return token_permute(inp, indices, num_experts=e, num_out_tokens=n)[0]
+
+    def eager_perm(inp):
+        return _megatron_permute(inp, routing_map, n)[0]
+
+    compiled_perm = torch.compile(eager_perm)
+    grad = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    ref_sorted = eager_perm(x)
+    # turbo groups by expert with tokens in order: same order as Megatron's routing-map permute
+    for label, fn in (("permute/turbo", turbo_perm), ("permute/eager", eager_perm),
+                      ("permute/torch.compile", compiled_perm)):  # fmt: skip
+        f, b = _fwd_bwd(fn, (x,), grad)
+        rows.append(_row(label, f"{t}x{h} E{e} top{k}", x.dtype, _check(fn(x), ref_sorted, 0), p_bytes, f,
+                         p_bytes, b))  # fmt: skip
+
+    # Kernel-only: Triton vs csrc on the same row-id map (the benchmark's TRITON-vs-TURBO dispatch).
+    row_id_map, _, num_rows = build_row_id_map(indices, e, n, 0, None)
+    kw = dict(
+        kind="permute", x=x.detach(), row_id_map=row_id_map, probs=probs, num_rows=num_rows, zero_fill=False
+    )
+    ukw = dict(kind="unpermute", y=ref_sorted.detach(), row_id_map=row_id_map, probs=probs, num_tokens=t)
+    ref_out = PermuteTriton.execute(**kw)[0]
+    for label, impl in (("permute-kernel/triton", PermuteTriton), ("permute-kernel/csrc", PermuteTurbo)):
+        if not impl.can_handle(**kw):
+            continue
+        f, _ = bench_ms(lambda impl=impl: impl.execute(**kw))
+        rows.append(_row(label, f"{t}x{h} E{e} top{k}", x.dtype, _check(impl.execute(**kw)[0], ref_out, 0),
+                         p_bytes, f))  # fmt: skip
+        u, _ = bench_ms(lambda impl=impl: impl.execute(**ukw))
+        rows.append(_row(label.replace("permute", "unpermute"), f"{t}x{h} E{e} top{k}", x.dtype, "PASS",
+                         p_bytes, u))  # fmt: skip
+
+    # Unpermute with merging probs, fwd + bwd.
+    y = ref_sorted.detach().clone().requires_grad_(True)
+    probs_g = probs.clone().requires_grad_(True)
+    _, _, rid, _ = token_permute(x.detach(), indices, num_experts=e, num_out_tokens=n)
+    _, sorted_idx = _megatron_permute(x.detach(), routing_map, n)
+    dense = torch.zeros(t, e, device="cuda").scatter(1, indices, probs)
+    probs_t = dense.T.contiguous().masked_select(routing_map.T.contiguous()).to(torch.bfloat16)
+
+    def turbo_unperm(inp, w):
+        return token_unpermute(inp, rid, w)
+
+    def eager_unperm(inp, w):
+        return _megatron_unpermute(inp, sorted_idx, probs_t, t)
+
+    compiled_unperm = torch.compile(eager_unperm)
+    gout = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ref = turbo_unperm(y, probs_g)
+    for label, fn, ins in (("unpermute+probs/turbo", turbo_unperm, (y, probs_g)),
+                           ("unpermute+probs/eager", eager_unperm, (y, probs_g)),
+                           ("unpermute+probs/torch.compile", compiled_unperm, (y, probs_g))):  # fmt: skip
+        f, _ = bench_ms(lambda fn=fn, ins=ins: fn(*ins))
+        out = fn(*ins)
+        b, _ = bench_ms(lambda out=out: torch.autograd.grad(out, [y], gout, retain_graph=True))
+        rows.append(_row(label, f"{t}x{h} E{e} top{k}", x.dtype, _check(out, ref, 0.1), p_bytes, f,
+                         p_bytes + n * h * 2, b))  # fmt: skip
+    return rows
+
+
+def bench_swiglu(n, inter):
+    x = torch.randn(n, 2 * inter, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    p = torch.rand(n, device="cuda", requires_grad=True)
+
+    def eager(a, w):
+        g, u = a.chunk(2, dim=-1)
+        return (F.silu(g.float()) * u.float() * w.unsqueeze(-1)).to(a.dtype)
+
+    compiled = torch.compile(eager)
+    grad = torch.randn(n, inter, device="cuda", dtype=torch.bfloat16)
+    fwd_b = n * 2 * inter * 2 + n * inter * 2 + n * 4
+    bwd_b = n * inter * 2 + 2 * (n * 2 * inter * 2) + 2 * n * 4
+    ref = eager(x, p)
+    rows = []
+    for label, fn in (("swiglu_with_probs/turbo", swiglu_with_probs), ("swiglu_with_probs/eager", eager),
+                      ("swiglu_with_probs/torch.compile", compiled)):  # fmt: skip
+        f, b = _fwd_bwd(fn, (x, p), grad)
+        rows.append(_row(label, f"{n}x{2 * inter}", x.dtype, _check(fn(x, p), ref), fwd_b, f, bwd_b, b))
+    return rows
+
+
+def main():
+    args = bench_parser(__doc__).parse_args()
+    torch.manual_seed(0)
+    rows = []
+    if args.quick:
+        shapes = [(4096, 7168, 256, 8, 8, 4, 2048)]
+    else:  # DeepSeek-V3 (E256 top8, H7168, I2048) and V2-Lite (E64 top6, H2048, I1408)
+        shapes = [(4096, 7168, 256, 8, 8, 4, 2048), (16384, 7168, 256, 8, 8, 4, 2048),
+                  (8192, 2048, 64, 6, 1, 1, 1408), (32768, 2048, 64, 6, 1, 1, 1408)]  # fmt: skip
+    for t, h, e, k, g, kg, inter in shapes:
+        rows += bench_copy(t * k, h)
+        rows += bench_router(t, e, k, g, kg)
+        rows += bench_permute(t, h, e, k)
+        rows += bench_swiglu(t * k, inter)
+    path = out_dir(args) / ("bench_moe_ops_quick.csv" if args.quick else "bench_moe_ops.csv")
+    write_csv(path, rows, MEMORY_COLUMNS)
+    print_table(rows, MEMORY_COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
