@@ -20,6 +20,10 @@ Backends:
   SYMM_MEM  torch.ops.symm_mem fused ops (pull-based pipeline in torch). CUDA + NCCL group only.
   TURBO     own push-based copy-engine pipeline (symm_mem_pipeline.py). CUDA + NCCL group only.
 
+GEMMs are torch.mm / torch._scaled_mm (cuBLAS, the fastest bf16/FP8 GEMM on H200) rather than
+turbo.ops.gemm: the pipelines write each row block into a slice of the output (``out=``), which
+turbo.ops.gemm does not take.
+
 Backend choice: ``backend=`` argument (pinned; raises if it cannot handle the inputs), else the
 in-code default: TURBO when it can handle the inputs and the GEMM is big enough to hide the
 communication (>= _TURBO_MIN_FLOP), else NCCL. Autotune is disabled for these dispatchers: each
