@@ -40,7 +40,7 @@ def turbo_max_hidden(hidden: int, dtype: torch.dtype, tensors: list[torch.Tensor
     """Mirror of rmsnorm_max_hidden() in csrc/kernels/normalization/rmsnorm.cu: <= 512 threads per
     row, 4 16-byte vectors per thread when hidden % vec == 0 and all pointers are 16-byte aligned,
     else 8 scalars per thread."""
-    vec = 16 // torch.tensor([], dtype=dtype).element_size()
+    vec = 16 // dtype.itemsize
     aligned = all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
     return 512 * 4 * vec if aligned and hidden % vec == 0 else 512 * 8
 

@@ -1,0 +1,166 @@
+"""RMSNorm forward and backward GB/s: turbo TURBO (csrc CUDA), turbo TRITON, torch eager
+(torch.nn.functional.rms_norm) and torch.compile of the same fp32 math, same process, same inputs,
+plus the measured device-to-device copy bandwidth of this GPU in the same run.
+
+    python benchmark/ops/bench_rmsnorm.py --quick   # 2 shapes, < 60 s on an H200 incl. compiles
+    python benchmark/ops/bench_rmsnorm.py           # tokens {8192, 16384, 32768} x hidden
+                                                    # {2048, 4096, 7168, 8192} + residual variant
+
+Bytes moved (each input read once, each output written once): forward x, weight -> y, rstd;
+backward dy, x, weight, rstd -> dx, dweight; the residual variant adds residual (read) and
+x + residual (written) forward, d(sum) (read) backward. Backward time is the autograd backward
+alone (retain_graph), for every label. Check: turbo y, dx, dweight vs an fp32 reference at the
+bf16 tolerance (rtol = atol = 1e-2). Targets (H200): TURBO >= 1.0x torch.compile and >= 85% of
+the copy bandwidth, forward and backward.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import MEMORY_COLUMNS, bench_ms, bench_parser, gbps, out_dir, print_table, write_csv  # noqa: E402
+
+import primus_turbo.pytorch as turbo  # noqa: E402
+from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION  # noqa: E402
+
+EPS = 1e-6
+DEVICE = "cuda"  # a CPU smoke run of the plumbing sets "cpu"
+
+
+def shapes(quick: bool) -> list[tuple[int, int, bool]]:
+    """(tokens, hidden, residual)."""
+    if quick:
+        return [(16384, 4096, False), (16384, 7168, False)]
+    plain = [(t, h, False) for t in (8192, 16384, 32768) for h in (2048, 4096, 7168, 8192)]
+    return plain + [(16384, 4096, True), (16384, 7168, True)]
+
+
+def rmsnorm_math(x, w):
+    """The reference math torch.compile fuses: fp32 statistics, output in x.dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(x.dtype)
+
+
+def residual_math(x, r, w):
+    s = x + r
+    return rmsnorm_math(s, w), s
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms, _ = bench_ms(lambda: dst.copy_(src))
+    return gbps(2 * src.numel(), ms)
+
+
+def candidates(residual: bool) -> dict:
+    compiled = torch.compile(residual_math if residual else rmsnorm_math, dynamic=False)
+    out = {}
+    for name in ("TURBO", "TRITON"):
+        if name == "TURBO" and not HAS_CPP_EXTENSION:
+            continue
+        if residual:
+            out[f"turbo {name}"] = lambda x, r, w, b=name: turbo.ops.rmsnorm_residual(x, r, w, EPS, backend=b)
+        else:
+            out[f"turbo {name}"] = lambda x, r, w, b=name: turbo.ops.rmsnorm(x, w, EPS, backend=b)
+    if residual:
+
+        def eager_residual(x, r, w):
+            s = x + r
+            return torch.nn.functional.rms_norm(s, (x.shape[-1],), w, EPS), s
+
+        out["torch eager (add + F.rms_norm)"] = eager_residual
+    else:
+        out["torch eager (F.rms_norm)"] = lambda x, r, w: torch.nn.functional.rms_norm(
+            x, (x.shape[-1],), w, EPS
+        )
+    out["torch.compile"] = lambda x, r, w: compiled(x, r, w) if residual else compiled(x, w)
+    return out
+
+
+def io_bytes(tokens: int, hidden: int, elem: int, residual: bool) -> tuple[int, int]:
+    act, vec, rstd = tokens * hidden * elem, hidden * elem, tokens * 4
+    fwd = 2 * act + vec + rstd + (2 * act if residual else 0)
+    bwd = 3 * act + 2 * vec + rstd + (act if residual else 0)
+    return fwd, bwd
+
+
+def check(outputs, ref_outputs) -> str:
+    for out, ref in zip(outputs, ref_outputs):
+        if not torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2):
+            return "FAIL"
+    return "PASS"
+
+
+def run_shape(tokens: int, hidden: int, residual: bool, dtype=torch.bfloat16) -> list[dict]:
+    torch._dynamo.reset()
+    x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype, requires_grad=True)
+    r = torch.randn_like(x, requires_grad=True) if residual else None
+    w = (torch.randn(hidden, device=DEVICE) * 0.1 + 1.0).to(dtype).requires_grad_()
+    inputs = [x, w] + ([r] if residual else [])
+    dy = torch.randn_like(x)
+    grads_out = [dy, torch.randn_like(x)] if residual else [dy]
+    fwd_bytes, bwd_bytes = io_bytes(tokens, hidden, x.element_size(), residual)
+
+    # fp32 reference for the Check column; the residual sum is rounded to x.dtype first, as the
+    # unfused ops (and turbo) do, and d(x) = d(residual) = d(sum).
+    x_ref = ((x + r) if residual else x).detach().float().requires_grad_()
+    w_ref = w.detach().float().requires_grad_()
+    ref_out = (rmsnorm_math(x_ref, w_ref), x_ref) if residual else (rmsnorm_math(x_ref, w_ref),)
+    torch.autograd.backward(ref_out, [g.float() for g in grads_out])
+    ref_all = [o.detach() for o in ref_out] + [x_ref.grad, w_ref.grad] + ([x_ref.grad] if residual else [])
+
+    rows = []
+    shape = f"{tokens}x{hidden}" + (" +residual" if residual else "")
+    for label, fn in candidates(residual).items():
+        out = fn(x, r, w)
+        out = out if isinstance(out, tuple) else (out,)
+        grads = torch.autograd.grad(out, inputs, grads_out, retain_graph=True)
+        status = check([*out, *grads], ref_all) if label.startswith("turbo") else ""
+        with torch.no_grad():
+            fwd_ms, _ = bench_ms(lambda fn=fn: fn(x, r, w))
+        bwd_ms, _ = bench_ms(lambda out=out: torch.autograd.grad(out, inputs, grads_out, retain_graph=True))
+        rows.append(
+            {
+                "label": label,
+                "shape": shape,
+                "dtype": str(dtype).replace("torch.", ""),
+                "Check": status,
+                "Forward GB/s": gbps(fwd_bytes, fwd_ms),
+                "Forward Time (ms)": fwd_ms,
+                "Backward GB/s": gbps(bwd_bytes, bwd_ms),
+                "Backward Time (ms)": bwd_ms,
+            }
+        )
+    compiled = next(row for row in rows if row["label"] == "torch.compile")
+    for row in rows:
+        row["fwd vs compile"] = row["Forward GB/s"] / compiled["Forward GB/s"]
+        row["bwd vs compile"] = row["Backward GB/s"] / compiled["Backward GB/s"]
+    return rows
+
+
+def main() -> None:
+    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_rmsnorm: needs a CUDA device")
+    copy_gbps = copy_bandwidth()
+    rows = []
+    for tokens, hidden, residual in shapes(args.quick):
+        rows += run_shape(tokens, hidden, residual)
+    for row in rows:
+        row["fwd %copy"] = 100 * row["Forward GB/s"] / copy_gbps
+        row["bwd %copy"] = 100 * row["Backward GB/s"] / copy_gbps
+    rows.append({"label": "copy (d2d, 1 GiB)", "shape": "1073741824 B", "dtype": "uint8", "Check": "",
+                 "Forward GB/s": copy_gbps, "Backward GB/s": copy_gbps})  # fmt: skip
+    write_csv(out_dir(args) / ("rmsnorm_quick.csv" if args.quick else "rmsnorm.csv"), rows, MEMORY_COLUMNS)
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s")
+    table = ["label", "shape", "Check", "Forward GB/s", "fwd %copy", "fwd vs compile"]
+    print_table(rows[:-1], table + ["Backward GB/s", "bwd %copy", "bwd vs compile"])
+
+
+if __name__ == "__main__":
+    main()
