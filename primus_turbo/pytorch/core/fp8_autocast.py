@@ -8,8 +8,9 @@ Turbo modules (Float8Linear, Linear with an FP8 config, ...) read the innermost 
             logits = model.lm_head(y)      # ...except what runs in here (first/last layers)
 
 A module's own config wins over the context's config; ``enabled=False`` wins over both.
-The state is a ``contextvars.ContextVar`` (thread- and task-local). Backward passes run outside the
-context; modules capture the recipe at forward time, so the backward matches the forward.
+The state is a module-level stack (a plain list, so torch.compile traces and guards on it; a
+ContextVar graph-breaks under fullgraph). Backward passes run outside the context; modules
+capture the recipe at forward time, so the backward matches the forward.
 
 Delayed scaling (``ScalingStrategy.DELAYED``, Transformer Engine's DelayedScaling): each quantized
 tensor keeps an ``AmaxHistory`` on device; its scale comes from the history (max over the window or
@@ -20,14 +21,20 @@ sync). The very first call of a history uses current scaling, so step 0 does not
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import torch
 
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 
-__all__ = ["fp8_autocast", "fp8_autocast_state", "FP8AutocastState", "AmaxHistory", "DelayedScalingState"]
+__all__ = [
+    "fp8_autocast",
+    "fp8_autocast_state",
+    "resolve_fp8_config",
+    "FP8AutocastState",
+    "AmaxHistory",
+    "DelayedScalingState",
+]
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,7 @@ class FP8AutocastState:
     config: Float8QuantConfig | None
 
 
-_STATE: contextvars.ContextVar[FP8AutocastState | None] = contextvars.ContextVar("turbo_fp8", default=None)
+_STACK: list[FP8AutocastState] = []
 
 
 @contextlib.contextmanager
@@ -48,16 +55,35 @@ def fp8_autocast(enabled: bool = True, config: Float8QuantConfig | None = None):
         raise TypeError(
             f"fp8_autocast: config must be a Float8QuantConfig or None, got {type(config).__name__}"
         )
-    token = _STATE.set(FP8AutocastState(enabled, config))
+    _STACK.append(FP8AutocastState(enabled, config))
     try:
         yield
     finally:
-        _STATE.reset(token)
+        _STACK.pop()
 
 
 def fp8_autocast_state() -> FP8AutocastState | None:
     """The innermost active fp8_autocast state, or None outside any."""
-    return _STATE.get()
+    return _STACK[-1] if _STACK else None
+
+
+def resolve_fp8_config(
+    module_config: Float8QuantConfig | None, fp8_by_default: bool
+) -> Float8QuantConfig | None:
+    """The FP8 recipe a turbo module should use now, or None for high precision.
+
+    ``fp8_autocast(enabled=False)`` wins; then the module's own config; then the autocast's config
+    (or the default config when the autocast gives none); outside any autocast, modules that are
+    FP8 by construction (``fp8_by_default``) use the default config and others stay high precision.
+    """
+    state = fp8_autocast_state()
+    if state is not None and not state.enabled:
+        return None
+    if module_config is not None:
+        return module_config
+    if state is not None:
+        return state.config or Float8QuantConfig()
+    return Float8QuantConfig() if fp8_by_default else None
 
 
 class AmaxHistory(torch.nn.Module):

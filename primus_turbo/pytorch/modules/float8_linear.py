@@ -18,31 +18,12 @@ import torch
 from torch import nn
 
 from primus_turbo.pytorch.core.float8_tensor import Float8Tensor
-from primus_turbo.pytorch.core.fp8_autocast import DelayedScalingState, fp8_autocast_state
+from primus_turbo.pytorch.core.fp8_autocast import DelayedScalingState, resolve_fp8_config
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, ScalingStrategy
 from primus_turbo.pytorch.modules.linear import Linear
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
 
-__all__ = ["Float8Linear", "resolve_fp8_config"]
-
-
-def resolve_fp8_config(
-    module_config: Float8QuantConfig | None, fp8_by_default: bool
-) -> Float8QuantConfig | None:
-    """The FP8 recipe a turbo module should use now, or None for high precision.
-
-    ``fp8_autocast(enabled=False)`` wins; then the module's own config; then the autocast's config
-    (or the default config when the autocast gives none); outside any autocast, modules that are
-    FP8 by construction (``fp8_by_default``) use the default config and others stay high precision.
-    """
-    state = fp8_autocast_state()
-    if state is not None and not state.enabled:
-        return None
-    if module_config is not None:
-        return module_config
-    if state is not None:
-        return state.config or Float8QuantConfig()
-    return Float8QuantConfig() if fp8_by_default else None
+__all__ = ["Float8Linear"]
 
 
 class Float8Linear(Linear):

@@ -7,7 +7,10 @@ import math
 import torch
 from torch import nn
 
+from primus_turbo.pytorch.core.fp8_autocast import DelayedScalingState, resolve_fp8_config
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingStrategy
 from primus_turbo.pytorch.ops.gemm import gemm
+from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
 
 __all__ = ["Linear"]
 
@@ -23,6 +26,11 @@ class Linear(nn.Module):
 
     FP8 seam: the GEMM is the single method ``_matmul(x2d)``; a low-precision variant (the FP8
     helper's config) overrides or branches there and nothing else changes.
+
+    ``fp8_config`` (a ``Float8QuantConfig``) runs forward, dgrad and wgrad through
+    ``turbo.ops.gemm_fp8``; without one, the layer follows ``turbo.fp8_autocast`` (FP8 inside
+    ``fp8_autocast(enabled=True)``, high precision otherwise and inside ``enabled=False``).
+    FP8 does not support ``gradient_accumulation_fusion``.
     """
 
     def __init__(
@@ -34,8 +42,15 @@ class Linear(nn.Module):
         dtype: torch.dtype | None = None,
         *,
         gradient_accumulation_fusion: bool = False,
+        fp8_config: Float8QuantConfig | None = None,
     ) -> None:
         super().__init__()
+        if fp8_config is not None and not isinstance(fp8_config, Float8QuantConfig):
+            raise TypeError(
+                f"fp8_config: expected a Float8QuantConfig or None, got {type(fp8_config).__name__}"
+            )
+        self.fp8_config = fp8_config
+        self.fp8_delayed_state: DelayedScalingState | None = None
         factory = {"device": device, "dtype": dtype}
         self.in_features = in_features
         self.out_features = out_features
@@ -57,11 +72,28 @@ class Linear(nn.Module):
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         """[T, in_features] @ weight.T -> [T, out_features]. The FP8 seam."""
+        fp8 = resolve_fp8_config(self.fp8_config, fp8_by_default=False)
+        if fp8 is not None:
+            return self._fp8_matmul(x2d, fp8)
         return gemm(
             x2d,
             self.weight,
             trans_b=True,
             accumulate_into_main_grad=self.gradient_accumulation_fusion,
+        )
+
+    def _fp8_matmul(self, x2d: torch.Tensor, config: Float8QuantConfig) -> torch.Tensor:
+        if self.gradient_accumulation_fusion:
+            raise ValueError(
+                "Linear: gradient_accumulation_fusion is not supported with FP8 (fp8_config/fp8_autocast)"
+            )
+        state = None
+        if config.strategy is ScalingStrategy.DELAYED:
+            if self.fp8_delayed_state is None:
+                self.fp8_delayed_state = DelayedScalingState(config, device=self.weight.device)
+            state = self.fp8_delayed_state
+        return gemm_fp8(
+            x2d, self.weight, trans_b=True, out_dtype=x2d.dtype, config=config, delayed_state=state
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

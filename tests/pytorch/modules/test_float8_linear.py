@@ -116,3 +116,29 @@ def test_float8_linear_training_shapes_gpu(gran, nk):
     assert_snr(y, ry, 25.0, "y")
     assert_snr(dx, rdx, 20.0, "dx")
     assert_snr(dw, rdw, 20.0, "dw")
+
+
+def test_turbo_linear_fp8_config_and_autocast():
+    from primus_turbo.pytorch.modules.linear import Linear
+
+    cfg = Float8QuantConfig(granularity=G.ROWWISE)
+    lin = Linear(64, 32, fp8_config=cfg)
+    f8 = Float8Linear.from_float(lin, config=cfg)
+    plain = Linear(64, 32)
+    plain.load_state_dict(lin.state_dict())
+    x = torch.randn(2, 8, 64)
+    torch.testing.assert_close(lin(x), f8(x), rtol=0, atol=0)  # same FP8 recipe, same numbers
+    y_hp = plain(x)
+    ref = x.double() @ plain.weight.double().t() + plain.bias.double()
+    assert_snr(y_hp, ref, 60.0, "turbo Linear outside autocast is high precision")
+    with fp8_autocast(enabled=True):
+        y_fp8 = plain(x)
+    assert not torch.equal(y_fp8, y_hp)
+    assert_snr(y_fp8, ref, 25.0, "turbo Linear under fp8_autocast")
+    with fp8_autocast(enabled=False):
+        torch.testing.assert_close(lin(x), y_hp)  # enabled=False beats the layer's own config
+    with pytest.raises(TypeError, match="fp8_config"):
+        Linear(64, 32, fp8_config="e4m3")
+    fused = Linear(64, 32, fp8_config=cfg, gradient_accumulation_fusion=True)
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
+        fused(x)
