@@ -56,13 +56,15 @@ def _sdpa_fn(backend, pad_v_to=None):
     return run
 
 
-def _turbo_fn(pin):
+def _turbo_fn(pin, auto_tune=False):
     def run(q, k, v):
         GlobalBackendManager.set_attention_backend(pin)
+        GlobalBackendManager.set_auto_tune(auto_tune)
         try:
             return flash_attn_func(q, k, v, causal=True)
         finally:
             GlobalBackendManager.set_attention_backend(None)
+            GlobalBackendManager.set_auto_tune(None)
 
     return run
 
@@ -70,7 +72,11 @@ def _turbo_fn(pin):
 def _candidates(d_qk, d_v):
     from torch.nn.attention import SDPBackend
 
-    fns = {"turbo": _turbo_fn(None), "turbo_triton": _turbo_fn("TRITON")}
+    fns = {
+        "turbo": _turbo_fn(None),
+        "turbo_autotune": _turbo_fn(None, True),
+        "turbo_triton": _turbo_fn("TRITON"),
+    }
     sdpa = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}  # fmt: skip
     for name, backend in sdpa.items():

@@ -320,3 +320,31 @@ def test_gpu_deterministic_grads(shape, device):
         runs.append(_grads(out, (q, k, v), dout))
     for a, b_ in zip(*runs):
         assert torch.equal(a, b_)
+
+
+def test_triton_autotune_launch_path(monkeypatch):
+    """The GPU launch path (triton.autotune over the config table, grid from META) in the interpreter;
+    conftest makes every config time the same, so the first one runs."""
+    from primus_turbo.pytorch.kernels.attention import attention_triton_impl as impl
+
+    monkeypatch.setattr(impl, "_autotune_enabled", lambda: True)
+    for table in (impl.FWD_CONFIGS, impl.DKDV_CONFIGS, impl.DQ_CONFIGS):
+        monkeypatch.setitem(table, 64, [(32, 16, 4, 1), (16, 16, 4, 1)])
+    impl._tuned_kernel.cache_clear()
+    try:
+        _check_against_ref("TRITON", 1, 40, 40, 2, 1, 32, 32, torch.float32, "cpu", True, (-1, -1), False,
+                           torch.float32)  # fmt: skip
+    finally:
+        impl._tuned_kernel.cache_clear()
+
+
+def test_torch_compile_fullgraph():
+    """Dispatcher + autograd.Function + custom ops trace with fullgraph=True (aot_eager on CPU)."""
+    q, k, v, _ = _inputs(1, 16, 16, 2, 2, 16, 16, torch.float32, "cpu")
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True,
+                             backend="aot_eager")  # fmt: skip
+    out = compiled(q, k, v)
+    dq = torch.autograd.grad(out.sum(), q)[0]
+    ref, _ = attention_ref(q, k, v, causal=True)
+    assert_close(out, ref, torch.float32, "out")
+    assert_close(dq, torch.autograd.grad(ref.sum(), q)[0], torch.float32, "dq")

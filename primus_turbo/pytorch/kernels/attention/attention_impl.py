@@ -8,7 +8,9 @@ Backends (all take the same keyword arguments, see ``AttentionDispatcher``):
 * ``CUDNN`` / ``FLASH``: ``F.scaled_dot_product_attention`` with that SDPA backend forced. They take
   only what SDPA serves: fixed length, no sink/window, causal only when Sq == Sk (SDPA's causal
   mask is top-left aligned), no LSE output, not deterministic mode; torch's own
-  ``can_use_{cudnn,flash}_attention`` decides head dims, dtypes and GQA. Autograd runs natively
+  ``can_use_{cudnn,flash}_attention`` decides head dims, dtypes and GQA. When d_v < d_qk (MLA) and
+  SDPA only takes equal dims, v is zero-padded to d_qk and the output sliced (autograd flows
+  through the pad/slice). Autograd runs natively
   through SDPA, so the backward is the same SDPA backend as the forward.
 * ``TORCH``: fp32 math reference; every feature incl. dropout; the CPU default.
 
@@ -148,9 +150,10 @@ class TritonAttentionBackend(KernelBackend):
         return _custom_op_fwd(BackendType.TRITON, **kw)
 
 
-def _sdpa_params(kw: dict):
+def _sdpa_params(kw: dict, v_override=None):
     causal = kw["window_right"] == 0
-    q, k, v = (kw[n].transpose(1, 2) for n in ("q", "k", "v"))
+    q, k = kw["q"].transpose(1, 2), kw["k"].transpose(1, 2)
+    v = (v_override if v_override is not None else kw["v"]).transpose(1, 2)
     return torch.backends.cuda.SDPAParams(q, k, v, None, kw["dropout_p"], causal, q.shape[1] != k.shape[1])
 
 
@@ -170,46 +173,70 @@ def _sdpa_common_ok(kw: dict) -> bool:
     )
 
 
-def _sdpa_run(sdpa_backend, **kw: Any):
+# (checker name, shapes, dtype, causal, dropout>0) -> whether SDPA takes v zero-padded to d_qk
+_PAD_V_CACHE: dict[tuple, bool] = {}
+
+
+def _sdpa_plan(kw: dict, checker_name: str) -> str | None:
+    """'native', 'pad_v' (d_v < d_qk: run with v zero-padded to d_qk, slice the output; this is how
+    the MLA 192/128 shape reaches SDPA's fast kernels) or None when SDPA cannot serve the inputs."""
+    try:
+        if not _sdpa_common_ok(kw):
+            return None
+        checker = getattr(torch.backends.cuda, checker_name)
+        if checker(_sdpa_params(kw)):
+            return "native"
+        q, v = kw["q"], kw["v"]
+        if v.shape[-1] >= q.shape[-1]:
+            return None
+        key = (checker_name, tuple(q.shape), tuple(kw["k"].shape), tuple(v.shape), q.dtype,
+               kw["window_right"] == 0, kw["dropout_p"] > 0)  # fmt: skip
+        if key not in _PAD_V_CACHE:
+            padded = v.new_empty(v.shape[:-1] + (q.shape[-1],))
+            _PAD_V_CACHE[key] = bool(checker(_sdpa_params(kw, v_override=padded)))
+        return "pad_v" if _PAD_V_CACHE[key] else None
+    except Exception:  # can_handle never raises
+        return None
+
+
+def _sdpa_run(sdpa_backend, checker_name: str, **kw: Any):
     from torch.nn.attention import sdpa_kernel
 
-    q, k, v = (kw[n].transpose(1, 2) for n in ("q", "k", "v"))
+    d_v = kw["v"].shape[-1]
+    v = kw["v"]
+    if _sdpa_plan(kw, checker_name) == "pad_v":
+        v = F.pad(v, (0, kw["q"].shape[-1] - d_v))
+    q, k, v = kw["q"].transpose(1, 2), kw["k"].transpose(1, 2), v.transpose(1, 2)
     with sdpa_kernel([sdpa_backend]):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=kw["dropout_p"], is_causal=kw["window_right"] == 0,
             scale=kw["softmax_scale"], enable_gqa=q.shape[1] != k.shape[1],
         )  # fmt: skip
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2)[..., :d_v], None
 
 
 class CudnnAttentionBackend(KernelBackend):
     @staticmethod
     def can_handle(**kw: Any) -> bool:
-        try:
-            return _sdpa_common_ok(kw) and torch.backends.cuda.can_use_cudnn_attention(_sdpa_params(kw))
-        except Exception:
-            return False
+        return _sdpa_plan(kw, "can_use_cudnn_attention") is not None
 
     @staticmethod
     def execute(**kw: Any):
         from torch.nn.attention import SDPBackend
 
-        return _sdpa_run(SDPBackend.CUDNN_ATTENTION, **kw)
+        return _sdpa_run(SDPBackend.CUDNN_ATTENTION, "can_use_cudnn_attention", **kw)
 
 
 class FlashAttentionBackend(KernelBackend):
     @staticmethod
     def can_handle(**kw: Any) -> bool:
-        try:
-            return _sdpa_common_ok(kw) and torch.backends.cuda.can_use_flash_attention(_sdpa_params(kw))
-        except Exception:
-            return False
+        return _sdpa_plan(kw, "can_use_flash_attention") is not None
 
     @staticmethod
     def execute(**kw: Any):
         from torch.nn.attention import SDPBackend
 
-        return _sdpa_run(SDPBackend.FLASH_ATTENTION, **kw)
+        return _sdpa_run(SDPBackend.FLASH_ATTENTION, "can_use_flash_attention", **kw)
 
 
 SDPA_BACKENDS = (BackendType.CUDNN, BackendType.FLASH)

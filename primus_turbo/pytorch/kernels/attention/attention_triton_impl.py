@@ -7,6 +7,9 @@ Only the last dim must be contiguous; batch/seq/head strides are passed through.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 
@@ -27,37 +30,86 @@ def block_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dims. Chosen from the FA2-Triton
-# tutorial's sm_90 sweeps and the 227 KB shared-memory budget (d256: q 64 KB + 2 stages of 64-row
-# K/V tiles = 192 KB); to be re-swept with benchmark/ops/bench_attention.py.
-def fwd_config(d_qk: int, d_v: int, interpret: bool | None = None) -> tuple[int, int, int, int]:
-    if triton_interpret_enabled() if interpret is None else interpret:
-        return 16, 16, 4, 1  # small tiles: CPU tests at S <= 64 still cover every loop phase
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; the first one is the
+# default (used when autotune is off, and what the sm_90 compile test checks). Chosen from the
+# FA2-Triton tutorial's sm_90 sweeps and the 227 KB shared-memory budget (d256 fwd: q 64 KB + 2
+# stages of 64-row K/V tiles = 192 KB). On the GPU the kernels autotune over the list once per
+# (head dims, varlen, window flags): PRIMUS_TURBO_ATTENTION_TRITON_AUTOTUNE=0 pins the default.
+# Configs that overflow shared memory are skipped by Triton's autotuner (OutOfResources).
+FWD_CONFIGS = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
+}
+# dK/dV: BLOCK_M is the inner step over queries, BLOCK_N the keys owned by one program
+DKDV_CONFIGS = {
+    64: [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3)],
+    128: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (16, 128, 8, 3)],
+    256: [(32, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
+}
+DQ_CONFIGS = {
+    64: [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    128: [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+    256: [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)],
+}
+_INTERPRETER_CONFIG = (16, 16, 4, 1)  # small tiles: CPU tests at S <= 64 still cover every loop phase
+_TUNE_KEY = ["D_QK", "D_V", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT"]
+
+
+def _dim_class(d_qk: int, d_v: int) -> int:
     d = max(block_dim(d_qk), block_dim(d_v))
-    if d <= 64:
-        return 128, 64, 4, 3
-    if d <= 128:
-        return 128, 64, 8, 3
-    return 128, 64, 8, 2
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def _default(table, d_qk, d_v, interpret):
+    if triton_interpret_enabled() if interpret is None else interpret:
+        return _INTERPRETER_CONFIG
+    return table[_dim_class(d_qk, d_v)][0]
+
+
+def fwd_config(d_qk: int, d_v: int, interpret: bool | None = None) -> tuple[int, int, int, int]:
+    return _default(FWD_CONFIGS, d_qk, d_v, interpret)
 
 
 def bwd_dkdv_config(d_qk: int, d_v: int, interpret: bool | None = None) -> tuple[int, int, int, int]:
-    """(inner BLOCK_M over queries, BLOCK_N keys owned by a program, warps, stages)."""
-    if triton_interpret_enabled() if interpret is None else interpret:
-        return 16, 16, 4, 1  # small tiles: CPU tests at S <= 64 still cover every loop phase
-    d = max(block_dim(d_qk), block_dim(d_v))
-    if d <= 128:
-        return 32, 128, 8, 3
-    return 32, 64, 8, 2
+    return _default(DKDV_CONFIGS, d_qk, d_v, interpret)
 
 
 def bwd_dq_config(d_qk: int, d_v: int, interpret: bool | None = None) -> tuple[int, int, int, int]:
-    if triton_interpret_enabled() if interpret is None else interpret:
-        return 16, 16, 4, 1  # small tiles: CPU tests at S <= 64 still cover every loop phase
-    d = max(block_dim(d_qk), block_dim(d_v))
-    if d <= 128:
-        return 128, 32, 8, 3
-    return 64, 32, 4, 2
+    return _default(DQ_CONFIGS, d_qk, d_v, interpret)
+
+
+def _autotune_enabled() -> bool:
+    if triton_interpret_enabled():
+        return False
+    return os.environ.get("PRIMUS_TURBO_ATTENTION_TRITON_AUTOTUNE", "1").strip().lower() not in (
+        "0",
+        "false",
+        "off",
+    )
+
+
+_KERNELS = {"fwd": (attn_fwd_kernel, FWD_CONFIGS), "dkdv": (attn_bwd_dkdv_kernel, DKDV_CONFIGS),
+            "dq": (attn_bwd_dq_kernel, DQ_CONFIGS)}  # fmt: skip
+
+
+@functools.cache
+def _tuned_kernel(which: str, dim_class: int):
+    kernel, table = _KERNELS[which]
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+               for bm, bn, w, st in table[dim_class]]  # fmt: skip
+    return triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
+
+
+def _launch(which: str, d_qk: int, d_v: int, grid_fn, args: tuple, consts: dict) -> None:
+    """Run kernel ``which``; ``grid_fn(BLOCK_M, BLOCK_N)`` gives the grid."""
+    kernel, table = _KERNELS[which]
+    if _autotune_enabled():
+        tuned = _tuned_kernel(which, _dim_class(d_qk, d_v))
+        tuned[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
+        return
+    bm, bn, warps, stages = _default(table, d_qk, d_v, None)
+    kernel[grid_fn(bm, bn)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
 def _seq_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
@@ -111,20 +163,17 @@ def triton_attn_fwd(
     if out.numel() == 0:
         return out, lse.fill_(float("inf"))
     has_left, has_right, left, right = _window_flags(window_left, window_right)
-    block_m, block_n, warps, stages = fwd_config(d_qk, d_v)
     cu_q = cu_seqlens_q if varlen else lse  # dummy pointer when fixed-length
     cu_k = cu_seqlens_k if varlen else lse
-    grid = (triton.cdiv(seqlen_q, block_m), batch * hq)
-    attn_fwd_kernel[grid](
+    args = (
         q, k, v, out, lse, sink if sink is not None else lse, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(out, varlen), *_lse_strides(lse, varlen),
         seqlen_q, seqlen_k, hq, hq // hk, softmax_scale * LOG2E, left, right,
-        D_QK=d_qk, D_V=d_v, BLOCK_DQK=block_dim(d_qk), BLOCK_DV=block_dim(d_v),
-        BLOCK_M=block_m, BLOCK_N=block_n, IS_VARLEN=varlen,
-        HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK=sink is not None,
-        num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    consts = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=block_dim(d_qk), BLOCK_DV=block_dim(d_v), IS_VARLEN=varlen,
+                  HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK=sink is not None)  # fmt: skip
+    _launch("fwd", d_qk, d_v, lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * hq), args, consts)
     return out, lse
 
 
@@ -183,22 +232,20 @@ def triton_attn_bwd(
         HAS_RIGHT=has_right,
     )
     qk_scale = softmax_scale * LOG2E
-    block_m, block_n, warps, stages = bwd_dkdv_config(d_qk, d_v)
-    attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, block_n), batch * hk)](
+    args = (
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(dout, varlen), *_seq_strides(dk, varlen), *_seq_strides(dv, varlen), *lse_strides,
         seqlen_q, seqlen_k, hk, hq // hk, qk_scale, softmax_scale, left, right,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
-    block_m, block_n, warps, stages = bwd_dq_config(d_qk, d_v)
-    attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, block_m), batch * hq)](
+    _launch("dkdv", d_qk, d_v, lambda bm, bn: (triton.cdiv(seqlen_k, bn), batch * hk), args, common)
+    args = (
         q, k, v, dout, lse, delta, dq, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *lse_strides,
         seqlen_q, seqlen_k, hq, hq // hk, qk_scale, softmax_scale, left, right,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
+    _launch("dq", d_qk, d_v, lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * hq), args, common)
     dsink = sink_grad(sink, lse, delta, varlen) if sink is not None else None
     return dq, dk, dv, dsink
 
