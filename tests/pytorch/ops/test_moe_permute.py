@@ -184,6 +184,92 @@ def _compile_all():
         compile_for_sm90(pk.unpermute_kernel, USIG, {"HAS_PROBS": has_probs, "BLOCK_H": 2048})
     compile_for_sm90(pk.unpermute_bwd_probs_kernel, BSIG, {"BLOCK_H": 1024})
     compile_for_sm90(pk.permute_fp8_rowwise_kernel, QSIG, {"FP8_MAX": 448.0, "BLOCK_H": 2048})
+    _compile_ep()
+
+
+def _compile_ep():
+    """The TURBO expert-parallel kernels (primus_turbo/triton/moe/ep_kernel.py)."""
+    from primus_turbo.triton.moe import ep_kernel as ek
+
+    dsig = {
+        "x_ptr": "*bf16",
+        "idx_ptr": "*i64",
+        "probs_ptr": "*fp32",
+        "scale_ptr": "*fp32",
+        "row_map_ptr": "*i32",
+        "send_off_ptr": "*i32",
+        "base_ptr": "*i32",
+        "peer_ptrs": "*i64",
+        "T": "i32",
+        "W": "i32",
+        "H": "i32",
+        "K": "i32",
+        "S": "i32",
+        "experts_per_rank": "i32",
+        "x_off": "i64",
+        "idx_off": "i64",
+        "probs_off": "i64",
+        "scale_off": "i64",
+        "HAS_PROBS": "constexpr",
+        "HAS_SCALE": "constexpr",
+        "BLOCK_H": "constexpr",
+        "BLOCK_K": "constexpr",
+    }
+    for has_probs, has_scale in ((True, False), (True, True), (False, False)):
+        compile_for_sm90(
+            ek.ep_dispatch_push_kernel,
+            dsig,
+            {"HAS_PROBS": has_probs, "HAS_SCALE": has_scale, "BLOCK_H": 4096, "BLOCK_K": 64},
+            num_warps=8,
+        )
+    csig = {
+        "y_ptr": "*bf16",
+        "w_ptr": "*fp32",
+        "counts_ptr": "*i64",
+        "peer_ptrs": "*i64",
+        "rank": "i32",
+        "W": "i32",
+        "H": "i32",
+        "K": "i32",
+        "y_off": "i64",
+        "w_off": "i64",
+        "HAS_W": "constexpr",
+        "BLOCK_H": "constexpr",
+        "BLOCK_K": "constexpr",
+        "BLOCK_W": "constexpr",
+    }
+    for has_w in (False, True):
+        compile_for_sm90(
+            ek.ep_combine_push_kernel,
+            csig,
+            {"HAS_W": has_w, "BLOCK_H": 4096, "BLOCK_K": 16, "BLOCK_W": 8},
+            num_warps=8,
+        )
+    fsig = {
+        "ws_x_ptr": "*bf16",
+        "ws_idx_ptr": "*i32",
+        "ws_probs_ptr": "*fp32",
+        "out_x_ptr": "*bf16",
+        "out_idx_ptr": "*i64",
+        "out_probs_ptr": "*fp32",
+        "counts_ptr": "*i64",
+        "rank": "i32",
+        "W": "i32",
+        "R": "i32",
+        "H": "i32",
+        "K": "i32",
+        "HAS_PROBS": "constexpr",
+        "BLOCK_H": "constexpr",
+        "BLOCK_K": "constexpr",
+        "BLOCK_W": "constexpr",
+    }
+    for has_probs in (False, True):
+        compile_for_sm90(
+            ek.ep_recv_finalize_kernel,
+            fsig,
+            {"HAS_PROBS": has_probs, "BLOCK_H": 4096, "BLOCK_K": 16, "BLOCK_W": 8},
+            num_warps=8,
+        )
 
 
 def test_permute_kernels_compile_sm90():

@@ -1,0 +1,226 @@
+"""TURBO expert-parallel backend: intranode dispatch/combine over torch symmetric memory, no host sync.
+
+Every rank owns one symmetric workspace (per process group) holding, in this order:
+    counts [W, W] int64        counts[s, d] = rows rank s sends to rank d (row s written by rank s)
+    recv_x [R, H]              R = W * max_tokens rows; source s owns rows [base_s, base_s + counts[s, me])
+    recv_idx / recv_probs [R, K], recv_scale [R, S]
+    comb_y [R, H], comb_w [R, K]   combine landing zone, laid out like this rank's send order
+Dispatch: barrier; write my count row into every peer; barrier; push my rows into every peer's
+recv_x (Triton, peers' memory through their base pointers); barrier; copy the received rows out.
+Combine: barrier; push rows back into their source's comb_y; barrier; sum per token (unpermute).
+Barriers are ``_SymmetricMemory.barrier`` kernels (device-side signal pads), so nothing waits on the
+host and the sequence is CUDA-graph capturable. Receive tensors are worst-case sized (R rows);
+rows past the received total have index -1 and zero data.
+
+``PRIMUS_TURBO_EP_MAX_TOKENS`` (default 8192) bounds the tokens per rank; it must be the same on
+every rank (the workspace is a collective allocation), and a call with more tokens uses NCCL.
+Multicast is never used (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on our machines).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from primus_turbo.pytorch.core.backend import BackendType
+from primus_turbo.pytorch.kernels.moe.dispatch_impl import DispatchHandle, dispatch_layout
+from primus_turbo.pytorch.kernels.moe.permute_impl import build_row_id_map, moe_unpermute_fwd
+
+_workspaces: dict = {}
+NUM_PROGRAMS = 32  # bounded SMs for the push kernels (DeepEP defaults to 20-24 SMs)
+
+
+def max_tokens() -> int:
+    return int(os.environ.get("PRIMUS_TURBO_EP_MAX_TOKENS", "8192"))
+
+
+def _align(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def turbo_can_handle(**kw) -> bool:
+    x, group = kw.get("x"), kw.get("group")
+    if kw.get("kind") != "dispatch" or not isinstance(x, torch.Tensor) or not x.is_cuda:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
+
+        group = group if group is not None else dist.group.WORLD
+        world = dist.get_world_size(group)
+        if dist.get_backend(group) != "nccl" or world > torch.cuda.device_count() or world > 8:
+            return False
+    except Exception:
+        return False
+    indices = kw.get("indices")
+    return x.shape[0] <= max_tokens() and (indices is None or indices.shape[1] <= 64)
+
+
+def _layout(world, hidden, elem, topk, scale_cols):
+    rows = world * max_tokens()
+    sizes = [("counts", world * world * 8), ("recv_x", rows * hidden * elem), ("recv_idx", rows * topk * 4),
+             ("recv_probs", rows * topk * 4), ("recv_scale", rows * max(scale_cols, 1) * 4),
+             ("comb_y", rows * hidden * max(elem, 2)), ("comb_w", rows * topk * 4)]  # fmt: skip
+    offsets, total = {}, 0
+    for name, size in sizes:
+        offsets[name] = total
+        total += _align(size)
+    return offsets, total, rows
+
+
+def _workspace(group, nbytes: int, device):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = group.group_name
+    cur = _workspaces.get(name)
+    if cur is None or cur[0].numel() < nbytes:
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            try:
+                enable(name)
+            except Exception:
+                pass
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        hdl = symm_mem.rendezvous(buf, name)
+        ptrs = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=device)
+        cur = (buf, hdl, ptrs)
+        _workspaces[name] = cur
+    return cur
+
+
+def _view(buf, offset, shape, dtype):
+    n = 1
+    for s in shape:
+        n *= s
+    return buf[offset : offset + n * torch.empty((), dtype=dtype).element_size()].view(dtype).view(*shape)
+
+
+def turbo_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_in_rank=None, **_):
+    from primus_turbo.triton.moe.ep_kernel import ep_blocks, ep_dispatch_push_kernel, ep_recv_finalize_kernel
+
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    t, hidden = x.shape
+    k = indices.shape[1]
+    scale2d = x_scale.reshape(t, -1).float().contiguous() if x_scale is not None else None
+    scale_cols = scale2d.shape[1] if scale2d is not None else 0
+    offs, nbytes, rows = _layout(world, hidden, x.element_size(), k, scale_cols)
+    buf, hdl, ptrs = _workspace(group, nbytes, x.device)
+    if is_token_in_rank is None:
+        _, _, is_token_in_rank = dispatch_layout(indices, num_experts, world)
+    row_id_map, _, _ = build_row_id_map(is_token_in_rank, world, t * world, 0, None)
+    send_counts = is_token_in_rank.sum(0, dtype=torch.int64)
+    send_off = (torch.cumsum(send_counts, 0) - send_counts).to(torch.int32)
+
+    hdl.barrier(channel=0)  # peers are done reading the previous call's data
+    for peer in range(world):
+        raw = hdl.get_buffer(peer, (world * world * 8,), torch.uint8, offs["counts"])
+        raw.view(torch.int64).view(world, world)[rank].copy_(send_counts)
+    hdl.barrier(channel=0)
+    counts = _view(buf, offs["counts"], (world, world), torch.int64).clone()
+    base = (
+        counts[:rank].sum(0).to(torch.int32)
+        if rank
+        else torch.zeros(world, dtype=torch.int32, device=x.device)
+    )
+
+    block_h, block_k, block_w = ep_blocks(hidden, max(k, scale_cols), world)
+    indices = indices.contiguous()
+    ep_dispatch_push_kernel[(min(max(t, 1), NUM_PROGRAMS),)](
+        x, indices, probs if probs is not None else x, scale2d if scale2d is not None else x, row_id_map,
+        send_off, base, ptrs, t, world, hidden, k, scale_cols, num_experts // world, offs["recv_x"],
+        offs["recv_idx"], offs["recv_probs"], offs["recv_scale"], HAS_PROBS=probs is not None,
+        HAS_SCALE=scale2d is not None, BLOCK_H=block_h, BLOCK_K=block_k, num_warps=8,
+    )  # fmt: skip
+    hdl.barrier(channel=0)
+
+    recv_x = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    recv_idx = torch.empty((rows, k), dtype=indices.dtype, device=x.device)
+    recv_probs = torch.empty((rows, k), dtype=torch.float32, device=x.device) if probs is not None else None
+    ep_recv_finalize_kernel[(NUM_PROGRAMS * 4,)](
+        _view(buf, offs["recv_x"], (rows, hidden), x.dtype),
+        _view(buf, offs["recv_idx"], (rows, k), torch.int32),
+        _view(buf, offs["recv_probs"], (rows, k), torch.float32), recv_x, recv_idx,
+        recv_probs if recv_probs is not None else recv_x, counts, rank, world, rows, hidden, k,
+        HAS_PROBS=probs is not None, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=8,
+    )  # fmt: skip
+    recv_scale = None
+    if scale2d is not None:
+        recv_scale = _view(buf, offs["recv_scale"], (rows, scale_cols), torch.float32).clone()
+        recv_scale = recv_scale.reshape(rows, *x_scale.shape[1:]).to(x_scale.dtype)
+    epr = num_experts // world
+    tokens_per_expert = torch.zeros(epr + 1, dtype=torch.int32, device=x.device)
+    flat = torch.where(recv_idx >= 0, recv_idx, torch.full_like(recv_idx, epr)).reshape(-1).long()
+    tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    handle = DispatchHandle(
+        BackendType.TURBO, group, t, num_experts, hidden, row_id_map, num_recv=rows,
+        extra={"counts": counts, "send_off": send_off, "base": base, "indices": indices, "offs": offs,
+               "nbytes": nbytes, "rank": rank, "world": world, "comb_elem": max(x.element_size(), 2)},
+    )  # fmt: skip
+    return recv_x, recv_scale, recv_idx, recv_probs, tokens_per_expert[:epr], handle
+
+
+def turbo_combine(*, x, handle, topk_weights=None, **_):
+    from primus_turbo.triton.moe.ep_kernel import ep_blocks, ep_combine_push_kernel
+
+    e = handle.extra
+    world, rank, offs = e["world"], e["rank"], e["offs"]
+    buf, hdl, ptrs = _workspace(handle.group, e["nbytes"], x.device)
+    rows, hidden = x.shape
+    k = e["indices"].shape[1]
+    if x.element_size() > e["comb_elem"] or hidden != handle.hidden:
+        raise ValueError(
+            f"moe_combine (TURBO): x must be [{handle.num_recv}, {handle.hidden}] with <= {e['comb_elem']} "
+            f"bytes per element, got {tuple(x.shape)} {x.dtype}"
+        )
+    w = topk_weights.float().contiguous() if topk_weights is not None else None
+    block_h, block_k, block_w = ep_blocks(hidden, k, world)
+    hdl.barrier(channel=0)
+    ep_combine_push_kernel[(NUM_PROGRAMS,)](
+        x.contiguous(), w if w is not None else x, e["counts"], ptrs, rank, world, hidden, k, offs["comb_y"],
+        offs["comb_w"], HAS_W=w is not None, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=8,
+    )  # fmt: skip
+    hdl.barrier(channel=0)
+    comb_y = _view(buf, offs["comb_y"], (rows, hidden), x.dtype)
+    out = moe_unpermute_fwd(comb_y, handle.row_id_map, None, handle.num_tokens)
+    weights = None
+    if w is not None:
+        comb_w = _view(buf, offs["comb_w"], (rows, k), torch.float32)
+        weights = moe_unpermute_fwd(comb_w, handle.row_id_map, None, handle.num_tokens)
+    return out, weights
+
+
+def turbo_dispatch_cached(x, handle):
+    """Dispatch x with an earlier dispatch's layout (combine's backward): no count exchange."""
+    from primus_turbo.triton.moe.ep_kernel import ep_blocks, ep_dispatch_push_kernel, ep_recv_finalize_kernel
+
+    e = handle.extra
+    world, rank, offs = e["world"], e["rank"], e["offs"]
+    buf, hdl, ptrs = _workspace(handle.group, e["nbytes"], x.device)
+    t, hidden = x.shape
+    indices = e["indices"]
+    k = indices.shape[1]
+    rows = handle.num_recv
+    if x.element_size() > e["comb_elem"] or hidden != handle.hidden:
+        raise ValueError(f"moe_combine backward (TURBO): grad must be [T, {handle.hidden}], got {x.dtype}")
+    block_h, block_k, block_w = ep_blocks(hidden, k, world)
+    x = x.contiguous()
+    hdl.barrier(channel=0)
+    ep_dispatch_push_kernel[(min(max(t, 1), NUM_PROGRAMS),)](
+        x, indices, x, x, handle.row_id_map, e["send_off"], e["base"], ptrs, t, world, hidden, k, 0,
+        handle.num_experts // world, offs["comb_y"], offs["recv_idx"], offs["recv_probs"], offs["recv_scale"],
+        HAS_PROBS=False, HAS_SCALE=False, BLOCK_H=block_h, BLOCK_K=block_k, num_warps=8,
+    )  # fmt: skip
+    hdl.barrier(channel=0)
+    recv_x = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    dummy_idx = torch.empty((rows, k), dtype=torch.int32, device=x.device)
+    ep_recv_finalize_kernel[(NUM_PROGRAMS * 4,)](
+        _view(buf, offs["comb_y"], (rows, hidden), x.dtype),
+        _view(buf, offs["recv_idx"], (rows, k), torch.int32),
+        recv_x, recv_x, dummy_idx, recv_x, e["counts"], rank, world, rows, hidden, k,
+        HAS_PROBS=False, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=8,
+    )  # fmt: skip
+    return recv_x
