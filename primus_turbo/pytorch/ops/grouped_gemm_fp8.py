@@ -1,21 +1,18 @@
 """FP8 grouped GEMM for MoE experts: ``turbo.ops.grouped_gemm_fp8`` (forward + backward), sync-free.
 
-Quantization (``config.granularity``; operands quantized along their reduction axis):
+Quantization (``config.granularity``; every operand quantized along its reduction axis):
 
-============  ==========================  ============================  ===========================
-granularity   forward a / b               dgrad grad_out / b            wgrad a, grad_out (per op)
-============  ==========================  ============================  ===========================
-TENSORWISE    tensor / tensor             tensor / tensor (fwd b reused) tensor (fwd a reused)
-ROWWISE       row along K / row along K   row along N / b requantized   tensor
-                                          along N
-BLOCKWISE     1x128 / 128x128             1x128 along N / fwd 128x128   tensor
-                                          blocks reused (symmetric)
-============  ==========================  ============================  ===========================
+* forward  a: tensor / row along K / 1x128 along K;  b: tensor / row along K / 128x128 blocks.
+* dgrad    grad_out: same granularity along N;  b: the forward's fp8 copy (TENSORWISE and
+           BLOCKWISE: 128x128 scales are symmetric) or requantized along N (ROWWISE).
+* wgrad    the reduction axis is the per-expert token range. TENSORWISE: one scale per tensor;
+           ROWWISE and BLOCKWISE: one scale per column of a and of grad_out over all tokens (it
+           factors out of every expert's sum, so no scale straddles an expert boundary). The fp8
+           operands are token-contiguous transposed copies made in the same pass as the forward /
+           dgrad copies (``quantize_fp8_with_transpose``), the layout Hopper FP8 MMAs read.
 
-Gradients use ``config.format.bwd_dtype`` (E5M2 for HYBRID). The variable-K wgrad uses tensorwise
-scales for every granularity: its reduction axis is the per-expert token range, which row/1x128
-scales along tokens would have to align with expert boundaries (a known gap, see the kernels'
-docstring; the kernel already takes per-group scales).
+Gradients use ``config.format.bwd_dtype`` (E5M2 for HYBRID). Saved for backward: the fp8
+transposed a (not the bf16 a), and the fp8 weight copy (or b itself for ROWWISE).
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     grouped_gemm_fp8_variable_k_impl,
 )
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm, validate_grouped_gemm_args
-from primus_turbo.pytorch.ops.quantization import quantize_fp8
+from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_transpose
 
 __all__ = ["grouped_gemm_fp8"]
 
@@ -78,6 +75,30 @@ def _per_group(scale, groups):
     return scale.reshape(1).expand(groups).contiguous()
 
 
+def _quant_for_wgrad(x, dtype, mode):
+    """x [M, R] -> (x_t view [M, R] of a token-contiguous [R, M] fp8 copy, its wgrad scale).
+
+    TENSORWISE: one scale (expanded per group by the caller); ROWWISE/BLOCKWISE: one scale per
+    column of x over all tokens ([R]): it factors out of every expert's sum over tokens.
+    """
+    if mode == SCALE_TENSORWISE:
+        _, _, q_t, s_t = quantize_fp8_with_transpose(x, dtype, ScalingGranularity.TENSORWISE)
+        return q_t.t(), s_t.reshape(1)
+    _, _, q_t, s_t = quantize_fp8_with_transpose(x, dtype, ScalingGranularity.ROWWISE)
+    return q_t.t(), s_t.reshape(-1)
+
+
+def _quant_act_and_wgrad(x, dtype, mode):
+    """Both quantized copies of x in one fused pass where the granularities allow it."""
+    if mode == SCALE_TENSORWISE:
+        q, s, q_t, _ = quantize_fp8_with_transpose(x, dtype, ScalingGranularity.TENSORWISE)
+        return (q, s.reshape(1)), (q_t.t(), s.reshape(1))
+    if mode == SCALE_ROWWISE:
+        q, s, q_t, s_t = quantize_fp8_with_transpose(x, dtype, ScalingGranularity.ROWWISE)
+        return (q, s[:, 0]), (q_t.t(), s_t.reshape(-1))
+    return _quant_act(x, dtype, mode), _quant_for_wgrad(x, dtype, mode)
+
+
 class GroupedGemmFP8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, group_lens, trans_b, config, out_dtype):
@@ -85,48 +106,57 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         fwd_dtype = config.format.fwd_dtype
         groups = b.shape[0]
         w_nk = b if trans_b else b.transpose(1, 2).contiguous()  # [G, N, K]: reduce along K
-        qa, sa = _quant_act(a, fwd_dtype, mode)
+        if ctx.needs_input_grad[1]:
+            (qa, sa), (qa_t, sa_t) = _quant_act_and_wgrad(a, fwd_dtype, mode)
+        else:
+            (qa, sa), qa_t, sa_t = _quant_act(a, fwd_dtype, mode), None, None
         qw, sw = _quant_weight(w_nk, fwd_dtype, mode)
         b_view, b_scale = _as_kernel_b(qw, sw, mode, groups)
         out = grouped_gemm_fp8_impl(qa, b_view, sa, b_scale, group_lens, mode, out_dtype)
-        if mode == SCALE_ROWWISE:
-            ctx.save_for_backward(a, b, group_lens, qa, sa)
-        else:
-            ctx.save_for_backward(a, b, group_lens, qa, sa, qw, sw)
+        # ROWWISE dgrad requantizes b along N; the other modes reuse the forward's weight copy
+        saved_w = (b,) if mode == SCALE_ROWWISE else (qw, sw)
+        ctx.save_for_backward(group_lens, qa_t, sa_t, *saved_w)
         ctx.mode, ctx.trans_b, ctx.config = mode, trans_b, config
+        ctx.a_dtype, ctx.b_dtype, ctx.groups = a.dtype, b.dtype, groups
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, b, group_lens, qa, sa, *saved_w = ctx.saved_tensors
-        mode, trans_b, config = ctx.mode, ctx.trans_b, ctx.config
-        bwd_dtype, groups = config.format.bwd_dtype, b.shape[0]
+        group_lens, qa_t, sa_t, *saved_w = ctx.saved_tensors
+        mode, trans_b, config, groups = ctx.mode, ctx.trans_b, ctx.config, ctx.groups
+        bwd_dtype = config.format.bwd_dtype
         grad_out = grad_out.contiguous()
         grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            (qg, sg), (qg_t, sg_t) = _quant_act_and_wgrad(grad_out, bwd_dtype, mode)
+        elif ctx.needs_input_grad[0]:
             qg, sg = _quant_act(grad_out, bwd_dtype, mode)
+        elif ctx.needs_input_grad[1]:
+            qg_t, sg_t = _quant_for_wgrad(grad_out, bwd_dtype, mode)
+        if ctx.needs_input_grad[0]:
             if mode == SCALE_ROWWISE:  # requantize the weight along N (the dgrad reduction)
+                (b,) = saved_w
                 w_kn = b.transpose(1, 2).contiguous() if trans_b else b
                 qw_kn, sw_kn = _quant_weight(w_kn, config.format.fwd_dtype, mode)
                 b_view, b_scale = qw_kn.transpose(1, 2), sw_kn
             else:  # qw [G, N, K] is already [G, reduce=N, out=K]; 128x128 block scales are symmetric
-                qw, sw = saved_w
-                b_view = qw
+                b_view, sw = saved_w
                 b_scale = sw.expand(groups) if mode == SCALE_TENSORWISE else sw
-            grad_a = grouped_gemm_fp8_impl(qg, b_view, sg, b_scale, group_lens, mode, a.dtype)
+            grad_a = grouped_gemm_fp8_impl(qg, b_view, sg, b_scale, group_lens, mode, ctx.a_dtype)
         if ctx.needs_input_grad[1]:
-            if mode == SCALE_TENSORWISE:
-                qx, sx = qa, sa
-                if not ctx.needs_input_grad[0]:
-                    qg, sg = _quant_act(grad_out, bwd_dtype, mode)
+            wmode = SCALE_TENSORWISE if mode == SCALE_TENSORWISE else SCALE_ROWWISE
+            if wmode == SCALE_TENSORWISE:
+                sx, sg_t = _per_group(sa_t, groups), _per_group(sg_t, groups)
             else:
-                qx, sx = _quant_act(a, config.format.fwd_dtype, SCALE_TENSORWISE)
-                qg, sg = _quant_act(grad_out, bwd_dtype, SCALE_TENSORWISE)
-            sx, sg = _per_group(sx, groups), _per_group(sg, groups)
+                sx = sa_t
             if trans_b:  # dW[g] = dC_g^T @ A_g  ([N, K])
-                grad_b = grouped_gemm_fp8_variable_k_impl(qg, qx, sg, sx, group_lens, b.dtype)
+                grad_b = grouped_gemm_fp8_variable_k_impl(
+                    qg_t, qa_t, sg_t, sx, group_lens, wmode, ctx.b_dtype
+                )
             else:  # dB[g] = A_g^T @ dC_g  ([K, N])
-                grad_b = grouped_gemm_fp8_variable_k_impl(qx, qg, sx, sg, group_lens, b.dtype)
+                grad_b = grouped_gemm_fp8_variable_k_impl(
+                    qa_t, qg_t, sx, sg_t, group_lens, wmode, ctx.b_dtype
+                )
         return grad_a, grad_b, None, None, None, None
 
 

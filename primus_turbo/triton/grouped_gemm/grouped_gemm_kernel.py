@@ -23,7 +23,8 @@ FP8 scaling (``SCALE_MODE``), for the forward kernel:
   2 ROWWISE: a_scale[row] * b_scale[g, n] (scales along the reduction axis);
   3 BLOCKWISE: a_scale[row, k // 128] * b_scale[g, k // 128, n // 128], applied per K step
     (requires BLOCK_K == BLOCK_N == 128).
-For the variable-K kernel: 0 none, 1 per-group scalars x_scale[g] * y_scale[g].
+For the variable-K kernel: 0 none, 1 per-group scalars x_scale[g] * y_scale[g], 2 per-column
+x_scale[p] * y_scale[q] (one scale per column of X / Y over all tokens).
 """
 
 from __future__ import annotations
@@ -180,6 +181,10 @@ def grouped_gemm_variable_k_kernel(
             acc = tl.dot(x, y, acc)
         if SCALE_MODE == 1:
             acc = acc * (tl.load(x_scale_ptr + g) * tl.load(y_scale_ptr + g))
+        if SCALE_MODE == 2:  # per-column scales (along the token axis): they factor out of the sum
+            sx = tl.load(x_scale_ptr + ps, mask=p_mask, other=0.0)
+            sy = tl.load(y_scale_ptr + qs, mask=q_mask, other=0.0)
+            acc = acc * sx[:, None] * sy[None, :]
         c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
 
@@ -256,14 +261,18 @@ def launch_grouped_gemm(a, b_view, out, group_lens, a_scale=None, b_scale=None, 
     return out
 
 
-def launch_grouped_gemm_variable_k(x, y, out, group_lens, x_scale=None, y_scale=None):
-    """out[g] = x[rows_g]^T @ y[rows_g] for g < G (out: [G, P, Q]); empty groups get zeros."""
+def launch_grouped_gemm_variable_k(x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=None):
+    """out[g] = x[rows_g]^T @ y[rows_g] for g < G (out: [G, P, Q]); empty groups get zeros.
+
+    Scales: [G] each (scale_mode 1, the default when given) or [P] / [Q] contiguous (mode 2).
+    """
     m, p = x.shape
     q = y.shape[1]
     g = out.shape[0]
     on_gpu = x.is_cuda
     cfg = _wgrad_config(x.element_size() == 1, on_gpu)
-    scale_mode = SCALE_TENSORWISE if x_scale is not None else SCALE_NONE
+    if scale_mode is None:
+        scale_mode = SCALE_TENSORWISE if x_scale is not None else SCALE_NONE
     grouped_gemm_variable_k_kernel[(_num_programs(x.device),)](
         x, y, out, group_lens,
         x_scale if x_scale is not None else out, y_scale if y_scale is not None else out,

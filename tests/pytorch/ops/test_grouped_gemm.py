@@ -203,7 +203,14 @@ FWD_CASES = [  # (a dtype, b dtype, scale mode, N); fp8e5 x fp8e4nv is the HYBRI
     ("fp8e5", "fp8e4nv", 2, 4096),
     ("fp8e5", "fp8e4nv", 3, 4096),
 ]
-WGRAD_CASES = [("bf16", 0), ("fp8e4nv", 1), ("fp8e5", 1), ("fp16", 0)]
+WGRAD_CASES = [  # (x dtype, y dtype, scale mode); HYBRID wgrad is E5M2 grad x E4M3 activation
+    ("bf16", "bf16", 0),
+    ("fp16", "fp16", 0),
+    ("fp8e4nv", "fp8e4nv", 1),
+    ("fp8e4nv", "fp8e4nv", 2),
+    ("fp8e5", "fp8e4nv", 1),
+    ("fp8e5", "fp8e4nv", 2),
+]
 
 
 def _compile_all():
@@ -215,11 +222,11 @@ def _compile_all():
         consts["GROUP_M"] = 8
         sig = _with_dtype(_with_dtype(_FWD_SIG, f"*{a_dtype}", ("a_ptr",)), f"*{b_dtype}", ("b_ptr",))
         compile_for_sm90(kmod.grouped_gemm_kernel, sig, consts, num_warps=warps, num_stages=stages)
-    for in_dtype, scale_mode in WGRAD_CASES:
-        cfg = kmod._wgrad_config(in_dtype.startswith("fp8"), on_gpu=True)
+    for x_dtype, y_dtype, scale_mode in WGRAD_CASES:
+        cfg = kmod._wgrad_config(x_dtype.startswith("fp8"), on_gpu=True)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         consts = dict(NUM_PROGS=132, BLOCK_G=kmod._block_g(64), SCALE_MODE=scale_mode, UPCAST=False, **cfg)
-        sig = _with_dtype(_WGRAD_SIG, f"*{in_dtype}", ("x_ptr", "y_ptr"))
+        sig = _with_dtype(_with_dtype(_WGRAD_SIG, f"*{x_dtype}", ("x_ptr",)), f"*{y_dtype}", ("y_ptr",))
         compile_for_sm90(kmod.grouped_gemm_variable_k_kernel, sig, consts, num_warps=warps, num_stages=stages)
 
 

@@ -7,8 +7,10 @@ Operands come in the kernel layout: ``a`` [M, K] fp8, ``b_view`` [G, K, N] fp8 (
   ROWWISE    (2): a_scale [M] (per row, along K), b_scale [G, N] (per output column, along K)
   BLOCKWISE  (3): a_scale [M, ceil(K/128)], b_scale [G, ceil(K/128), ceil(N/128)] (any strides)
 
-Variable-K (wgrad) over fp8 ``x`` [M, P], ``y`` [M, Q] with per-group scalar scales
-``x_scale`` [G], ``y_scale`` [G]: ``out[g] = (x_g * x_scale[g])^T @ (y_g * y_scale[g])``.
+Variable-K (wgrad) over fp8 ``x`` [M, P], ``y`` [M, Q] (any strides; token-contiguous, i.e. views
+of [P, M] / [Q, M] transposed copies, is what Hopper FP8 MMAs want) with ``scale_mode`` 1:
+per-group scalars ``x_scale`` [G], ``y_scale`` [G]; or 2: per-column ``x_scale`` [P], ``y_scale``
+[Q]: ``out[g] = (x_g * x_scale)^T @ (y_g * y_scale)``.
 
 Backends: CUTLASS (torch._scaled_grouped_mm: ROWWISE, E4M3 x E4M3, bf16 out, sm_90), TRITON (every
 mode), TORCH (dequantize + per-group loop in fp32: the reference and CPU default; it syncs).
@@ -125,11 +127,11 @@ class FP8VariableKTritonBackend(KernelBackend):
         return triton_can_run_on(x, y, group_lens) and group_lens.shape[0] < 4096
 
     @staticmethod
-    def execute(x, y, x_scale, y_scale, group_lens, out_dtype, **kw):
+    def execute(x, y, x_scale, y_scale, group_lens, scale_mode, out_dtype, **kw):
         out = torch.empty(group_lens.shape[0], x.shape[1], y.shape[1], dtype=out_dtype, device=x.device)
         if out.numel() == 0:
             return out
-        return launch_grouped_gemm_variable_k(x, y, out, group_lens, x_scale, y_scale)
+        return launch_grouped_gemm_variable_k(x, y, out, group_lens, x_scale, y_scale, scale_mode)
 
 
 class FP8VariableKTorchBackend(KernelBackend):
@@ -138,9 +140,11 @@ class FP8VariableKTorchBackend(KernelBackend):
         return True
 
     @staticmethod
-    def execute(x, y, x_scale, y_scale, group_lens, out_dtype, **kw):
+    def execute(x, y, x_scale, y_scale, group_lens, scale_mode, out_dtype, **kw):
         out = VariableKTorchBackend.execute(x=x.float(), y=y.float(), group_lens=group_lens)
-        return (out * (x_scale * y_scale).view(-1, 1, 1)).to(out_dtype)
+        if scale_mode == SCALE_TENSORWISE:
+            return (out * (x_scale * y_scale).view(-1, 1, 1)).to(out_dtype)
+        return (out * x_scale.view(1, -1, 1) * y_scale.view(1, 1, -1)).to(out_dtype)
 
 
 class GroupedGemmFP8VariableKDispatcher(AutoKernelDispatcher):
@@ -148,8 +152,9 @@ class GroupedGemmFP8VariableKDispatcher(AutoKernelDispatcher):
     backends = {BackendType.TRITON: FP8VariableKTritonBackend, BackendType.TORCH: FP8VariableKTorchBackend}
 
     @classmethod
-    def make_key(cls, x, y, group_lens, out_dtype, **kw) -> tuple:
-        return ("fp8_wgrad", tuple(x.shape), tuple(y.shape), int(group_lens.shape[0]), x.dtype, out_dtype)
+    def make_key(cls, x, y, group_lens, scale_mode, out_dtype, **kw) -> tuple:
+        shapes = (tuple(x.shape), tuple(y.shape), tuple(x.stride()), tuple(y.stride()))
+        return ("fp8_wgrad", *shapes, int(group_lens.shape[0]), x.dtype, scale_mode, out_dtype)
 
     @classmethod
     def default_backend(cls, x, **kw):
@@ -189,15 +194,22 @@ def grouped_gemm_fp8_variable_k_impl(
     x_scale: torch.Tensor,
     y_scale: torch.Tensor,
     group_lens: torch.Tensor,
+    scale_mode: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     return GroupedGemmFP8VariableKDispatcher.dispatch(
-        x=x, y=y, x_scale=x_scale, y_scale=y_scale, group_lens=group_lens, out_dtype=out_dtype
+        x=x,
+        y=y,
+        x_scale=x_scale,
+        y_scale=y_scale,
+        group_lens=group_lens,
+        scale_mode=scale_mode,
+        out_dtype=out_dtype,
     )
 
 
 @grouped_gemm_fp8_variable_k_impl.register_fake
-def _(x, y, x_scale, y_scale, group_lens, out_dtype):
+def _(x, y, x_scale, y_scale, group_lens, scale_mode, out_dtype):
     return x.new_empty(group_lens.shape[0], x.shape[1], y.shape[1], dtype=out_dtype)
 
 
