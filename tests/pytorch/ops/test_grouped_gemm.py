@@ -87,6 +87,18 @@ def test_grouped_gemm_zero_tokens(backend, device):
     assert torch.count_nonzero(b.grad) == 0 and b.grad.shape == (G, K, N)
 
 
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_grouped_gemm_zero_k(backend, device):
+    GlobalBackendManager.set_grouped_gemm_backend(backend)
+    G, M, N = 3, 20, 8
+    a = torch.randn(M, 0, device=device, requires_grad=True)
+    b = torch.randn(G, 0, N, device=device, requires_grad=True)
+    out = turbo.ops.grouped_gemm(a, b, make_group_lens(M, G, "skewed", device))
+    assert out.shape == (M, N) and torch.count_nonzero(out) == 0
+    out.backward(torch.randn_like(out))
+    assert a.grad.shape == (M, 0) and b.grad.shape == (G, 0, N)
+
+
 @pytest.mark.parametrize("backend", ["TRITON", "CUTLASS"])
 def test_grouped_gemm_short_group_lens_leave_no_garbage(backend, device):
     """sum(group_lens) < M (unchecked without debug flag): every output row is still written."""

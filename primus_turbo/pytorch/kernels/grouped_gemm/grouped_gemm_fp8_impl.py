@@ -80,7 +80,7 @@ class FP8CutlassBackend(KernelBackend):
             return False
         k, n = a.shape[1], b_view.shape[2]
         col_major_b = b_view.stride(1) == 1
-        return col_major_b and a.stride(1) == 1 and k % 16 == 0 and n % 16 == 0 and a.shape[0] > 0
+        return col_major_b and a.stride(1) == 1 and k % 16 == 0 and n % 16 == 0 and min(a.shape[0], k, n) > 0
 
     @staticmethod
     def execute(a, b_view, a_scale, b_scale, group_lens, out_dtype, **kw):

@@ -84,7 +84,7 @@ class GroupedGemmCutlassBackend(KernelBackend):
         if not (_is_sm90_plus(a) or a.device.type == "cpu"):
             return False
         n = b.shape[1] if trans_b else b.shape[2]
-        return a.shape[1] % 8 == 0 and n % 8 == 0 and a.shape[0] > 0
+        return a.shape[1] % 8 == 0 and n % 8 == 0 and min(a.shape[0], a.shape[1], n) > 0
 
     @staticmethod
     def execute(a, b, group_lens, trans_b, **kw):
@@ -149,7 +149,7 @@ class VariableKCutlassBackend(KernelBackend):
             return False
         if not (_is_sm90_plus(x) or x.device.type == "cpu"):
             return False
-        return x.shape[1] % 8 == 0 and y.shape[1] % 8 == 0 and x.shape[0] > 0
+        return x.shape[1] % 8 == 0 and y.shape[1] % 8 == 0 and min(x.shape[0], x.shape[1], y.shape[1]) > 0
 
     @staticmethod
     def execute(x, y, group_lens, **kw):
