@@ -58,10 +58,11 @@ def _fp8_linear(x2d: torch.Tensor, weight: torch.Tensor, cfg: Float8QuantConfig)
 
 class _ColumnParallelFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group_name, sequence_parallel, fp8_config, backend):
+    def forward(ctx, x, weight, bias, group_name, sequence_parallel, fp8_config, backend, save_gathered):
         world = _world(group_name)
         x2d = x.reshape(-1, x.shape[-1])
         gather = sequence_parallel and world > 1
+        regather = gather and not save_gathered and fp8_config is None
         x_scale = None
         if gather and fp8_config is not None:
             rowwise = fp8_config.granularity is ScalingGranularity.ROWWISE
@@ -80,22 +81,30 @@ class _ColumnParallelFn(torch.autograd.Function):
                 backend=backend,
             )
         elif gather:
-            x_full, (y,) = fused_all_gather_matmul(x2d, [weight.t()], 0, group_name, backend=backend)
+            x_full, (y,) = fused_all_gather_matmul(
+                x2d, [weight.t()], 0, group_name, return_a=not regather, backend=backend
+            )
+            x_full = x2d if regather else x_full
         else:
             x_full = x2d
             y = _fp8_linear(x2d, weight, fp8_config) if fp8_config is not None else x2d @ weight.t()
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(x_full, x_scale, weight)
-        ctx.meta = (group_name, sequence_parallel, world, x.shape, x.dtype, bias is not None)
+        ctx.meta = (group_name, sequence_parallel, world, x.shape, x.dtype, bias is not None, regather)
         return y.view(-1, *x.shape[1:-1], weight.shape[0]) if gather else y.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy):
         x_full, x_scale, weight = ctx.saved_tensors
-        group_name, sequence_parallel, world, x_shape, x_dtype, has_bias = ctx.meta
+        group_name, sequence_parallel, world, x_shape, x_dtype, has_bias, regather = ctx.meta
         if x_scale is not None:  # FP8 forward: dequantize the saved gathered input for wgrad
             x_full = (x_full.float() * x_scale).to(x_dtype)
+        work_ag = None
+        if regather:  # saved only the shard: re-gather it while dgrad computes (Megatron's scheme)
+            x_shard = x_full
+            x_full = x_shard.new_empty((world * x_shard.shape[0], x_shard.shape[1]))
+            work_ag = dist.all_gather_into_tensor(x_full, x_shard, group=_group(group_name), async_op=True)
         dy2d = dy.reshape(-1, dy.shape[-1])
         dgrad = dy2d @ weight
         work = None
@@ -107,11 +116,13 @@ class _ColumnParallelFn(torch.autograd.Function):
             work = dist.all_reduce(dx, group=_group(group_name), async_op=True)
         else:
             dx = dgrad
-        dw = dy2d.t() @ x_full  # issued while the collective is in flight
+        if work_ag is not None:
+            work_ag.wait()
+        dw = dy2d.t() @ x_full  # issued while the dgrad collective is in flight
         db = dy2d.sum(0) if has_bias else None
         if work is not None:
             work.wait()
-        return dx.view(x_shape), dw, db, None, None, None, None
+        return dx.view(x_shape), dw, db, None, None, None, None, None
 
 
 class _RowParallelFn(torch.autograd.Function):
@@ -195,7 +206,13 @@ class _ParallelLinearBase(nn.Module):
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
-    """y[:, out/tp slice] = x @ W_shard^T + b_shard; SP input gathered by a fused AG+GEMM."""
+    """y[:, out/tp slice] = x @ W_shard^T + b_shard; SP input gathered by a fused AG+GEMM.
+
+    ``save_gathered_input`` (bf16, SP): True keeps the gathered input for wgrad (fastest backward,
+    tp x the activation memory); False keeps only the shard and re-gathers it in backward with an
+    async all-gather that overlaps the dgrad GEMM (Megatron's scheme). FP8 always keeps the
+    gathered FP8 input (already half the bytes of bf16).
+    """
 
     def __init__(
         self,
@@ -207,6 +224,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         sequence_parallel: bool = False,
         fp8_config: Float8QuantConfig | None = None,
         backend: str | None = None,
+        save_gathered_input: bool = True,
         device=None,
         dtype=None,
     ):
@@ -222,6 +240,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
             device,
             dtype,
         )
+        self.save_gathered_input = bool(save_gathered_input)
         self.bias = (
             nn.Parameter(torch.zeros(self.weight.shape[0], device=device, dtype=dtype)) if bias else None
         )
@@ -243,6 +262,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
             self.sequence_parallel,
             self.fp8_config,
             self.backend,
+            self.save_gathered_input,
         )
 
 

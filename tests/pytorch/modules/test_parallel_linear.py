@@ -35,12 +35,19 @@ def _full_problem(seed, seq, batch, d_in, d_out, dtype):
 
 
 def _check_layer(
-    kind, rank, world, device, seed, dtype, sp, backend=None, fp8=None, seq=6, d_in=32, d_out=48
+    kind, rank, world, device, seed, dtype, sp, backend=None, fp8=None, seq=6, d_in=32, d_out=48, **layer_kw
 ):
     x, w, b, g, y_ref, dx_ref, dw_ref, db_ref = _full_problem(seed, seq, 3, d_in, d_out, dtype)
     cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
     layer = cls(
-        d_in, d_out, sequence_parallel=sp, fp8_config=fp8, backend=backend, device=device, dtype=dtype
+        d_in,
+        d_out,
+        sequence_parallel=sp,
+        fp8_config=fp8,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        **layer_kw,
     )
     seq_shard = lambda t: t.chunk(world, 0)[rank] if sp else t  # noqa: E731
     if kind == "column":
@@ -80,6 +87,7 @@ def _gloo_body(rank, world, device, seed):
     for i, (kind, sp) in enumerate([("column", True), ("row", True), ("column", False), ("row", False)]):
         _check_layer(kind, rank, world, device, seed + i, torch.float32, sp)
     _check_layer("column", rank, world, device, seed + 4, torch.bfloat16, True)
+    _check_layer("column", rank, world, device, seed + 10, torch.float32, True, save_gathered_input=False)
     _check_layer("row", rank, world, device, seed + 5, torch.bfloat16, True)
     for j, gran in enumerate((ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE)):
         cfg = Float8QuantConfig(granularity=gran)
@@ -107,6 +115,9 @@ def _gpu_body(rank, world, device, seed):
     for backend in ("NCCL", "TURBO", "SYMM_MEM", None):
         for kind in ("column", "row"):
             _check_layer(kind, rank, world, device, seed, torch.bfloat16, True, backend, **shape)
+        _check_layer(
+            "column", rank, world, device, seed, torch.bfloat16, True, backend, save_gathered_input=False
+        )
     for gran in (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE):
         for kind in ("column", "row"):
             cfg = Float8QuantConfig(granularity=gran)
