@@ -128,9 +128,12 @@ def test_grouped_gemm_fp8_cutlass_rowwise_forward(G, K, N, kind, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TRITON", "default"])
 @pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_grouped_gemm_fp8_cuda_graph_capture(granularity, device):
-    GlobalBackendManager.set_grouped_gemm_backend("TRITON")
+def test_grouped_gemm_fp8_cuda_graph_capture(backend, granularity, device):
+    """default: ROWWISE runs fwd/dgrad on torch._scaled_grouped_mm, wgrad on Triton."""
+    if backend == "TRITON":
+        GlobalBackendManager.set_grouped_gemm_backend("TRITON")
     config = Float8QuantConfig(granularity=granularity)
     G, M, K, N = 8, 1024, 512, 256
     a = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)

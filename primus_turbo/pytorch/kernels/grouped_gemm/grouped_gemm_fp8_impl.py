@@ -118,7 +118,10 @@ class GroupedGemmFP8Dispatcher(AutoKernelDispatcher):
 
     @classmethod
     def default_backend(cls, a, **kw):
-        return BackendType.TORCH if a.device.type == "cpu" else BackendType.TRITON
+        if a.device.type == "cpu":
+            return BackendType.TORCH
+        # ROWWISE E4M3 -> bf16: CUTLASS measured 854-967 TFLOP/s on H200; Triton serves the rest
+        return BackendType.CUTLASS if FP8CutlassBackend.can_handle(a=a, **kw) else BackendType.TRITON
 
 
 class FP8VariableKTritonBackend(KernelBackend):
