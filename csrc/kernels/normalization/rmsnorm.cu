@@ -2,16 +2,18 @@
 //
 // Work split: a "row group" of `tpr` threads owns one row at a time. tpr = 32 (one warp per row,
 // 4 rows per 128-thread CTA, shuffle-only reduction) for short rows; otherwise one CTA per row
-// (tpr <= 512 threads, shuffle + shared-memory reduction). Each thread holds <= VPT vectors of the
+// (tpr <= 512 threads, shuffle + shared-memory reduction); the backward packs 256 / tpr row groups
+// per CTA (>= 256 threads). Each thread holds <= VPT vectors of the
 // row in registers, so x is read from HBM exactly once per pass. VEC elements = 16 bytes per access
 // (LDG.128) when hidden % VEC == 0 and every pointer is 16-byte aligned, else scalar accesses with
 // 8 elements per thread. CTAs loop over rows (grid = SMs x occupancy): in the backward this keeps
-// the per-column dweight partial sums in registers across rows, written once per row group and
-// reduced by a second deterministic kernel (no atomics: bitwise run-to-run reproducible).
+// the per-column dweight partial sums in registers across rows, summed over the CTA's row groups
+// in shared memory, written once per CTA and reduced by a second kernel in a fixed order (no
+// atomics: bitwise run-to-run reproducible).
 //
-// 512 threads max per CTA: the backward keeps x, dy (as T) and dweight partials (fp32) in
-// registers, 86-128 regs/thread; __launch_bounds__(512) caps it at 128 (ptxas -v, nvcc 13.0: no
-// spills except bf16 vectorized backward, 80 B of spill stores, outside the per-element math).
+// 512 threads max per row: the backward keeps x, dy (as T) and dweight partials (fp32) in
+// registers, 60-128 regs/thread; __launch_bounds__(512) caps it at 128 (ptxas -v, nvcc 13.0: no
+// spills except 8 B in the bf16 vectorized backward). The forward needs 32-64.
 
 #include <algorithm>
 
@@ -22,7 +24,9 @@ namespace primus_turbo {
 namespace {
 
 constexpr int kMaxThreadsPerRow = 512;
-constexpr int kWarpRowsPerCta = 4;  // rows per CTA when tpr == 32
+constexpr int kWarpRowsPerCta = 4;  // forward rows per CTA when tpr == 32
+constexpr int kMaxRowsPerCta = 8;   // backward: rows per CTA = 256 / tpr (>= 256 threads), <= 8
+constexpr int kBwdCtaThreads = 256;
 constexpr int kVecVpt = 4;          // 16-byte vectors per thread (vectorized path)
 constexpr int kScalarVpt = 8;       // elements per thread (scalar path)
 
@@ -31,11 +35,12 @@ struct Plan {
     int vec;  // elements per access
     int tpr;  // threads per row
     int rpc;  // rows (row groups) per CTA
+    size_t smem;  // dynamic shared memory (backward: dweight partials of the CTA's row groups)
 };
 
 int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
-Plan make_plan(int64_t hidden, DType dtype, bool aligned) {
+Plan make_plan(int64_t hidden, DType dtype, bool aligned, bool backward = false) {
     Plan p;
     const int full_vec = 16 / dtype_size(dtype);
     p.vectorized = aligned && hidden % full_vec == 0;
@@ -45,6 +50,12 @@ Plan make_plan(int64_t hidden, DType dtype, bool aligned) {
     const int64_t threads = std::max<int64_t>(32, ((n_vec + vpt - 1) / vpt + 31) / 32 * 32);
     p.tpr = static_cast<int>(std::min<int64_t>(threads, 1 << 20));
     p.rpc = p.tpr == 32 ? kWarpRowsPerCta : 1;
+    p.smem = 0;
+    if (backward) {
+        p.rpc = std::max(1, std::min(kMaxRowsPerCta, kBwdCtaThreads / p.tpr));
+        // rpc > 1 only when tpr <= 128, so rpc * hidden <= 256 * 32 floats: <= 32 KB, under the 48 KB default.
+        p.smem = p.rpc > 1 ? sizeof(float) * p.rpc * hidden : 0;
+    }
     return p;
 }
 
@@ -126,13 +137,20 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 
 // One long function on purpose: the register-cached row (x, dy) and dweight partials must stay
 // in one scope so the compiler keeps them in registers.
+//
+// A CTA holds blockDim.y row groups that walk rows in lock step (row block = blockDim.y rows, the
+// same trip count for every thread, so __syncthreads is legal for tpr > 32). At the end the row
+// groups' dweight partials are summed in shared memory ([blockDim.y, hidden] fp32, dynamic) and
+// the CTA writes ONE partial row: partials = grid, not grid x rows-per-CTA (for hidden 2048 this
+// cuts the workspace traffic from ~10% to ~1% of the backward's bytes).
 template <typename T, int VEC, int VPT>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
     rmsnorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* weight,
                        const float* __restrict__ rstd_in, const T* __restrict__ dsum, T* __restrict__ dx,
                        float* __restrict__ dw_partial, int64_t rows, int hidden, bool zero_centered_gamma) {
     using V = Vec<T, VEC>;
-    __shared__ float smem[32];
+    __shared__ float red_smem[kMaxRowsPerCta][32];
+    extern __shared__ float dw_smem[];  // [blockDim.y, hidden] when blockDim.y > 1
     const int n_vec = hidden / VEC;
     const float w_shift = zero_centered_gamma ? 1.f : 0.f;
     const float inv_hidden = 1.f / hidden;
@@ -142,18 +160,19 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dw[i][j] = 0.f;
 
-    const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-    const int64_t groups = static_cast<int64_t>(gridDim.x) * blockDim.y;
-    for (int64_t row = group; row < rows; row += groups) {
+    const int64_t block_stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += block_stride) {
+        const int64_t row = base + threadIdx.y;
+        const bool valid = row < rows;  // a short last row block: idle groups still reach the barriers
         const V* x_row = reinterpret_cast<const V*>(x + row * hidden);
         const V* dy_row = reinterpret_cast<const V*>(dy + row * hidden);
-        const float rstd = rstd_in[row];
+        const float rstd = valid ? rstd_in[row] : 0.f;
         V xv[VPT], dyv[VPT];
         float dot = 0.f;
 #pragma unroll
         for (int i = 0; i < VPT; ++i) {
             const int idx = threadIdx.x + i * blockDim.x;
-            if (idx < n_vec) {
+            if (valid && idx < n_vec) {
                 xv[i] = x_row[idx];
                 dyv[i] = dy_row[idx];
             }
@@ -161,7 +180,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 #pragma unroll
         for (int i = 0; i < VPT; ++i) {
             const int idx = threadIdx.x + i * blockDim.x;
-            if (idx < n_vec) {
+            if (valid && idx < n_vec) {
                 // weight has no __restrict__ so it is re-read (L1 hit) per row instead of being hoisted
                 // into 16-32 more registers, which spills the bf16 kernel.
                 const V w = reinterpret_cast<const V*>(weight)[idx];
@@ -173,7 +192,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
                 }
             }
         }
-        const float mean_dot = row_sum(dot, smem) * inv_hidden;
+        const float mean_dot = row_sum(dot, red_smem[threadIdx.y]) * inv_hidden;
+        if (!valid) continue;
         V* dx_row = reinterpret_cast<V*>(dx + row * hidden);
         const V* ds_row = dsum == nullptr ? nullptr : reinterpret_cast<const V*>(dsum + row * hidden);
 #pragma unroll
@@ -188,7 +208,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
                 for (int j = 0; j < VEC; ++j) {
                     const float x_hat = to_float(xv[i].v[j]) * rstd;
                     const float dy_j = to_float(dyv[i].v[j]);
-                    dw[i][j] += dy_j * x_hat;  // here, not in the first pass: shorter live ranges, no spills
+                    dw[i][j] += dy_j * x_hat;  // here, not in the first pass: shorter live ranges
                     float g = rstd * (dy_j * (to_float(w.v[j]) + w_shift) - x_hat * mean_dot);
                     if (ds_row != nullptr) g += to_float(ds.v[j]);
                     out.v[j] = from_float<T>(g);
@@ -197,14 +217,23 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
             }
         }
     }
-    float* partial = dw_partial + group * hidden;
+    float* partial = dw_partial + static_cast<int64_t>(blockIdx.x) * hidden;
+    float* mine = blockDim.y == 1 ? partial : dw_smem + threadIdx.y * hidden;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
         const int idx = threadIdx.x + i * blockDim.x;
         if (idx < n_vec) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) partial[idx * VEC + j] = dw[i][j];
+            for (int j = 0; j < VEC; ++j) mine[idx * VEC + j] = dw[i][j];
         }
+    }
+    if (blockDim.y == 1) return;
+    __syncthreads();
+    const int n_threads = blockDim.x * blockDim.y;
+    for (int c = threadIdx.y * blockDim.x + threadIdx.x; c < hidden; c += n_threads) {
+        float total = 0.f;
+        for (int g = 0; g < blockDim.y; ++g) total += dw_smem[g * hidden + c];
+        partial[c] = total;
     }
 }
 
@@ -234,7 +263,7 @@ int persistent_grid(Kernel kernel, const Plan& p, int64_t rows) {
     int device = 0, sms = 132, per_sm = 1;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, p.tpr * p.rpc, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, p.tpr * p.rpc, p.smem);
     const int64_t needed = (rows + p.rpc - 1) / p.rpc;
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed, int64_t{sms} * std::max(per_sm, 1))));
 }
@@ -257,20 +286,20 @@ cudaError_t bwd_typed(const void* dy, const void* x, const void* weight, const f
                       const Plan& p, cudaStream_t stream) {
     auto kernel = rmsnorm_bwd_kernel<T, VEC, VPT>;
     const int grid = persistent_grid(kernel, p, rows);
-    kernel<<<grid, dim3(p.tpr, p.rpc), 0, stream>>>(
+    kernel<<<grid, dim3(p.tpr, p.rpc), p.smem, stream>>>(
         static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), rstd,
         static_cast<const T*>(dsum), static_cast<T*>(dx), workspace, rows, static_cast<int>(hidden), zcg);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     dweight_reduce_kernel<T><<<ceil_div_int(hidden, 32), dim3(32, 32), 0, stream>>>(
-        workspace, static_cast<T*>(dweight), int64_t{grid} * p.rpc, static_cast<int>(hidden));
+        workspace, static_cast<T*>(dweight), int64_t{grid}, static_cast<int>(hidden));
     return cudaGetLastError();
 }
 
 template <typename T>
 int64_t workspace_rows_typed(const Plan& p, int64_t rows) {
-    if (p.vectorized) return int64_t{persistent_grid(rmsnorm_bwd_kernel<T, 16 / sizeof(T), kVecVpt>, p, rows)} * p.rpc;
-    return int64_t{persistent_grid(rmsnorm_bwd_kernel<T, 1, kScalarVpt>, p, rows)} * p.rpc;
+    if (p.vectorized) return persistent_grid(rmsnorm_bwd_kernel<T, 16 / sizeof(T), kVecVpt>, p, rows);
+    return persistent_grid(rmsnorm_bwd_kernel<T, 1, kScalarVpt>, p, rows);
 }
 
 }  // namespace
@@ -316,7 +345,7 @@ cudaError_t rmsnorm_fwd_launch(const void* x, const void* residual, const void* 
 
 int64_t rmsnorm_bwd_workspace_rows(int64_t rows, int64_t hidden, DType dtype, bool aligned) {
     if (rows == 0 || hidden == 0) return 0;
-    const Plan p = make_plan(hidden, dtype, aligned);
+    const Plan p = make_plan(hidden, dtype, aligned, /*backward=*/true);
     switch (dtype) {
         case DType::kFloat32:
             return workspace_rows_typed<float>(p, rows);
@@ -333,7 +362,7 @@ cudaError_t rmsnorm_bwd_launch(const void* dy, const void* x, const void* weight
                                cudaStream_t stream) {
     if (rows == 0 || hidden == 0) return cudaSuccess;  // the glue zero-fills dweight
     if (hidden > rmsnorm_max_hidden(hidden, dtype, aligned)) return cudaErrorInvalidValue;
-    const Plan p = make_plan(hidden, dtype, aligned);
+    const Plan p = make_plan(hidden, dtype, aligned, /*backward=*/true);
     PT_DISPATCH_DTYPE(dtype, T, {
         if (p.vectorized)
             return bwd_typed<T, 16 / sizeof(T), kVecVpt>(dy, x, weight, rstd, dsum, dx, dweight, workspace, rows,
