@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=2 benchmark/ops/bench_async_tp.py --quick   # bf16, 4 shapes (< 60 s)
     torchrun --nproc_per_node=2 benchmark/ops/bench_async_tp.py           # + FP8 rowwise/tensorwise,
-                                                                          #   TURBO num_splits sweep
+                                                                          #   TURBO num_splits sweep,
+                                                                          #   Column+Row layers fwd/bwd
 
 Shapes (M, K, N) are the global problem: AG+GEMM (column-parallel) gathers a [M/tp, K] shard and
 multiplies by a [K, N/tp] weight shard; GEMM+RS (row-parallel) multiplies [M, K/tp] by
@@ -37,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import GEMM_COLUMNS, bench_parser, out_dir, print_table, tflops, write_csv  # noqa: E402
 
+from primus_turbo.pytorch.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from primus_turbo.pytorch.ops.async_tp import (  # noqa: E402
     fused_all_gather_matmul,
     fused_all_gather_scaled_matmul,
@@ -185,6 +187,53 @@ def bench_shape(M, K, N, op, precision, quick, iters) -> list[dict]:
     return rows
 
 
+def bench_layers(M, K, N, iters) -> list[dict]:
+    """Column(K -> N) then Row(N -> K) with sequence parallel (an MLP without activation), fwd and
+    fwd+bwd, per backend: what a transformer layer sees, including the overlapped backward."""
+    world = dist.get_world_size()
+    x = torch.randn(M // world, 1, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M // world, 1, K, device="cuda", dtype=torch.bfloat16)
+    rows, base_ms = [], None
+    for backend in ("NCCL", "TURBO", "SYMM_MEM"):
+        kw = dict(sequence_parallel=True, backend=backend, device="cuda", dtype=torch.bfloat16)
+        col, row = ColumnParallelLinear(K, N, bias=False, **kw), RowParallelLinear(N, K, bias=False, **kw)
+
+        def fwd(col=col, row=row):
+            return row(col(x))
+
+        def fwd_bwd(col=col, row=row):
+            row(col(x)).backward(dy)
+
+        try:
+            f_ms, fb_ms = time_ms(fwd, iters), time_ms(fwd_bwd, iters)
+        except Exception as e:
+            if dist.get_rank() == 0:
+                print(f"layers {backend}: {type(e).__name__}: {e}")
+            continue
+        base_ms = base_ms or fb_ms
+        flop = 2 * 2 * M * K * N / world
+        rows.append(
+            dict(
+                label=f"Column+RowParallelLinear {backend}",
+                B=1,
+                M=M,
+                N=N,
+                K=K,
+                op="layers fwd+bwd",
+                precision="bf16",
+                Check="",
+                **{
+                    "Forward TFLOPS": tflops(flop, f_ms),
+                    "Forward Time (ms)": f_ms,
+                    "Backward TFLOPS": tflops(2 * flop, fb_ms - f_ms),
+                    "Backward Time (ms)": fb_ms - f_ms,
+                    "vs unfused": base_ms / fb_ms,
+                },
+            )
+        )
+    return rows
+
+
 def main() -> None:
     args = bench_parser(__doc__.splitlines()[0]).parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -197,6 +246,9 @@ def main() -> None:
         for M, K, N in SHAPES:
             for op in ("AG+GEMM", "GEMM+RS"):
                 rows += bench_shape(M, K, N, op, precision, args.quick, iters)
+    if not args.quick:
+        for M, K, N in SHAPES[:2]:
+            rows += bench_layers(M, K, N, iters)
     if dist.get_rank() == 0:
         columns = GEMM_COLUMNS + EXTRA_COLUMNS
         write_csv(out_dir(args) / "async_tp.csv", rows, columns)
