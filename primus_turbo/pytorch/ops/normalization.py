@@ -79,17 +79,14 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, zero_centered_gamma, backend):
         ctx.set_materialize_grads(False)
+        x_rows, weight = _rows(x), weight.contiguous()
         y, sum_out, rstd = rmsnorm_fwd_impl(
-            _rows(x), _rows(residual), weight.contiguous(), float(eps), zero_centered_gamma, backend
+            x_rows, _rows(residual), weight, float(eps), zero_centered_gamma, backend
         )
-        normalised = _rows(x) if residual is None else sum_out
-        ctx.save_for_backward(normalised, weight, rstd)
-        ctx.zero_centered_gamma, ctx.backend, ctx.has_residual = (
-            zero_centered_gamma,
-            backend,
-            residual is not None,
-        )
-        ctx.x_shape = x.shape
+        # the backward needs the normalised input: x, or x + residual for the fused variant
+        ctx.save_for_backward(x_rows if residual is None else sum_out, weight, rstd)
+        ctx.zero_centered_gamma, ctx.backend = zero_centered_gamma, backend
+        ctx.has_residual, ctx.x_shape = residual is not None, x.shape
         if residual is None:
             return y.view(x.shape)
         return y.view(x.shape), sum_out.view(x.shape)
@@ -102,7 +99,7 @@ class _RMSNormFunction(torch.autograd.Function):
         dx, dweight = rmsnorm_bwd_impl(
             _rows(dy),
             normalised,
-            weight.contiguous(),
+            weight,
             rstd,
             _rows(dsum),
             ctx.zero_centered_gamma,
