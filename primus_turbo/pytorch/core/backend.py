@@ -82,6 +82,7 @@ _OP_ENV = {
     "grouped_gemm": "PRIMUS_TURBO_GROUPED_GEMM_BACKEND",
     "attention": "PRIMUS_TURBO_ATTENTION_BACKEND",
     "moe_dispatch_combine": "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND",
+    "async_tp": "PRIMUS_TURBO_ASYNC_TP_BACKEND",
 }
 ENV_AUTO_TUNE = "PRIMUS_TURBO_AUTO_TUNE"
 
@@ -176,6 +177,10 @@ class GlobalBackendManager:
         cls, backend: BackendType | str | None, precision: str | None = None
     ) -> None:
         cls._set("moe_dispatch_combine", backend, precision)
+
+    @classmethod
+    def set_async_tp_backend(cls, backend: BackendType | str | None, precision: str | None = None) -> None:
+        cls._set("async_tp", backend, precision)
 
     @classmethod
     def set_auto_tune(cls, enabled: bool | None) -> None:
