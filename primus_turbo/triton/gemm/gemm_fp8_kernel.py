@@ -39,8 +39,18 @@ SCALE_TENSORWISE, SCALE_ROWWISE, SCALE_BLOCK_1x128_128x128, SCALE_BLOCK_1x128_1x
 
 def _config(bm, bn, bk, warps, stages):
     return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+        num_warps=warps,
+        num_stages=stages,
+        pre_hook=_set_tma_blocks,
     )
+
+
+def _set_tma_blocks(nargs):
+    """Autotune pre-hook: TMA descriptor boxes follow the config being launched."""
+    if nargs["USE_TMA"]:
+        nargs["a_ptr"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["b_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
 # BLOCK_K is forced to the scale block for blockwise modes by prune_configs.
@@ -174,21 +184,13 @@ def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.is_cuda
         and a.shape[1] % 16 == 0
+        and a.stride(0) % 16 == 0
+        and b.stride(0) % 16 == 0
         and a.data_ptr() % 16 == 0
         and b.data_ptr() % 16 == 0
         and a.stride(1) == 1
         and b.stride(1) == 1
     )
-
-
-def _set_tma_blocks(nargs):
-    if nargs["USE_TMA"]:
-        nargs["a_ptr"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["b_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
-
-
-for _c in CONFIGS:
-    _c.pre_hook = _set_tma_blocks
 
 
 def gemm_fp8_triton(

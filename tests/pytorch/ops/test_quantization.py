@@ -190,11 +190,11 @@ def _compile_quant_kernels():
     for static in (False, True):
         sig = {k: "*fp32" for k in ("partial_ptr", "scale_ptr", "scale_inv_ptr", "amax_out_ptr")}
         sig |= {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "num_partials": "i32", "n": "i32"}
-        cex = {"STATIC_SCALE": static, "PARTIALS_P2": 1024, "BLOCK": 4096, **common}
+        cex = {"STATIC_SCALE": static, "PARTIALS_P2": 512, "BLOCK": 4096, **common}
         compile_for_sm90(qk.tensorwise_cast_kernel, sig | dict.fromkeys(cex, "constexpr"), cex, num_warps=8)
         sig_t = sig | {"qt_ptr": "*fp8e4nv", "R": "i32", "C": "i32"}
         sig_t.pop("n")
-        cex = {"STATIC_SCALE": static, "PARTIALS_P2": 1024, "BLOCK_R": 64, "BLOCK_C": 64, **common}
+        cex = {"STATIC_SCALE": static, "PARTIALS_P2": 512, "BLOCK_R": 64, "BLOCK_C": 64, **common}
         compile_for_sm90(
             qk.tensorwise_cast_transpose_kernel, sig_t | dict.fromkeys(cex, "constexpr"), cex, num_warps=8
         )
