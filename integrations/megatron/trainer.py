@@ -194,14 +194,22 @@ def train_step(run: Run, step: int) -> tuple[float, object]:
     return (pair[0] / pair[1]).item(), grad_norm
 
 
+def _sub_optimizers(optimizer) -> list:
+    """Megatron chains one optimizer per parameter family (dense, expert) when both exist."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
 def _checkpoint_state(run: Run) -> tuple[dict, dict]:
     tensors = {k: v for k, v in run.model.module.state_dict().items() if isinstance(v, torch.Tensor)}
-    main_params = getattr(run.optimizer, "shard_fp32_from_float16_groups", None) or []
-    for g, group in enumerate(main_params):
-        for i, param in enumerate(group):
-            tensors[f"main_param.{g}.{i}"] = param
+    inner_states = []
+    for o, sub in enumerate(_sub_optimizers(run.optimizer)):
+        # bf16 training: the fp32 master shards live outside the model (fp32: they are the model params).
+        for g, group in enumerate(getattr(sub, "shard_fp32_from_float16_groups", None) or []):
+            for i, param in enumerate(group):
+                tensors[f"main_param.{o}.{g}.{i}"] = param
+        inner_states.append(sub.optimizer.state_dict())
     objects = {
-        "inner_optimizer": run.optimizer.optimizer.state_dict(),
+        "inner_optimizers": inner_states,
         "scheduler": run.scheduler.state_dict(),
         "rng_cpu": torch.get_rng_state(),
         "step": 0,
@@ -229,7 +237,8 @@ def maybe_resume(run: Run) -> None:
     if objects["world_size"] != dist.get_world_size():
         raise RuntimeError(f"checkpoint world size {objects['world_size']} != {dist.get_world_size()}")
     run.model.module.load_state_dict(tensors, strict=False)
-    run.optimizer.optimizer.load_state_dict(objects["inner_optimizer"])
+    for sub, state in zip(_sub_optimizers(run.optimizer), objects["inner_optimizers"], strict=True):
+        sub.optimizer.load_state_dict(state)
     run.scheduler.load_state_dict(objects["scheduler"])
     torch.set_rng_state(objects["rng_cpu"])
     run.start_step = objects["step"]
