@@ -17,7 +17,9 @@ import torch
 from primus_turbo.pytorch.core.backend import BackendType
 from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import (
     SUPPORTED_DTYPES,
+    rmsnorm_bwd,
     rmsnorm_bwd_impl,
+    rmsnorm_fwd,
     rmsnorm_fwd_impl,
 )
 
@@ -80,9 +82,8 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, residual, weight, eps, zero_centered_gamma, backend):
         ctx.set_materialize_grads(False)
         x_rows, weight = _rows(x), weight.contiguous()
-        y, sum_out, rstd = rmsnorm_fwd_impl(
-            x_rows, _rows(residual), weight, float(eps), zero_centered_gamma, backend
-        )
+        fwd = rmsnorm_fwd_impl if torch.compiler.is_compiling() else rmsnorm_fwd  # see rmsnorm_impl.py
+        y, sum_out, rstd = fwd(x_rows, _rows(residual), weight, float(eps), zero_centered_gamma, backend)
         # the backward needs the normalised input: x, or x + residual for the fused variant
         ctx.save_for_backward(x_rows if residual is None else sum_out, weight, rstd)
         ctx.zero_centered_gamma, ctx.backend = zero_centered_gamma, backend
@@ -96,7 +97,8 @@ class _RMSNormFunction(torch.autograd.Function):
         normalised, weight, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(normalised)
-        dx, dweight = rmsnorm_bwd_impl(
+        bwd = rmsnorm_bwd_impl if torch.compiler.is_compiling() else rmsnorm_bwd
+        dx, dweight = bwd(
             _rows(dy),
             normalised,
             weight,
