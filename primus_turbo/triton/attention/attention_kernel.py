@@ -13,8 +13,10 @@ Attention sink (gpt-oss): an extra per-head logit ``sink[h]`` in every row's sof
 with no value row. The online softmax simply starts from ``m = sink, l = 1``.
 
 Each key loop is split in three phases, masked / unmasked / masked, so the bulk of the blocks
-skips the mask arithmetic. Head dims that are not a power of two (192) are padded to the next one
-(``BLOCK_D*``) with masked loads.
+skips the mask arithmetic. A q/k head dim that is a sum of two powers of two (192 = 128 + 64, MLA)
+runs as two dot products over the slices ``[0, BLOCK_DQK)`` and ``[BLOCK_DQK, BLOCK_DQK +
+BLOCK_DQK1)`` instead of being padded to 256 (17-19% fewer MMA flops for 192/128); other dims are
+padded to the next power of two with masked loads (``BLOCK_DQK1 = 0``).
 
 The backward never uses atomics: dK/dV programs own a key block (and loop over the q heads of
 their GQA group and over q blocks), dQ programs own a query block. Gradients are therefore
@@ -87,6 +89,19 @@ def _valid_mask(
     return valid
 
 
+@triton.jit
+def _load_rows_dslice(base, rows, stride_s, length, D_START: tl.constexpr, WIDTH: tl.constexpr, fallback):
+    """[rows, D_START:D_START+WIDTH] of a [S, D] tile (the second head-dim slice); ``fallback``
+    when there is no second slice (WIDTH == 0)."""
+    if WIDTH > 0:
+        offs = D_START + tl.arange(0, WIDTH)
+        return tl.load(
+            base + rows[:, None] * stride_s + offs[None, :], mask=rows[:, None] < length, other=0.0
+        )
+    else:
+        return fallback
+
+
 # ---------------------------------------------------------------------------------------------
 # forward
 # ---------------------------------------------------------------------------------------------
@@ -96,6 +111,7 @@ def _fwd_inner(
     l_i,
     m_i,
     q,
+    q1,
     k_base,
     v_base,
     stride_ks,
@@ -111,6 +127,7 @@ def _fwd_inner(
     D_QK: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    BLOCK_DQK1: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
@@ -130,7 +147,15 @@ def _fwd_inner(
         else:
             kt = tl.load(kt_ptrs, mask=offs_dqk[:, None] < D_QK, other=0.0)
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
-        qk = tl.dot(q, kt) * qk_scale
+        qk = tl.dot(q, kt)
+        if BLOCK_DQK1 > 0:  # second head-dim slice (192 = 128 + 64), no padding to 256
+            kt1_ptrs = k_base + cols[None, :] * stride_ks + BLOCK_DQK + tl.arange(0, BLOCK_DQK1)[:, None]
+            if MASKED:
+                kt1 = tl.load(kt1_ptrs, mask=cols[None, :] < len_k, other=0.0)
+            else:
+                kt1 = tl.load(kt1_ptrs)
+            qk = tl.dot(q1, kt1, qk)
+        qk = qk * qk_scale
         if MASKED:
             valid = _valid_mask(rows, cols, len_k, off, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             qk = tl.where(valid, qk, float("-inf"))
@@ -179,6 +204,7 @@ def attn_fwd_kernel(
     D_QK: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    BLOCK_DQK1: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -209,6 +235,7 @@ def attn_fwd_kernel(
             mask=(rows[:, None] < len_q) & (offs_dqk[None, :] < D_QK),
             other=0.0,
         )
+        q1 = _load_rows_dslice(q_base, rows, stride_qs, len_q, BLOCK_DQK, BLOCK_DQK1, q)
         if HAS_SINK:
             m_i = (
                 tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
@@ -226,6 +253,7 @@ def attn_fwd_kernel(
             l_i,
             m_i,
             q,
+            q1,
             k_base,
             v_base,
             stride_ks,
@@ -241,6 +269,7 @@ def attn_fwd_kernel(
             D_QK,
             D_V,
             BLOCK_DQK,
+            BLOCK_DQK1,
             BLOCK_DV,
             BLOCK_N,
             True,
@@ -252,6 +281,7 @@ def attn_fwd_kernel(
             l_i,
             m_i,
             q,
+            q1,
             k_base,
             v_base,
             stride_ks,
@@ -267,6 +297,7 @@ def attn_fwd_kernel(
             D_QK,
             D_V,
             BLOCK_DQK,
+            BLOCK_DQK1,
             BLOCK_DV,
             BLOCK_N,
             False,
@@ -278,6 +309,7 @@ def attn_fwd_kernel(
             l_i,
             m_i,
             q,
+            q1,
             k_base,
             v_base,
             stride_ks,
@@ -293,6 +325,7 @@ def attn_fwd_kernel(
             D_QK,
             D_V,
             BLOCK_DQK,
+            BLOCK_DQK1,
             BLOCK_DV,
             BLOCK_N,
             True,
@@ -376,8 +409,10 @@ def attn_bwd_preprocess_kernel(
 @triton.jit
 def _bwd_dkdv_inner(
     dk,
+    dk1,
     dv,
     k,
+    k1,
     v,
     q_base,
     do_base,
@@ -397,6 +432,7 @@ def _bwd_dkdv_inner(
     D_QK: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    BLOCK_DQK1: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr,
@@ -421,7 +457,17 @@ def _bwd_dkdv_inner(
             lse = tl.load(l_base + rows)
             delta = tl.load(d_base + rows)
         # transposed scores: [BLOCK_N, BLOCK_M], lse is natural-log so scale it to base 2
-        qkt = tl.dot(k, qt) * qk_scale
+        qkt = tl.dot(k, qt)
+        if BLOCK_DQK1 > 0:
+            qt1_ptrs = q_base + rows[None, :] * stride_qs + BLOCK_DQK + tl.arange(0, BLOCK_DQK1)[:, None]
+            if MASKED:
+                qt1 = tl.load(qt1_ptrs, mask=rows[None, :] < len_q, other=0.0)
+            else:
+                qt1 = tl.load(qt1_ptrs)
+            qkt = tl.dot(k1, qt1, qkt)
+        else:
+            qt1 = qt
+        qkt = qkt * qk_scale
         pt = tl.math.exp2(qkt - lse[None, :] * 1.4426950408889634)
         if MASKED:
             valid_t = cols[:, None] < len_k
@@ -434,7 +480,9 @@ def _bwd_dkdv_inner(
         dpt = tl.dot(v, tl.trans(do))
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
-    return dk, dv
+        if BLOCK_DQK1 > 0:
+            dk1 = tl.dot(dst.to(qt1.dtype), tl.trans(qt1), dk1)
+    return dk, dk1, dv
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
@@ -480,6 +528,7 @@ def attn_bwd_dkdv_kernel(
     D_QK: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    BLOCK_DQK1: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -513,6 +562,11 @@ def attn_bwd_dkdv_kernel(
             other=0.0,
         )
         dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+        k1 = _load_rows_dslice(k_base, cols, stride_ks, len_k, BLOCK_DQK, BLOCK_DQK1, k)
+        if BLOCK_DQK1 > 0:
+            dk1 = tl.zeros([BLOCK_N, BLOCK_DQK1], dtype=tl.float32)
+        else:
+            dk1 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # unused placeholder
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         # query rows that see any key of this block: [lo, hi); rows that see all of them and are
         # in bounds: [full_lo, full_hi)
@@ -540,10 +594,12 @@ def attn_bwd_dkdv_kernel(
             do_base = DO + b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dos + h * stride_doh
             l_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
             d_base = DELTA + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
-            dk, dv = _bwd_dkdv_inner(
+            dk, dk1, dv = _bwd_dkdv_inner(
                 dk,
+                dk1,
                 dv,
                 k,
+                k1,
                 v,
                 q_base,
                 do_base,
@@ -563,16 +619,19 @@ def attn_bwd_dkdv_kernel(
                 D_QK,
                 D_V,
                 BLOCK_DQK,
+                BLOCK_DQK1,
                 BLOCK_DV,
                 BLOCK_M,
                 True,
                 HAS_LEFT,
                 HAS_RIGHT,
             )
-            dk, dv = _bwd_dkdv_inner(
+            dk, dk1, dv = _bwd_dkdv_inner(
                 dk,
+                dk1,
                 dv,
                 k,
+                k1,
                 v,
                 q_base,
                 do_base,
@@ -592,16 +651,19 @@ def attn_bwd_dkdv_kernel(
                 D_QK,
                 D_V,
                 BLOCK_DQK,
+                BLOCK_DQK1,
                 BLOCK_DV,
                 BLOCK_M,
                 False,
                 HAS_LEFT,
                 HAS_RIGHT,
             )
-            dk, dv = _bwd_dkdv_inner(
+            dk, dk1, dv = _bwd_dkdv_inner(
                 dk,
+                dk1,
                 dv,
                 k,
+                k1,
                 v,
                 q_base,
                 do_base,
@@ -621,6 +683,7 @@ def attn_bwd_dkdv_kernel(
                 D_QK,
                 D_V,
                 BLOCK_DQK,
+                BLOCK_DQK1,
                 BLOCK_DV,
                 BLOCK_M,
                 True,
@@ -635,6 +698,13 @@ def attn_bwd_dkdv_kernel(
             dk.to(DK.dtype.element_ty),
             mask=(cols[:, None] < len_k) & (offs_dqk[None, :] < D_QK),
         )
+        if BLOCK_DQK1 > 0:
+            offs_d1 = BLOCK_DQK + tl.arange(0, BLOCK_DQK1)
+            tl.store(
+                dk_base + cols[:, None] * stride_dks + offs_d1[None, :],
+                (dk1 * sm_scale).to(DK.dtype.element_ty),
+                mask=cols[:, None] < len_k,
+            )
         tl.store(
             dv_base + cols[:, None] * stride_dvs + offs_dv[None, :],
             dv.to(DV.dtype.element_ty),
@@ -645,7 +715,9 @@ def attn_bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(
     dq,
+    dq1,
     q,
+    q1,
     do,
     lse,
     delta,
@@ -664,6 +736,7 @@ def _bwd_dq_inner(
     D_QK: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    BLOCK_DQK1: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
@@ -683,7 +756,17 @@ def _bwd_dq_inner(
         else:
             kt = tl.load(kt_ptrs, mask=offs_dqk[:, None] < D_QK, other=0.0)
             vt = tl.load(vt_ptrs, mask=offs_dv[:, None] < D_V, other=0.0)
-        qk = tl.dot(q, kt) * qk_scale
+        qk = tl.dot(q, kt)
+        if BLOCK_DQK1 > 0:
+            kt1_ptrs = k_base + cols[None, :] * stride_ks + BLOCK_DQK + tl.arange(0, BLOCK_DQK1)[:, None]
+            if MASKED:
+                kt1 = tl.load(kt1_ptrs, mask=cols[None, :] < len_k, other=0.0)
+            else:
+                kt1 = tl.load(kt1_ptrs)
+            qk = tl.dot(q1, kt1, qk)
+        else:
+            kt1 = kt
+        qk = qk * qk_scale
         p = tl.math.exp2(qk - lse[:, None])
         if MASKED:
             valid = _valid_mask(rows, cols, len_k, off, window_left, window_right, HAS_LEFT, HAS_RIGHT)
@@ -691,7 +774,9 @@ def _bwd_dq_inner(
         dp = tl.dot(do, vt)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
-    return dq
+        if BLOCK_DQK1 > 0:
+            dq1 = tl.dot(ds.to(kt1.dtype), tl.trans(kt1), dq1)
+    return dq, dq1
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
@@ -733,6 +818,7 @@ def attn_bwd_dq_kernel(
     D_QK: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    BLOCK_DQK1: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -772,12 +858,19 @@ def attn_bwd_dq_kernel(
         lse = tl.load(LSE + l_off, mask=rows < len_q, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + l_off, mask=rows < len_q, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+        q1 = _load_rows_dslice(q_base, rows, stride_qs, len_q, BLOCK_DQK, BLOCK_DQK1, q)
+        if BLOCK_DQK1 > 0:
+            dq1 = tl.zeros([BLOCK_M, BLOCK_DQK1], dtype=tl.float32)
+        else:
+            dq1 = tl.zeros([BLOCK_M, 16], dtype=tl.float32)  # unused placeholder
         lo, full_lo, full_hi, hi = _key_ranges(
             m_start, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
         )
-        dq = _bwd_dq_inner(
+        dq, dq1 = _bwd_dq_inner(
             dq,
+            dq1,
             q,
+            q1,
             do,
             lse,
             delta,
@@ -796,15 +889,18 @@ def attn_bwd_dq_kernel(
             D_QK,
             D_V,
             BLOCK_DQK,
+            BLOCK_DQK1,
             BLOCK_DV,
             BLOCK_N,
             True,
             HAS_LEFT,
             HAS_RIGHT,
         )
-        dq = _bwd_dq_inner(
+        dq, dq1 = _bwd_dq_inner(
             dq,
+            dq1,
             q,
+            q1,
             do,
             lse,
             delta,
@@ -823,15 +919,18 @@ def attn_bwd_dq_kernel(
             D_QK,
             D_V,
             BLOCK_DQK,
+            BLOCK_DQK1,
             BLOCK_DV,
             BLOCK_N,
             False,
             HAS_LEFT,
             HAS_RIGHT,
         )
-        dq = _bwd_dq_inner(
+        dq, dq1 = _bwd_dq_inner(
             dq,
+            dq1,
             q,
+            q1,
             do,
             lse,
             delta,
@@ -850,6 +949,7 @@ def attn_bwd_dq_kernel(
             D_QK,
             D_V,
             BLOCK_DQK,
+            BLOCK_DQK1,
             BLOCK_DV,
             BLOCK_N,
             True,
@@ -863,3 +963,10 @@ def attn_bwd_dq_kernel(
             dq.to(DQ.dtype.element_ty),
             mask=(rows[:, None] < len_q) & (offs_dqk[None, :] < D_QK),
         )
+        if BLOCK_DQK1 > 0:
+            offs_d1 = BLOCK_DQK + tl.arange(0, BLOCK_DQK1)
+            tl.store(
+                dq_base + rows[:, None] * stride_dqs + offs_d1[None, :],
+                (dq1 * sm_scale).to(DQ.dtype.element_ty),
+                mask=rows[:, None] < len_q,
+            )

@@ -58,7 +58,8 @@ def _check_against_ref(backend, b, sq, sk, hq, hk, d, dv, dtype, device, causal,
 CASES = {
     "mha": (2, 48, 48, 2, 2, 32, 32, False, (-1, -1), False),
     "causal_gqa": (1, 64, 64, 4, 2, 32, 32, True, (-1, -1), False),
-    "mla_dims": (1, 40, 40, 2, 1, 48, 32, True, (-1, -1), False),
+    "mla_dims": (1, 40, 40, 2, 1, 48, 32, True, (-1, -1), False),  # d 48 = 32 + 16 slices, like 192
+    "mla_192_128": (1, 20, 20, 1, 1, 192, 128, True, (-1, -1), False),
     "causal_sq_lt_sk": (2, 24, 56, 2, 1, 32, 32, True, (-1, -1), False),
     "causal_sq_gt_sk": (1, 56, 24, 2, 2, 32, 32, True, (-1, -1), False),
     "window": (1, 64, 64, 2, 1, 32, 32, False, (9, 4), False),

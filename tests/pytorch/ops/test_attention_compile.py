@@ -18,6 +18,7 @@ from primus_turbo.pytorch.kernels.attention.attention_triton_impl import (
     bwd_dkdv_config,
     bwd_dq_config,
     fwd_config,
+    qk_dim_split,
 )
 from primus_turbo.triton.attention import attention_kernel as kernels
 
@@ -54,7 +55,8 @@ CONFIGS = [
 
 
 def _dims(d_qk, d_v, varlen, left, right):
-    return dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=block_dim(d_qk), BLOCK_DV=block_dim(d_v), IS_VARLEN=varlen,
+    return dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=qk_dim_split(d_qk)[0],
+                  BLOCK_DQK1=qk_dim_split(d_qk)[1], BLOCK_DV=block_dim(d_v), IS_VARLEN=varlen,
                 HAS_LEFT=left, HAS_RIGHT=right)  # fmt: skip
 
 

@@ -30,6 +30,18 @@ def block_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def qk_dim_split(d: int) -> tuple[int, int]:
+    """(BLOCK_DQK, BLOCK_DQK1): 192 -> (128, 64) as two unpadded slices; 128 -> (128, 0); 80 -> (64,
+    16); dims that are not a sum of two powers of two >= 16 -> (padded, 0)."""
+    low = 1 << (d.bit_length() - 1)
+    rest = d - low
+    if rest == 0 and d >= 16:
+        return d, 0
+    if low >= 16 and rest >= 16 and rest & (rest - 1) == 0:
+        return low, rest
+    return block_dim(d), 0
+
+
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; the first one is the
 # default (used when autotune is off, and what the sm_90 compile test checks). Chosen from the
 # FA2-Triton tutorial's sm_90 sweeps and the 227 KB shared-memory budget (d256 fwd: q 64 KB + 2
@@ -171,7 +183,8 @@ def triton_attn_fwd(
         *_seq_strides(out, varlen), *_lse_strides(lse, varlen),
         seqlen_q, seqlen_k, hq, hq // hk, softmax_scale * LOG2E, left, right,
     )  # fmt: skip
-    consts = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=block_dim(d_qk), BLOCK_DV=block_dim(d_v), IS_VARLEN=varlen,
+    consts = dict(D_QK=d_qk, D_V=d_v, BLOCK_DQK=qk_dim_split(d_qk)[0],
+                  BLOCK_DQK1=qk_dim_split(d_qk)[1], BLOCK_DV=block_dim(d_v), IS_VARLEN=varlen,
                   HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK=sink is not None)  # fmt: skip
     _launch("fwd", d_qk, d_v, lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * hq), args, consts)
     return out, lse
@@ -225,7 +238,8 @@ def triton_attn_bwd(
     common = dict(
         D_QK=d_qk,
         D_V=d_v,
-        BLOCK_DQK=block_dim(d_qk),
+        BLOCK_DQK=qk_dim_split(d_qk)[0],
+        BLOCK_DQK1=qk_dim_split(d_qk)[1],
         BLOCK_DV=block_dim(d_v),
         IS_VARLEN=varlen,
         HAS_LEFT=has_left,
