@@ -121,14 +121,15 @@ std::tuple<Tensor, Tensor> rmsnorm_bwd_cuda(const Tensor& dy, const Tensor& x, c
     return {dx, dweight};
 }
 
-// Meta: shapes and dtypes only (torch.compile / FakeTensor tracing).
+// Meta: shapes and dtypes only (torch.compile / FakeTensor tracing); SymInt-safe for dynamic shapes.
 std::tuple<Tensor, Tensor> rmsnorm_fwd_meta(const Tensor& x, const Tensor& weight, double, bool) {
-    return {at::empty_like(x), at::empty({x.size(0)}, x.options().dtype(at::kFloat))};
+    return {at::empty_like(x), at::empty_symint({x.sym_size(0)}, x.options().dtype(at::kFloat))};
 }
 
 std::tuple<Tensor, Tensor, Tensor> rmsnorm_residual_fwd_meta(const Tensor& x, const Tensor&, const Tensor& weight,
                                                              double, bool) {
-    return {at::empty_like(x), at::empty_like(x), at::empty({x.size(0)}, x.options().dtype(at::kFloat))};
+    return {at::empty_like(x), at::empty_like(x),
+            at::empty_symint({x.sym_size(0)}, x.options().dtype(at::kFloat))};
 }
 
 std::tuple<Tensor, Tensor> rmsnorm_bwd_meta(const Tensor&, const Tensor& x, const Tensor& weight, const Tensor&,

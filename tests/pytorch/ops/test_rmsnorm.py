@@ -311,6 +311,25 @@ def test_gpu_cpp_ops_opcheck():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_torch_compile_inductor(backend):
+    def f(x, r, w):
+        y, s = turbo.ops.rmsnorm_residual(x, r, w, backend=backend)
+        return turbo.ops.rmsnorm(y * s, w, backend=backend)
+
+    x, w = _inputs((512, 4096), torch.bfloat16, "cuda")
+    r = torch.randn_like(x)
+    out = torch.compile(f, fullgraph=True)(x, r, w)
+    out.float().sum().backward()
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = f(x_ref, r, w_ref)
+    ref.float().sum().backward()
+    assert_close(out, ref, torch.bfloat16, msg="compiled out")
+    assert_close(x.grad, x_ref.grad, torch.bfloat16, msg="compiled dx")
+    assert_close(w.grad, w_ref.grad, torch.bfloat16, msg="compiled dweight")
+
+
+@pytest.mark.gpu
 @pytest.mark.deterministic
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_bitwise_deterministic(backend):
