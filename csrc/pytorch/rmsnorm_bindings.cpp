@@ -32,7 +32,8 @@ primus_turbo::DType to_dtype(at::ScalarType t) {
         case at::kBFloat16:
             return primus_turbo::DType::kBFloat16;
         default:
-            TORCH_CHECK(false, "primus_turbo rmsnorm: dtype ", t, " is not supported; accepted: float32, float16, bfloat16");
+            TORCH_CHECK(false, "primus_turbo rmsnorm: dtype ", t,
+                        " is not supported; accepted: float32, float16, bfloat16");
     }
 }
 
