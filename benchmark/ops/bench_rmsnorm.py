@@ -121,8 +121,8 @@ def run_shape(tokens: int, hidden: int, residual: bool, dtype=torch.bfloat16) ->
         out = out if isinstance(out, tuple) else (out,)
         grads = torch.autograd.grad(out, inputs, grads_out, retain_graph=True)
         status = check([*out, *grads], ref_all) if label.startswith("turbo") else ""
-        with torch.no_grad():
-            fwd_ms, _ = bench_ms(lambda fn=fn: fn(x, r, w))
+        # forward as training runs it (grad enabled, rstd saved); no_grad would also recompile torch.compile
+        fwd_ms, _ = bench_ms(lambda fn=fn: fn(x, r, w))
         bwd_ms, _ = bench_ms(lambda out=out: torch.autograd.grad(out, inputs, grads_out, retain_graph=True))
         rows.append(
             {
