@@ -59,8 +59,10 @@ Plan make_plan(int64_t hidden, DType dtype, bool aligned, bool backward = false)
     return p;
 }
 
-// Sum over the row group. tpr == 32: shuffles only (row groups of a CTA never synchronise, so
-// they may run different row counts). tpr > 32: one row group per CTA, uniform loop trip count.
+// Sum over the row group; `smem` is this row group's 32-float slice. tpr == 32: shuffles only (row
+// groups of a CTA never synchronise, so they may run different row counts). tpr > 32: block-wide
+// barriers, so every thread of the CTA must call it equally often (forward: one row group per CTA;
+// backward: row groups walk rows in lock step).
 __device__ __forceinline__ float row_sum(float v, float* smem) {
     v = warp_sum(v);
     if (blockDim.x == 32) return v;
