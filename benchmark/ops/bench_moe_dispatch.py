@@ -153,7 +153,8 @@ def main():
                 nccl = group[1]["Forward Time (ms)"] + group[1]["Backward Time (ms)"]
                 turbo = group[3]["Forward Time (ms)"] + group[3]["Backward Time (ms)"]
                 print(
-                    f"{group[0]['shape']}: TURBO dispatch+combine (+permute) {nccl / turbo:.2f}x the NCCL path"
+                    f"{group[0]['shape']}: TURBO dispatch+combine (+permute) "
+                    f"{nccl / turbo:.2f}x the NCCL path"
                 )
     dist.destroy_process_group()
 

@@ -6,3 +6,4 @@ from primus_turbo.pytorch.modules.grouped_linear import GroupedLinear  # noqa: F
 from primus_turbo.pytorch.modules.linear import Linear  # noqa: F401
 from primus_turbo.pytorch.modules.normalization import RMSNorm  # noqa: F401
 from primus_turbo.pytorch.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear  # noqa: F401
+from primus_turbo.pytorch.modules.token_dispatcher import TokenDispatcher  # noqa: F401

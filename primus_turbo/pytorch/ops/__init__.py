@@ -1,10 +1,12 @@
 """User-facing ops: thin functions over torch.autograd.Function (forward + backward)."""
 # One import line per op module; keep sorted.
+from primus_turbo.pytorch.ops.activation import geglu, geglu_with_probs, swiglu, swiglu_with_probs  # noqa: F401
 from primus_turbo.pytorch.ops.async_tp import fused_all_gather_matmul, fused_matmul_reduce_scatter  # noqa: F401
 from primus_turbo.pytorch.ops.attention import flash_attn_func, flash_attn_varlen_func  # noqa: F401
 from primus_turbo.pytorch.ops.gemm import gemm  # noqa: F401
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8  # noqa: F401
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm  # noqa: F401
 from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8  # noqa: F401
+from primus_turbo.pytorch.ops.moe import *  # noqa: F401,F403  (router, permute, dispatch/combine)
 from primus_turbo.pytorch.ops.normalization import rmsnorm, rmsnorm_residual  # noqa: F401
 from primus_turbo.pytorch.ops.quantization import dequantize_fp8, quantize_fp8, quantize_fp8_with_transpose  # noqa: F401,E501

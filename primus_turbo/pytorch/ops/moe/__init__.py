@@ -8,3 +8,15 @@ from primus_turbo.pytorch.ops.moe.router import (  # noqa: F401
     fused_topk_routing,
     fused_z_loss,
 )
+
+__all__ = [
+    "fused_topk_routing",
+    "fused_z_loss",
+    "fused_switch_aux_loss",
+    "fused_seq_aux_loss",
+    "token_permute",
+    "token_unpermute",
+    "token_permute_fp8",
+    "moe_dispatch",
+    "moe_combine",
+]
