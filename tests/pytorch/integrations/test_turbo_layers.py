@@ -171,3 +171,58 @@ def test_spec_provider_switches_per_feature(megatron_world):
     assert spec.layer_norm(rms_norm=True) is tl.TurboRMSNorm
     experts, subs = spec.grouped_mlp_modules(True, False)
     assert experts is TEGroupedMLP and subs.linear_fc1 is tl.TurboColumnParallelGroupedLinear
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_recipe_drives_turbo_linears_and_experts(megatron_world, recipe):
+    """The plugin-owned FP8 recipe: the registry entry sets the config, the turbo layers run FP8 GEMMs."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from omegaconf import OmegaConf
+    from primus_turbo.integrations.megatron import turbo_layers as tl
+    from primus_turbo.integrations.megatron.patches import MegatronPatchContext
+    from primus_turbo.integrations.megatron.turbo_patches import _fp8, _fp8_probe
+    from test_utils import assert_snr, fp8_snr_gate
+
+    cfg = OmegaConf.create({"fp8": {"enabled": True, "recipe": recipe}, "model": {"moe": {}},
+                            "turbo": {"enabled": True, "gemm": True, "grouped_gemm": True}})  # fmt: skip
+    ctx = MegatronPatchContext(cfg=cfg, spec=None)
+    assert _fp8_probe(ctx) is None
+    _fp8(ctx)
+    fp8_config = tl.FP8_CONFIG
+    assert fp8_config.granularity.value == recipe.upper()
+    try:
+        config = _config()
+        init = torch.nn.init.normal_
+        stock = ColumnParallelLinear(
+            128, 256, config=config, init_method=init, bias=False, gather_output=False
+        )
+        turbo = tl.TurboColumnParallelLinear(128, 256, config=config, init_method=init, bias=False,
+                                             gather_output=False)  # fmt: skip
+        turbo.load_state_dict(stock.state_dict())
+        x = torch.randn(128, 1, 128)
+        out_s, (dx_s,) = _forward_backward(stock, x)
+        out_t, (dx_t,) = _forward_backward(turbo, x)
+        gate = fp8_snr_gate(fp8_config.format)
+        assert_snr(out_t, out_s, gate, "fp8 linear out")
+        assert_snr(dx_t, dx_s, gate, "fp8 linear dgrad")
+        assert_snr(turbo.weight.grad, stock.weight.grad, gate, "fp8 linear wgrad")
+        experts = tl.TurboColumnParallelGroupedLinear(2, 128, 64, config=config, init_method=init, bias=False,
+                                                      skip_bias_add=False, is_expert=True)  # fmt: skip
+        x = torch.randn(96, 128)
+        out, _ = experts(x, [32, 64])
+        ref = torch.cat([x[:32] @ experts.weight0.t(), x[32:] @ experts.weight1.t()])
+        assert_snr(out.detach(), ref.detach(), gate, "fp8 experts out")
+    finally:
+        tl.FP8_CONFIG = None
+
+
+def test_fp8_without_turbo_is_refused(megatron_world):
+    from omegaconf import OmegaConf
+    from primus_turbo.integrations.megatron.patches import MegatronPatchContext
+    from primus_turbo.integrations.megatron.turbo_patches import _fp8_probe
+
+    cfg = OmegaConf.create({"fp8": {"enabled": True, "recipe": "tensorwise"}, "model": {"moe": None},
+                            "turbo": {"enabled": False, "gemm": True, "grouped_gemm": True}})  # fmt: skip
+    assert "needs turbo.enabled=true" in _fp8_probe(MegatronPatchContext(cfg=cfg, spec=None))
+    cfg.turbo.enabled, cfg.fp8.recipe = True, "delayed"
+    assert "fp8.recipe=delayed" in _fp8_probe(MegatronPatchContext(cfg=cfg, spec=None))
