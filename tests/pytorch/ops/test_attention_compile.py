@@ -20,7 +20,14 @@ from primus_turbo.pytorch.kernels.attention.attention_triton_impl import (
     fwd_config,
     qk_dim_split,
 )
-from primus_turbo.triton.attention import attention_kernel as kernels
+from primus_turbo.triton.attention import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_kernel
+
+_MODULES = (attention_kernel, attention_bwd_dkdv_kernel, attention_bwd_dq_kernel)
+
+
+def _kernel(name: str):
+    return next(getattr(m, name) for m in _MODULES if hasattr(m, name))
+
 
 _FLOAT_ARGS = {"qk_scale", "sm_scale"}
 _FP32_PTRS = {"LSE", "SINK", "DELTA"}
@@ -29,7 +36,7 @@ _I32_PTRS = {"CU_Q", "CU_K"}
 
 def _signature(kernel, dtype: str) -> dict:
     sig = {}
-    for name in inspect.signature(kernels.__dict__[kernel].fn).parameters:
+    for name in inspect.signature(_kernel(kernel).fn).parameters:
         if name in _FP32_PTRS:
             sig[name] = "*fp32"
         elif name in _I32_PTRS:
@@ -65,7 +72,7 @@ def _compile_fwd(cfg):
     block_m, block_n, warps, stages = fwd_config(d_qk, d_v, interpret=False)
     const = dict(_dims(d_qk, d_v, varlen, left, right), BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINK=sink)
     compiled = compile_for_sm90(
-        kernels.attn_fwd_kernel, _signature("attn_fwd_kernel", "bf16"), const, warps, stages
+        _kernel("attn_fwd_kernel"), _signature("attn_fwd_kernel", "bf16"), const, warps, stages
     )
     assert "wgmma" in compiled.asm["ptx"], f"fwd {cfg}: no wgmma (mma.sync fallback)"
     print(f"fwd {cfg}: {compiled.metadata.shared} B shared", flush=True)
@@ -77,18 +84,18 @@ def _compile_bwd(cfg):
     block_m, block_n, warps, stages = bwd_dkdv_config(d_qk, d_v, interpret=False)
     sig = _signature("attn_bwd_dkdv_kernel", "bf16")
     compiled = compile_for_sm90(
-        kernels.attn_bwd_dkdv_kernel, sig, dict(dims, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages
+        _kernel("attn_bwd_dkdv_kernel"), sig, dict(dims, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages
     )
     print(f"dkdv {cfg}: {compiled.metadata.shared} B shared, wgmma {'wgmma' in compiled.asm['ptx']}")
     block_m, block_n, warps, stages = bwd_dq_config(d_qk, d_v, interpret=False)
     sig = _signature("attn_bwd_dq_kernel", "bf16")
     compiled = compile_for_sm90(
-        kernels.attn_bwd_dq_kernel, sig, dict(dims, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages
+        _kernel("attn_bwd_dq_kernel"), sig, dict(dims, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages
     )
     print(f"dq {cfg}: {compiled.metadata.shared} B shared, wgmma {'wgmma' in compiled.asm['ptx']}")
     pre = dict(D_V=d_v, BLOCK_DV=block_dim(d_v), BLOCK_M=64, IS_VARLEN=varlen)
     compile_for_sm90(
-        kernels.attn_bwd_preprocess_kernel, _signature("attn_bwd_preprocess_kernel", "bf16"), pre
+        _kernel("attn_bwd_preprocess_kernel"), _signature("attn_bwd_preprocess_kernel", "bf16"), pre
     )
 
 

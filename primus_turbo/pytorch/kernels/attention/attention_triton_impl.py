@@ -14,13 +14,12 @@ import torch
 import triton
 
 from primus_turbo.pytorch.core.utils import triton_interpret_enabled
-from primus_turbo.triton.attention.attention_kernel import (
-    LOG2E,
-    attn_bwd_dkdv_kernel,
+from primus_turbo.triton.attention.attention_bwd_dkdv_kernel import attn_bwd_dkdv_kernel
+from primus_turbo.triton.attention.attention_bwd_dq_kernel import (
     attn_bwd_dq_kernel,
     attn_bwd_preprocess_kernel,
-    attn_fwd_kernel,
 )
+from primus_turbo.triton.attention.attention_kernel import LOG2E, attn_fwd_kernel
 
 MAX_HEAD_DIM = 256
 
