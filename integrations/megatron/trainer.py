@@ -38,7 +38,10 @@ def setup_distributed() -> torch.device:
         if "RANK" not in os.environ:  # plain `python train.py`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
         dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (is|are) not installed.*")
+    # Megatron-Core warns at import about absent TE/apex and deprecated arguments; the turbo report says
+    # what actually runs instead.
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"megatron\..*")
     if not on_gpu:
         from primus_turbo.integrations.megatron.cpu_shims import apply_cpu_shims
 
@@ -245,6 +248,18 @@ def maybe_resume(run: Run) -> None:
     log0(f"resume: loaded step {step} from {ckpt.step_dir(run.cfg.train.ckpt_dir, step)}")
 
 
+def backends_used() -> str:
+    """Which backend each turbo op dispatcher picked on its last call (second half of the turbo report)."""
+    from primus_turbo.pytorch.core.backend import AutoKernelDispatcher
+
+    used = sorted(
+        f"{d.__name__.removesuffix('Dispatcher')}={d.last_backend.name}"
+        for d in AutoKernelDispatcher.registry()
+        if d.last_backend is not None
+    )
+    return ", ".join(used) if used else "none (no turbo op ran)"
+
+
 def train(cfg: DictConfig) -> dict:
     """Run ``cfg.train.steps`` steps (or until SIGTERM); returns {"losses": [...], "last_step": n}."""
     device = setup_distributed()
@@ -270,6 +285,8 @@ def train(cfg: DictConfig) -> dict:
             seconds = time.perf_counter() - start
             check_finite(loss, step)
             losses.append(loss)
+            if step == run.start_step + 1 and cfg.turbo.enabled:
+                log0(f"turbo report: op backends in step {step}: {backends_used()}")
             if step % t.log_interval == 0 or step == t.steps:
                 lr = run.optimizer.param_groups[0]["lr"]
                 metrics.record(step, loss, seconds, tokens_per_step, lr, grad_norm)
