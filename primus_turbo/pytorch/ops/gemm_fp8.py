@@ -100,7 +100,11 @@ def _mode(granularity, b_block) -> int:
 
 class _GemmFP8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a_hp, b_hp, a_in, b_in, trans_a, trans_b, out_dtype, config, state):
+    def forward(ctx, a_hp, b_hp, a_f8, b_f8, trans_a, trans_b, out_dtype, config, state):
+        # a_f8/b_f8: the Float8Tensor inputs (None for high-precision ones; a tensor is never passed
+        # twice, which torch.compile cannot trace)
+        a_in = a_f8 if a_f8 is not None else a_hp
+        b_in = b_f8 if b_f8 is not None else b_hp
         fwd_dtype, bs = config.format.fwd_dtype, config.block_size
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # grad mode is off in here
         a_blk = bs if config.granularity is G.BLOCKWISE else None
@@ -216,7 +220,9 @@ def gemm_fp8(
     grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a_hp, b_hp))
     if grad_needed:
         _check_backward_copies(a, b, a_hp, b_hp)
-    return _GemmFP8Function.apply(a_hp, b_hp, a, b, trans_a, trans_b, out_dtype, config, delayed_state)
+    a_f8 = a if isinstance(a, Float8Tensor) else None
+    b_f8 = b if isinstance(b, Float8Tensor) else None
+    return _GemmFP8Function.apply(a_hp, b_hp, a_f8, b_f8, trans_a, trans_b, out_dtype, config, delayed_state)
 
 
 def _check_backward_copies(a, b, a_hp, b_hp) -> None:

@@ -34,8 +34,8 @@ import torch
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity, is_fp8_dtype
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     dequantize_fp8_impl,
-    quantize_fp8_impl,
-    quantize_fp8_with_transpose_impl,
+    quantize_fp8_op,
+    quantize_fp8_with_transpose_op,
 )
 
 __all__ = ["quantize_fp8", "dequantize_fp8", "quantize_fp8_with_transpose"]
@@ -125,7 +125,7 @@ def quantize_fp8(
     _check_input(x)
     _check_out_dtype(out_dtype)
     g, ax, br, bc = normalize_spec(x.dim(), granularity, block_size, axis)
-    return quantize_fp8_impl(x, out_dtype, g, ax, br, bc, bool(power_of_two_scales))
+    return quantize_fp8_op(x, out_dtype, g, ax, br, bc, bool(power_of_two_scales))
 
 
 def quantize_fp8_with_transpose(
@@ -148,7 +148,7 @@ def quantize_fp8_with_transpose(
     if x.dim() != 2:
         raise ValueError(f"x: quantize_fp8_with_transpose takes a 2-D tensor, got shape {tuple(x.shape)}")
     g, _, br, bc = normalize_spec(2, granularity, block_size, None)
-    return quantize_fp8_with_transpose_impl(x, out_dtype, g, br, bc, bool(power_of_two_scales))
+    return quantize_fp8_with_transpose_op(x, out_dtype, g, br, bc, bool(power_of_two_scales))
 
 
 def dequantize_fp8(

@@ -142,3 +142,13 @@ def test_turbo_linear_fp8_config_and_autocast():
     fused = Linear(64, 32, fp8_config=cfg, gradient_accumulation_fusion=True)
     with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
         fused(x)
+
+
+@pytest.mark.parametrize("gran", list(G), ids=lambda g: g.name)
+def test_torch_compile_fullgraph(gran):
+    layer = Float8Linear(64, 32, config=Float8QuantConfig(granularity=gran))
+    x = torch.randn(8, 64, requires_grad=True)
+    y = torch.compile(layer, fullgraph=True)(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, layer(x), rtol=0, atol=0)
+    assert x.grad is not None and layer.weight.grad is not None

@@ -320,7 +320,9 @@ def quantize_fp8_impl(
         return q.reshape(shape), s.reshape(*shape[:-2], *s.shape[-2:])
     if axis == 0:
         return q.reshape(shape), s[0]
-    return q.reshape(shape), s.reshape(*shape[:-1], s.shape[-1]) if x.dim() != 2 else s[0]
+    if x.dim() != 2:
+        return q.reshape(shape), s.reshape(*shape[:-1], s.shape[-1])
+    return q.reshape(shape), s[0].t().contiguous().t()  # (R, C/bs) column-major on every backend
 
 
 def quantize_fp8_with_transpose_impl(
@@ -391,3 +393,76 @@ def dequantize_fp8_impl(q, scale_inv, granularity, axis, block_r, block_c, out_d
         s = s.repeat_interleave(block_c, dim=-1)
     s = s[..., : x.shape[-2], : x.shape[-1]] if x.dim() >= 2 else s[..., : x.shape[-1]]
     return (x * s).to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.library custom ops: opaque to torch.compile (the Triton launches are not traced)
+# ------------------------------------------------------------------------------------------------
+def _fake_scale(shape, g, axis, br, bc, device, colmajor_ok=True):
+    cdiv = lambda a, b: -(-a // b)
+    if g == "tensorwise":
+        return torch.empty((), dtype=torch.float32, device=device)
+    if g == "rowwise":
+        out = (1, shape[1]) if axis == 0 else (*shape[:-1], 1)
+    elif axis is None:
+        out = (*shape[:-2], cdiv(shape[-2], br), cdiv(shape[-1], bc))
+    elif axis == 0:
+        out = (cdiv(shape[0], br), shape[1])
+    else:
+        out = (*shape[:-1], cdiv(shape[-1], bc))
+        if len(shape) == 2 and colmajor_ok:
+            return torch.empty_strided(out, (1, out[0]), dtype=torch.float32, device=device)
+    return torch.empty(out, dtype=torch.float32, device=device)
+
+
+def _no_alias(outputs, x):
+    """Custom-op outputs may not share storage with the input or each other (a tensorwise scale is
+    returned twice; a (1, n) scale's transpose is a view): clone those."""
+    seen = {x.untyped_storage().data_ptr()} if x.numel() else set()
+    result = []
+    for t in outputs:
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in seen:
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        result.append(t)
+    return tuple(result)
+
+
+@torch.library.custom_op("primus_turbo::quantize_fp8", mutates_args=())
+def quantize_fp8_op(
+    x: torch.Tensor,
+    out_dtype: torch.dtype,
+    granularity: str,
+    axis: int | None,
+    block_r: int,
+    block_c: int,
+    pow2: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _no_alias(quantize_fp8_impl(x, out_dtype, granularity, axis, block_r, block_c, pow2), x)
+
+
+@quantize_fp8_op.register_fake
+def _quantize_fp8_fake(x, out_dtype, granularity, axis, block_r, block_c, pow2):
+    q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    return q, _fake_scale(tuple(x.shape), granularity, axis, block_r, block_c, x.device)
+
+
+@torch.library.custom_op("primus_turbo::quantize_fp8_with_transpose", mutates_args=())
+def quantize_fp8_with_transpose_op(
+    x: torch.Tensor, out_dtype: torch.dtype, granularity: str, block_r: int, block_c: int, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _no_alias(quantize_fp8_with_transpose_impl(x, out_dtype, granularity, block_r, block_c, pow2), x)
+
+
+@quantize_fp8_with_transpose_op.register_fake
+def _quantize_fp8_with_transpose_fake(x, out_dtype, granularity, block_r, block_c, pow2):
+    rows, cols = x.shape
+    axis = None if block_r > 1 else -1
+    q = torch.empty((rows, cols), dtype=out_dtype, device=x.device)
+    qt = torch.empty((cols, rows), dtype=out_dtype, device=x.device)
+    s = _fake_scale((rows, cols), granularity, axis, block_r, block_c, x.device)
+    br_t, bc_t = (block_c, block_r) if axis is None else (block_r, block_c)  # 1 x bs stays 1 x bs
+    st = _fake_scale((cols, rows), granularity, axis, br_t, bc_t, x.device)
+    return q, s, qt, st
