@@ -421,8 +421,11 @@ def _no_alias(outputs, x):
     seen = {x.untyped_storage().data_ptr()} if x.numel() else set()
     result = []
     for t in outputs:
+        if t.numel() == 0:  # empty views share storage too; a fresh empty tensor never does
+            result.append(torch.empty_like(t))
+            continue
         ptr = t.untyped_storage().data_ptr()
-        if t.numel() and ptr in seen:
+        if ptr in seen:
             t = t.clone()
             ptr = t.untyped_storage().data_ptr()
         seen.add(ptr)
