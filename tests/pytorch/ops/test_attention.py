@@ -17,6 +17,8 @@ from primus_turbo.pytorch.kernels.attention.attention_impl import AttentionDispa
 from primus_turbo.pytorch.ops.attention import flash_attn_func, flash_attn_varlen_func
 
 HAS_CUDA = torch.cuda.is_available()
+# TRITON takes fp32 only in the interpreter; on a GPU the small-shape tests run in fp16
+SMALL_DTYPE = torch.float16 if HAS_CUDA else torch.float32
 
 
 def _inputs(b, sq, sk, hq, hk, d, dv, dtype, device, sink=False):
@@ -47,8 +49,9 @@ def _check_against_ref(backend, b, sq, sk, hq, hk, d, dv, dtype, device, causal,
     for name, g, r in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads):
         # dsink sums over every row: compare it relative to its magnitude
         if name == "dsink":
+            rel = 2e-3 if dtype == torch.float32 else 2e-2  # fp16 o/dO feed delta
             torch.testing.assert_close(
-                g.double(), r.double(), rtol=2e-3, atol=2e-3 * r.abs().max().item() + 1e-6
+                g.double(), r.double(), rtol=rel, atol=rel * r.abs().max().item() + 1e-6
             )
         else:
             assert_close(g, r, tol_dtype, name)
@@ -78,7 +81,7 @@ def test_torch_backend_matches_ref(case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_matches_ref(case, device):
     b, sq, sk, hq, hk, d, dv, causal, window, sink = CASES[case]
-    dtype = torch.float16 if HAS_CUDA else torch.float32
+    dtype = SMALL_DTYPE
     _check_against_ref("TRITON", b, sq, sk, hq, hk, d, dv, dtype, device, causal, window, sink, dtype)
 
 
@@ -118,12 +121,13 @@ def test_varlen_matches_ref(backend, device):
         for name, g, r in zip(("dq", "dk", "dv"), grads[:3], ref_grads[:3]):
             assert_close(g, r, dtype, f"{name} causal={causal}")
         if s is not None:
-            torch.testing.assert_close(grads[3].double(), ref_grads[3].double(), rtol=2e-3, atol=2e-3)
+            rel = 2e-3 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(grads[3].double(), ref_grads[3].double(), rtol=rel, atol=rel)
 
 
 def test_empty_rows_output_zero(device):
     """Causal with Sq > Sk: the first Sq - Sk rows see no key: zero output, finite zero grads."""
-    q, k, v, _ = _inputs(1, 40, 16, 2, 2, 32, 32, torch.float32, device)
+    q, k, v, _ = _inputs(1, 40, 16, 2, 2, 32, 32, SMALL_DTYPE, device)
     for backend in ("TORCH", "TRITON"):
         GlobalBackendManager.set_attention_backend(backend)
         out = flash_attn_func(q, k, v, causal=True)
@@ -133,7 +137,7 @@ def test_empty_rows_output_zero(device):
 
 
 def test_zero_size_inputs(device):
-    q, k, v, _ = _inputs(2, 0, 8, 2, 2, 16, 16, torch.float32, device)
+    q, k, v, _ = _inputs(2, 0, 8, 2, 2, 16, 16, SMALL_DTYPE, device)
     for backend in ("TORCH", "TRITON"):
         GlobalBackendManager.set_attention_backend(backend)
         out = flash_attn_func(q, k, v)
@@ -161,12 +165,13 @@ def test_dropout_pinned_triton_raises():
         flash_attn_func(q, k, v, dropout_p=0.1)
 
 
-def test_env_var_selects_backend(monkeypatch):
+def test_env_var_selects_backend(monkeypatch, device):
     monkeypatch.setenv("PRIMUS_TURBO_ATTENTION_BACKEND", "triton")
-    q, k, v, _ = _inputs(1, 16, 16, 1, 1, 16, 16, torch.float32, "cpu")
+    q, k, v, _ = _inputs(1, 16, 16, 1, 1, 16, 16, SMALL_DTYPE, device)
     flash_attn_func(q, k, v)
     assert AttentionDispatcher.last_backend is BackendType.TRITON
     monkeypatch.setenv("PRIMUS_TURBO_ATTENTION_BACKEND", "cudnn")
+    q, k, v, _ = _inputs(1, 16, 16, 1, 1, 16, 16, torch.float32, "cpu")
     with pytest.raises(ValueError, match="CUDNN"):
         flash_attn_func(q, k, v)  # CPU tensors: cuDNN cannot serve them and must not fall back
 
@@ -234,10 +239,10 @@ def test_pinned_triton_rejects_head_dim_over_256():
 def test_non_contiguous_inputs(device):
     """SBHD tensors transposed to BSHD views (what the Megatron adapter passes) work without copies."""
     GlobalBackendManager.set_attention_backend("TRITON")
-    q, k, v = (torch.randn(24, 2, 2, 16, device=device).transpose(0, 1) for _ in range(3))
+    q, k, v = (torch.randn(24, 2, 2, 16, device=device, dtype=SMALL_DTYPE).transpose(0, 1) for _ in range(3))
     out = flash_attn_func(q, k, v, causal=True)
     ref, _ = attention_ref(q, k, v, causal=True)
-    assert_close(out, ref, torch.float32, "out")
+    assert_close(out, ref, SMALL_DTYPE, "out")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +328,7 @@ def test_gpu_deterministic_grads(shape, device):
         assert torch.equal(a, b_)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter-only check; on a GPU every TRITON test autotunes for real")
 def test_triton_autotune_launch_path(monkeypatch):
     """The GPU launch path (triton.autotune over the config table, grid from META) in the interpreter;
     conftest makes every config time the same, so the first one runs."""

@@ -44,23 +44,27 @@ def qk_dim_split(d: int) -> tuple[int, int]:
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; the first one is the
 # default (used when autotune is off, and what the sm_90 compile test checks). Chosen from the
 # FA2-Triton tutorial's sm_90 sweeps and the 227 KB shared-memory budget (d256 fwd: q 64 KB + 2
-# stages of 64-row K/V tiles = 192 KB). On the GPU the kernels autotune over the list once per
+# stages of 64-row K/V tiles = 192 KB; MLA 192/128 fwd: 48 KB + 3 stages of 40 KB = 168 KB). On
+# the GPU the kernels autotune over the list once per
 # (head dims, varlen, window flags): PRIMUS_TURBO_ATTENTION_TRITON_AUTOTUNE=0 pins the default.
 # Configs that overflow shared memory are skipped by Triton's autotuner (OutOfResources).
 FWD_CONFIGS = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
     128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4)],
+    192: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3)],
     256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
 }
 # dK/dV: BLOCK_M is the inner step over queries, BLOCK_N the keys owned by one program
 DKDV_CONFIGS = {
     64: [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3)],
     128: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (16, 128, 8, 3)],
+    192: [(32, 128, 8, 2), (32, 64, 8, 3), (64, 64, 8, 2), (16, 128, 8, 2)],
     256: [(32, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
 }
 DQ_CONFIGS = {
     64: [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
     128: [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+    192: [(128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 8, 2)],
     256: [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)],
 }
 _INTERPRETER_CONFIG = (16, 16, 4, 1)  # small tiles: CPU tests at S <= 64 still cover every loop phase
@@ -68,8 +72,13 @@ _TUNE_KEY = ["D_QK", "D_V", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT"]
 
 
 def _dim_class(d_qk: int, d_v: int) -> int:
+    """64, 128, 192 (MLA: q/k 128 + 64 slices, v <= 128: smaller tiles than 256 allow more stages), 256."""
     d = max(block_dim(d_qk), block_dim(d_v))
-    return 64 if d <= 64 else 128 if d <= 128 else 256
+    if d <= 128:
+        return 64 if d <= 64 else 128
+    if sum(qk_dim_split(d_qk)) <= 192 and d_v <= 128:
+        return 192
+    return 256
 
 
 def _default(table, d_qk, d_v, interpret):
