@@ -273,6 +273,89 @@ def col_cast_kernel(
 
 
 # ------------------------------------------------------------------------------------------------
+# ROWWISE with the transposed copy, two reads of x instead of four: (1) per-tile row and column
+# partial amaxes, (2) reduce them to per-row and per-column scales, (3) one cast pass writing q
+# (row scales) and qt (column scales) from the same tile.
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def rowcol_amax_partial_kernel(
+    x_ptr, row_part_ptr, col_part_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    ax = _finite_abs(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+    # row_part is (nCB, R) and col_part (nRB, C): both written contiguously
+    tl.store(row_part_ptr + pid_c * R + rows, tl.max(ax, axis=1), mask=rows < R)
+    tl.store(col_part_ptr + pid_r * C + cols, tl.max(ax, axis=0), mask=cols < C)
+
+
+@triton.jit
+def partial_to_scale_kernel(
+    part_ptr,
+    scale_ptr,
+    scale_inv_ptr,
+    n,
+    num_parts,
+    FP8_MAX: tl.constexpr,
+    POW2: tl.constexpr,
+    PARTS_P2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """part (num_parts, n) -> scale[n], scale_inv[n]."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    parts = tl.arange(0, PARTS_P2)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for p0 in range(0, num_parts, PARTS_P2):
+        p = p0 + parts
+        v = tl.load(
+            part_ptr + p[:, None] * n + idx[None, :],
+            mask=(p[:, None] < num_parts) & (idx[None, :] < n),
+            other=0.0,
+        )
+        amax = tl.maximum(amax, tl.max(v, axis=0))
+    scale = _scale_from_amax(amax, FP8_MAX, POW2)
+    tl.store(scale_ptr + idx, scale, mask=idx < n)
+    tl.store(scale_inv_ptr + idx, 1.0 / scale, mask=idx < n)
+
+
+@triton.jit
+def rowcol_cast_kernel(
+    x_ptr,
+    q_ptr,
+    qt_ptr,
+    row_scale_ptr,
+    col_scale_ptr,
+    R,
+    C,
+    FP8_MAX: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    row_scale = tl.load(row_scale_ptr + rows, mask=rows < R, other=1.0)
+    col_scale = tl.load(col_scale_ptr + cols, mask=cols < C, other=1.0)
+    tl.store(
+        q_ptr + rows[:, None] * C + cols[None, :],
+        _cast_fp8(x, row_scale[:, None], FP8_MAX, OUT_DTYPE),
+        mask=mask,
+    )
+    tl.store(
+        qt_ptr + cols[None, :] * R + rows[:, None],
+        _cast_fp8(x, col_scale[None, :], FP8_MAX, OUT_DTYPE),
+        mask=mask,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
 # BLOCKWISE: one program per (BLOCK_R x BLOCK_C) tile, single pass.
 #   MODE 0: 1 x BLOCK_C groups (per-row amax)      -> s[r, c_blk]
 #   MODE 1: BLOCK_R x 1 groups (per-column amax)   -> s[r_blk, c]

@@ -210,6 +210,44 @@ def _colwise_triton(x2, out_dtype, pow2, transpose):
     return out, scale_inv
 
 
+def _rowwise_with_transpose_triton(x2, out_dtype, pow2):
+    """q (R, C) with row scales and qt (C, R) with column scales in two reads of x."""
+    qk = _tl()
+    rows, cols = x2.shape
+    dev = x2.device
+    br, bc = 64, 128
+    nrb, ncb = ceil_div(rows, br), ceil_div(cols, bc)
+    row_part = torch.empty((ncb, rows), dtype=torch.float32, device=dev)
+    col_part = torch.empty((nrb, cols), dtype=torch.float32, device=dev)
+    qk.rowcol_amax_partial_kernel[(nrb, ncb)](x2, row_part, col_part, rows, cols, BLOCK_R=br, BLOCK_C=bc)
+    scales = {}
+    common = dict(FP8_MAX=fp8_max(out_dtype), POW2=pow2, BLOCK=256)
+    for name, part, n in (("row", row_part, rows), ("col", col_part, cols)):
+        scale = torch.empty(n, dtype=torch.float32, device=dev)
+        scale_inv = torch.empty(n, 1, dtype=torch.float32, device=dev)
+        qk.partial_to_scale_kernel[(ceil_div(n, 256),)](
+            part, scale, scale_inv, n, part.shape[0], PARTS_P2=min(qk.next_pow2(part.shape[0]), 32), **common
+        )
+        scales[name] = (scale, scale_inv)
+    q = torch.empty_like(x2, dtype=out_dtype)
+    qt = torch.empty((cols, rows), dtype=out_dtype, device=dev)
+    qk.rowcol_cast_kernel[(nrb, ncb)](
+        x2,
+        q,
+        qt,
+        scales["row"][0],
+        scales["col"][0],
+        rows,
+        cols,
+        FP8_MAX=fp8_max(out_dtype),
+        OUT_DTYPE=qk.fp8_tl_dtype(out_dtype),
+        BLOCK_R=br,
+        BLOCK_C=bc,
+        num_warps=8,
+    )
+    return q, scales["row"][1], qt, scales["col"][1]
+
+
 def _blockwise_triton(x3, gr, gc, out_dtype, pow2, with_t):
     """x3 contiguous (B, R, C), group (gr, gc) in {(1, bs), (bs, 1), (br, bc)}.
 
@@ -346,9 +384,7 @@ def quantize_fp8_with_transpose_impl(
         return q, s, q.t().contiguous(), s
     if granularity == "rowwise":
         if triton_ok:
-            q, s = _rowwise_triton(x, out_dtype, pow2)
-            qt, st = _colwise_triton(x, out_dtype, pow2, transpose=True)
-            return q, s, qt, st.reshape(cols, 1)
+            return _rowwise_with_transpose_triton(x, out_dtype, pow2)
         q, s = quantize_fp8_impl(x, out_dtype, "rowwise", -1, 0, 0, pow2, "torch")
         qt, st = quantize_fp8_impl(x.t(), out_dtype, "rowwise", -1, 0, 0, pow2, "torch")
         return q, s, qt, st
