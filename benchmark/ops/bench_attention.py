@@ -8,6 +8,7 @@ dV, dP, dQ, dK), halved for causal.
 
     python benchmark/ops/bench_attention.py --quick     # 2 shapes, < 60 s on an H200
     python benchmark/ops/bench_attention.py             # 8 shapes, < 4 min
+    torchrun --nproc_per_node=2 benchmark/ops/bench_attention.py --cp   # ring CP efficiency, S=16384
 """
 
 from __future__ import annotations
@@ -140,10 +141,77 @@ def bench_shape(model, s, check):
     return rows
 
 
+def _fixed_iters_ms(fn, iters=10, warmup=3):
+    """Same iteration count on every rank (do_bench adapts its count per rank and would hang CP)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def bench_ring_cp(args):
+    """Ring CP (zigzag, causal, TRITON blocks) vs single-GPU TRITON on the full sequence, Llama3-8B."""
+    import os
+
+    import torch.distributed as dist
+
+    from primus_turbo.pytorch.ops.attention import flash_attn_usp_func, split_sequence_for_cp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl")
+    hq, hk, d_qk, d_v = MODELS["llama3_8b"]
+    rows = []
+    for s in [16384] if args.quick else [8192, 16384, 32768]:
+        torch.manual_seed(0)
+        full = [
+            torch.randn(1, s, h, dd, device="cuda", dtype=torch.bfloat16)
+            for h, dd in ((hq, d_qk), (hk, d_qk), (hk, d_v))
+        ]
+        dout = torch.randn(1, s, hq, d_v, device="cuda", dtype=torch.bfloat16)
+        local = [split_sequence_for_cp(t, 1, world, rank).contiguous().requires_grad_() for t in full]
+        local_dout = split_sequence_for_cp(dout, 1, world, rank).contiguous()
+
+        def ring_step(local=local, local_dout=local_dout):
+            out = flash_attn_usp_func(*local, causal=True, ring_group=dist.group.WORLD)
+            torch.autograd.grad(out, local, local_dout)
+
+        ring_ms = _fixed_iters_ms(ring_step)
+        leaves = [t.clone().requires_grad_() for t in full]
+        GlobalBackendManager.set_attention_backend("TRITON")
+
+        def single_step(leaves=leaves, dout=dout):
+            out = flash_attn_func(*leaves, causal=True)
+            torch.autograd.grad(out, leaves, dout)
+
+        single_ms = _fixed_iters_ms(single_step)
+        GlobalBackendManager.set_attention_backend(None)
+        fwd_flop, bwd_flop = _flops(1, s, hq, d_qk, d_v, True)
+        row = {"S": s, "world": world, "ring fwd+bwd ms": ring_ms, "single fwd+bwd ms": single_ms,
+               "ring TFLOPS/GPU": tflops((fwd_flop + bwd_flop) / world, ring_ms),
+               "single TFLOPS": tflops(fwd_flop + bwd_flop, single_ms),
+               "per-GPU efficiency": single_ms / (ring_ms * world)}  # fmt: skip
+        rows.append(row)
+    if rank == 0:
+        write_csv(out_dir(args) / "attention_ring_cp.csv", rows)
+        print_table(rows, list(rows[0]))
+    dist.destroy_process_group()
+
+
 def main():
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+    parser = bench_parser(__doc__.splitlines()[0])
+    parser.add_argument("--cp", action="store_true", help="ring context-parallel run (under torchrun)")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA device")
+    if args.cp:
+        return bench_ring_cp(args)
     seqs = [4096] if args.quick else [2048, 4096, 8192, 16384]
     rows = []
     for model in MODELS:
