@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 
 def main() -> None:
     from primus_turbo.integrations.common.data import byte_tokenize
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("input", nargs="?", default=os.path.join(REPO, "data", "sample.txt"))
     parser.add_argument("output", nargs="?", default=os.path.join(REPO, "data", "sample_tokens.npy"))
     args = parser.parse_args()

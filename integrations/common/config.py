@@ -144,6 +144,11 @@ def _check_data_and_schedule(cfg: DictConfig, dp: int) -> None:
 def _check_turbo(cfg: DictConfig) -> None:
     for key in ("enabled", "strict", *TURBO_FEATURES):
         _require(isinstance(cfg.turbo[key], bool), f"turbo.{key}={cfg.turbo[key]!r}: expected true or false")
+    _require(
+        not cfg.parallel.sequence_parallel or (cfg.turbo.enabled and cfg.turbo.rmsnorm),
+        "parallel.sequence_parallel=true needs turbo.enabled=true and turbo.rmsnorm=true: stock "
+        "Megatron-Core without apex/TE has no sequence-parallel norm",
+    )
 
 
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:

@@ -80,6 +80,11 @@ def test_unknown_recipe_lists_the_options():
         (["data.path=/no/such/file.txt"], 2, "data.path='/no/such/file.txt' does not exist"),
         (["turbo.gemm=maybe"], 2, "turbo.gemm='maybe': expected true or false"),
         (["model.moe.dispatcher=nccl"], 2, "model.moe.dispatcher='nccl'"),
+        (
+            ["parallel.tp=2", "parallel.ep=1", "parallel.sequence_parallel=true", "turbo.enabled=false"],
+            2,
+            "sequence_parallel=true needs turbo.enabled=true and turbo.rmsnorm=true",
+        ),
     ],
 )
 def test_bad_values_name_the_key(overrides, world, message):
@@ -118,3 +123,22 @@ def test_peak_table():
     assert peak_tflops("NVIDIA H200", "bf16") == 989.0
     assert peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == 1979.0
     assert peak_tflops(None, "bf16") is None and peak_tflops("NVIDIA A100", "bf16") is None
+
+
+def test_non_finite_loss_stops_with_the_step():
+    from primus_turbo.integrations.common.metrics import check_finite
+
+    check_finite(2.5, 1)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(FloatingPointError, match="at step 7"):
+            check_finite(bad, 7)
+
+
+def test_batches_are_a_pure_function_of_step_microbatch_rank():
+    from primus_turbo.integrations.common.data import TokenBatches
+
+    path = os.path.join(RECIPES, "..", "data", "sample.txt")
+    a, b = (TokenBatches("text", 32, 2, 256, seed=1, path=path) for _ in range(2))
+    assert (a.batch(3, 1, 0) == b.batch(3, 1, 0)).all() and not (a.batch(3, 1, 0) == a.batch(3, 1, 1)).all()
+    synthetic = TokenBatches("synthetic", 32, 2, 100, seed=1, path=None).batch(1, 0, 0)
+    assert synthetic.shape == (2, 33) and int(synthetic.max()) < 100
