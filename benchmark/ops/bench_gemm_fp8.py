@@ -48,7 +48,7 @@ def _gemm_only_ms(x, w, gran: ScalingGranularity) -> float:
         a, a_s = quantize_fp8(x, E4M3, gran)
         b, b_s = quantize_fp8(w, E4M3, gran)
         mode, bs = (0 if gran is ScalingGranularity.TENSORWISE else 1), 0
-    return bench_ms(lambda: gemm_fp8_impl(a, a_s, b, b_s, mode, bs, torch.bfloat16))[0]
+    return bench_ms(lambda: gemm_fp8_impl(a, a_s, b, b_s, mode, bs, torch.bfloat16, True))[0]
 
 
 def _fwd_bwd_ms(fn, x, w, grad):

@@ -113,7 +113,7 @@ class _GemmFP8Function(torch.autograd.Function):
         a_op = _prepare(a_in, not trans_a, fwd_dtype, config, a_blk, not needs_grad, hist_a)
         b_op = _prepare(b_in, trans_b, fwd_dtype, config, b_blk, not needs_grad, hist_b)
         mode = _mode(config.granularity, b_op.block)
-        out = gemm_fp8_impl(*a_op.fwd, *b_op.fwd, mode, bs or 0, out_dtype)
+        out = gemm_fp8_impl(*a_op.fwd, *b_op.fwd, mode, bs or 0, out_dtype, True)
         ctx.trans_a, ctx.trans_b, ctx.config, ctx.state, ctx.mode = trans_a, trans_b, config, state, mode
         ctx.b_block = b_op.block
         ctx.grad_dtypes = tuple(t.dtype if t is not None else out_dtype for t in (a_hp, b_hp))

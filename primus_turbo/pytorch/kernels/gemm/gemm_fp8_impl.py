@@ -77,7 +77,7 @@ class GemmFP8CublasBackend(KernelBackend):
         return scale_mode == 3 or (k % 512 == 0 and n % 128 == 0)
 
     @staticmethod
-    def execute(a, a_s, b, b_s, scale_mode, scale_block, out_dtype, **_) -> torch.Tensor:
+    def execute(a, a_s, b, b_s, scale_mode, scale_block, out_dtype, fast_accum=False, **_) -> torch.Tensor:
         a = a.contiguous()
         b_cm = b.contiguous().t()  # [K, N] column-major
         if scale_mode == 0:
@@ -87,7 +87,10 @@ class GemmFP8CublasBackend(KernelBackend):
         else:
             sa = a_s.t().contiguous().t()  # (M, K/128) column-major
             sb = b_s.contiguous().t() if scale_mode == 2 else b_s.t().contiguous()
-        return torch._scaled_mm(a, b_cm, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=False)
+        # Fast (FP8-internal) accumulation only for tensorwise forward GEMMs, as Transformer Engine
+        # does; gradients and the scaled recipes keep cuBLAS's split fp32 accumulation.
+        fast = bool(fast_accum) and scale_mode == 0
+        return torch._scaled_mm(a, b_cm, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast)
 
 
 class GemmFP8TritonBackend(KernelBackend):
@@ -138,13 +141,23 @@ def gemm_fp8_impl(
     scale_mode: int,
     scale_block: int,
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """C[M, N] = A[M, K] @ B[N, K]^T with FP8 operands through the dispatcher (inputs pre-validated)."""
+    """C[M, N] = A[M, K] @ B[N, K]^T with FP8 operands through the dispatcher (inputs pre-validated).
+
+    ``fast_accum``: allow cuBLAS's faster FP8 accumulation (tensorwise forward only)."""
     return GemmFP8Dispatcher.dispatch(
-        a=a, a_s=a_s, b=b, b_s=b_s, scale_mode=scale_mode, scale_block=scale_block, out_dtype=out_dtype
+        a=a,
+        a_s=a_s,
+        b=b,
+        b_s=b_s,
+        scale_mode=scale_mode,
+        scale_block=scale_block,
+        out_dtype=out_dtype,
+        fast_accum=fast_accum,
     )
 
 
 @gemm_fp8_impl.register_fake
-def _gemm_fp8_fake(a, a_s, b, b_s, scale_mode, scale_block, out_dtype):
+def _gemm_fp8_fake(a, a_s, b, b_s, scale_mode, scale_block, out_dtype, fast_accum=False):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
