@@ -53,11 +53,12 @@ def _signature(kernel, dtype: str) -> dict:
 
 
 # (d_qk, d_v, varlen, has_left, has_right, has_sink): Llama d128 causal, MLA 192/128 causal varlen,
-# d256 sliding window with sink (fp16 shares every code path with bf16).
+# d256 sliding window with sink, d64 varlen without any mask (fp16 shares every path with bf16).
 CONFIGS = [
     (128, 128, False, False, True, False),
     (192, 128, True, False, True, False),
     (256, 256, False, True, True, True),
+    (64, 64, True, False, False, False),
 ]
 
 
