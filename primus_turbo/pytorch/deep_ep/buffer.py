@@ -68,6 +68,9 @@ class Buffer:
         if new_num_sms < 1:
             raise ValueError(f"Buffer.set_num_sms: {new_num_sms} must be >= 1")
         Buffer.num_sms = new_num_sms
+        from primus_turbo.pytorch.kernels.moe import ep_turbo
+
+        ep_turbo.NUM_PROGRAMS = new_num_sms
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

@@ -61,8 +61,16 @@ class TokenDispatcher(nn.Module):
         handle = None
         if self.ep_size > 1:
             x, indices, probs, _, handle = moe_dispatch(x, indices, probs, self.num_experts, self.ep_group)
+        # Upper bound on local (token, expert) pairs without a host sync: each received row has at
+        # most min(topk, local experts) local routes.
+        num_out = x.shape[0] * min(self.topk, self.num_local_experts)
         expert_in, expert_probs, row_id_map, tokens_per_expert = token_permute(
-            x, indices, probs.float(), pad_multiple=self.pad_multiple, num_experts=self.num_local_experts
+            x,
+            indices,
+            probs.float(),
+            num_out,
+            pad_multiple=self.pad_multiple,
+            num_experts=self.num_local_experts,
         )
         self._state = {"shape": shape, "handle": handle, "row_id_map": row_id_map, "probs": probs}
         return expert_in, tokens_per_expert, expert_probs

@@ -133,7 +133,8 @@ def ep_recv_finalize_kernel(
     BLOCK_W: tl.constexpr,
 ):
     """Copy the received rows out of the workspace (so the next call can reuse it); rows past the
-    received total get index -1 and prob 0 (the receive tensors are worst-case sized)."""
+    received total get index -1 and prob 0 and unspecified data (the receive tensors are worst-case
+    sized; nothing reads those rows since their indices are -1)."""
     ww = tl.arange(0, BLOCK_W)
     total = tl.sum(tl.load(counts_ptr + ww * W + rank, mask=ww < W, other=0), axis=0)
     kk = tl.arange(0, BLOCK_K)
@@ -145,7 +146,7 @@ def ep_recv_finalize_kernel(
             offs = start + tl.arange(0, BLOCK_H)
             m = (offs < H) & valid
             v = tl.load(ws_x_ptr + j64 * H + offs, mask=m, other=0.0)
-            tl.store(out_x_ptr + j64 * H + offs, v, mask=offs < H)
+            tl.store(out_x_ptr + j64 * H + offs, v, mask=m)  # rows past the total stay unwritten
         idx = tl.load(ws_idx_ptr + j64 * K + kk, mask=kmask & valid, other=-1)
         tl.store(out_idx_ptr + j64 * K + kk, idx.to(out_idx_ptr.dtype.element_ty), mask=kmask)
         if HAS_PROBS:

@@ -2,9 +2,10 @@ import pytest
 import torch
 from ref.moe_compile_check import run_compile_check
 from ref.moe_ref import indices_to_map, permute_ref, unpermute_ref
-from test_utils import assert_close
+from test_utils import assert_close, assert_snr, fp8_snr_gate
 from triton_compile_utils import compile_for_sm90
 
+from primus_turbo.pytorch.core.low_precision import Format
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_permute_fp8, token_unpermute
 from primus_turbo.triton.moe import permute_kernel as pk
 
@@ -37,7 +38,8 @@ def test_permute_unpermute(form, pad_multiple, capacity, drop_frac, device):
     n = ref.shape[0]
     assert out.shape[0] >= n
     assert torch.equal(out[:n].double().cpu(), ref), "permute must be an exact copy"
-    assert (out[n:] == 0).all()
+    if pad_multiple or capacity:
+        assert (out[n:] == 0).all(), "padding rows must be zero"
     assert torch.equal(out_probs[:n].double().cpu(), ref_probs)
 
     # Round trip: unpermute(permute(x)) == x * (number of kept routes of each token).
@@ -92,8 +94,23 @@ def test_permute_fp8_rowwise(device):
     deq = q.float() * scales.unsqueeze(-1)
     n = ref.shape[0]
     assert (deq[n:] == 0).all()
-    rel = (deq[:n].double().cpu() - ref).norm() / ref.norm()
-    assert rel < 0.05, f"fp8 rowwise permute relative error {rel:.3f}"
+    ok = src >= 0
+    amax = ref[ok].abs().amax(-1)
+    assert torch.allclose(scales[:n][ok].double().cpu(), amax / 448.0, rtol=1e-6), (
+        "row scale must be amax / 448"
+    )
+    err = (deq[:n].double().cpu() - ref).abs()
+    # Within one E4M3 step (2^-3 relative, or one subnormal step 2^-9 in FP8 units near zero). The
+    # Triton 3.7 interpreter's fp32->fp8 cast drops the exponent carry when the mantissa rounds up
+    # (e.g. 127.9 -> 64 instead of 128), so on CPU a few elements may miss; the GPU must be exact.
+    step = scales[:n].double().cpu().unsqueeze(-1) * 2.0**-9
+    within = err <= ref.abs() * 0.125 + step * 1.01
+    if device.type == "cuda":
+        assert within.all()
+    else:
+        assert within.float().mean() > 0.97, f"{(~within).sum()} of {within.numel()} elements off by > 1 step"
+    if device.type == "cuda":
+        assert_snr(deq[:n][ok], ref[ok].to(deq.device), fp8_snr_gate(Format.E4M3), "fp8 permute")
 
 
 def test_permute_empty_and_bad_input(device):

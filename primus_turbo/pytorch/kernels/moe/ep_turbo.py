@@ -10,7 +10,7 @@ recv_x (Triton, peers' memory through their base pointers); barrier; copy the re
 Combine: barrier; push rows back into their source's comb_y; barrier; sum per token (unpermute).
 Barriers are ``_SymmetricMemory.barrier`` kernels (device-side signal pads), so nothing waits on the
 host and the sequence is CUDA-graph capturable. Receive tensors are worst-case sized (R rows);
-rows past the received total have index -1 and zero data.
+rows past the received total have index -1 (their data is unspecified).
 
 ``PRIMUS_TURBO_EP_MAX_TOKENS`` (default 8192) bounds the tokens per rank; it must be the same on
 every rank (the workspace is a collective allocation), and a call with more tokens uses NCCL.
@@ -29,7 +29,8 @@ from primus_turbo.pytorch.kernels.moe.dispatch_impl import DispatchHandle, dispa
 from primus_turbo.pytorch.kernels.moe.permute_impl import build_row_id_map, moe_unpermute_fwd
 
 _workspaces: dict = {}
-NUM_PROGRAMS = 32  # bounded SMs for the push kernels (DeepEP defaults to 20-24 SMs)
+# Bounded SMs for the push kernels (DeepEP defaults to 20-24); deep_ep.Buffer.set_num_sms sets it.
+NUM_PROGRAMS = int(os.environ.get("PRIMUS_TURBO_EP_NUM_SMS", "32"))
 
 
 def max_tokens() -> int:

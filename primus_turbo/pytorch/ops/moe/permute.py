@@ -9,8 +9,8 @@ e.g. an expert on another EP rank). Rows of the permuted buffer are grouped by e
 order within an expert; ``tokens_per_expert`` (a device tensor, int32) gives each group's size.
 
 Sizes and host syncs: with indices, the output has T * K rows (an upper bound when some indices are
--1: trailing rows are zero); with a routing map, pass ``num_out_tokens`` (the routed count), or
-the op reads it from the device once (a host sync). ``pad_multiple`` rounds every expert group up
+-1: rows after the last expert group are unspecified); with a routing map, pass ``num_out_tokens``
+(the routed count), or the op reads it from the device once (a host sync). ``pad_multiple`` rounds every expert group up
 to a multiple (16 or 128 for FP8 grouped GEMM) with zero rows; ``capacity`` keeps at most that many
 tokens per expert (later tokens are dropped) and pads every group to exactly ``capacity`` rows.
 """
@@ -144,9 +144,11 @@ def token_permute(
     row_id_map, tokens_per_expert, num_rows = build_row_id_map(
         routing, num_experts, num_out_tokens, pad_multiple, capacity
     )
-    exact = num_out_tokens is not None and pad_multiple <= 1 and capacity is None
+    # Padding rows inside expert groups must be zero (grouped GEMMs read them); rows after the last
+    # group (an upper-bound size with -1 routes) are outside every group and left unwritten.
+    zero_fill = pad_multiple > 1 or capacity is not None
     out, out_probs = _Permute.apply(
-        tokens, probs.contiguous() if probs is not None else None, row_id_map, num_rows, not exact
+        tokens, probs.contiguous() if probs is not None else None, row_id_map, num_rows, zero_fill
     )
     return out, out_probs, row_id_map, tokens_per_expert
 
