@@ -11,8 +11,9 @@ order within an expert; ``tokens_per_expert`` (a device tensor, int32) gives eac
 Sizes and host syncs: with indices, the output has T * K rows (an upper bound when some indices are
 -1: rows after the last expert group are unspecified); with a routing map, pass ``num_out_tokens``
 (the routed count), or the op reads it from the device once (a host sync). ``pad_multiple`` rounds
-every expert group up to a multiple (16 or 128 for FP8 grouped GEMM) with zero rows; ``capacity`` keeps at most that many
-tokens per expert (later tokens are dropped) and pads every group to exactly ``capacity`` rows.
+every expert group up to a multiple (16 or 128 for FP8 grouped GEMM) with zero rows; ``capacity``
+keeps at most that many tokens per expert (later tokens are dropped) and pads every group to
+exactly ``capacity`` rows.
 """
 
 from __future__ import annotations
