@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from primus_turbo.integrations.megatron import turbo_ops
 
 # Set by the registry's fp8 entry before the model is built (a primus_turbo Float8QuantConfig), else None.
@@ -155,3 +156,49 @@ class TurboColumnParallelGroupedLinear(_TurboGroupedLinear):
 
 class TurboRowParallelGroupedLinear(_TurboGroupedLinear):
     partition_dim = 1
+
+
+class TurboTokenDispatcher(MoETokenDispatcher):
+    """Megatron's MoETokenDispatcher over ``turbo.modules.TokenDispatcher`` (EP all-to-all + permute).
+
+    Replaces MoEAlltoAllTokenDispatcher: the routing map [T, E] becomes top-k indices/probs [T, K], the turbo
+    dispatcher sends each token once per destination expert and groups rows by local expert; the routing
+    probs travel with the tokens and are applied inside the experts (TEGroupedMLP multiplies them after the
+    activation), so combine is a plain sum. Expert tensor parallelism is not supported (expert TP size 1).
+    """
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.tp_size > 1:
+            raise ValueError("turbo.dispatch: expert tensor parallelism > 1 is not supported")
+        token_dispatcher_cls = turbo_ops.get("modules.TokenDispatcher")
+        self.topk = config.moe_router_topk
+        self.dispatcher = token_dispatcher_cls(
+            config.num_moe_experts, self.topk, self.ep_group, probs_in_experts=True
+        )
+        self.hidden_shape = None
+        self.tokens_per_expert = None
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        self.hidden_shape = hidden_states.shape
+        indices = routing_map.to(torch.int8).topk(self.topk, dim=-1).indices
+        return hidden_states.reshape(-1, self.hidden_shape[-1]), (probs.gather(1, indices), indices)
+
+    def token_dispatch(self, hidden_states, probs):
+        topk_probs, indices = probs
+        expert_input, self.tokens_per_expert, expert_probs = self.dispatcher.token_dispatch(
+            hidden_states, topk_probs, indices
+        )
+        return expert_input, expert_probs
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        return hidden_states, self.tokens_per_expert, probs
+
+    def combine_preprocess(self, hidden_states):
+        return hidden_states
+
+    def token_combine(self, hidden_states):
+        return self.dispatcher.token_combine(hidden_states)
+
+    def combine_postprocess(self, hidden_states):
+        return hidden_states.view(self.hidden_shape)

@@ -138,7 +138,18 @@ def _dispatch_probe(ctx) -> str | None:
                    "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher", TESTED,
                    feature="dispatch", condition=_dispatch_condition, probe=_dispatch_probe)  # fmt: skip
 def _dispatch(ctx) -> str:
-    raise NotImplementedError("the turbo token-dispatcher adapter is not wired yet; set turbo.dispatch=false")
+    if ctx.cfg.model.moe.get("dispatcher", "alltoall") == "flex":
+        raise NotImplementedError(
+            "the flex (deep_ep Buffer) adapter is not wired yet: use dispatcher=alltoall"
+        )
+    if not ctx.cfg.turbo.grouped_gemm:
+        raise ValueError(
+            "turbo.dispatch applies the routing probs inside TEGroupedMLP: needs turbo.grouped_gemm"
+        )
+    from megatron.core.transformer.moe import moe_layer
+
+    moe_layer.MoEAlltoAllTokenDispatcher = turbo_layers.TurboTokenDispatcher
+    return "MoEAlltoAllTokenDispatcher -> TurboTokenDispatcher (turbo moe_dispatch/moe_combine + permute)"
 
 
 def _async_tp_condition(ctx) -> str | None:
