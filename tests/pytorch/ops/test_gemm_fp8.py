@@ -50,18 +50,19 @@ def _cfg(gran, fmt, strategy=ScalingStrategy.CURRENT):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
 @pytest.mark.parametrize("gran", list(G), ids=lambda g: g.name)
-def test_gemm_fp8_snr(gran, fmt, layout, backend):
+def test_gemm_fp8_snr(gran, fmt, layout, backend, device):
     # M, N, K not multiples of the 128 block: partial blocks on every axis
-    a, b, ta, tb = _inputs(136, 144, 160, layout, "cpu")
+    a, b, ta, tb = _inputs(136, 144, 160, layout, device)
     GlobalBackendManager.set_gemm_backend(backend, precision="fp8")
     _check(a, b, ta, tb, _cfg(gran, fmt), msg=f"{gran.name}/{fmt.name}/{layout}/{backend}")
     assert GemmFP8Dispatcher.last_backend is BackendType[backend]
 
 
-def test_env_pin_and_cpu_default(monkeypatch):
-    a, b, ta, tb = _inputs(32, 48, 64, "NT", "cpu")
+def test_env_pin_and_default(monkeypatch, device):
+    a, b, ta, tb = _inputs(32, 48, 64, "NT", device)
     gemm_fp8(a, b, ta, tb)
-    assert GemmFP8Dispatcher.last_backend is BackendType.TORCH  # CPU default
+    default = BackendType.CUBLAS if HAS_CUDA else BackendType.TORCH
+    assert GemmFP8Dispatcher.last_backend is default
     monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "bf16:TORCH,fp8:TRITON")
     gemm_fp8(a, b, ta, tb)
     assert GemmFP8Dispatcher.last_backend is BackendType.TRITON

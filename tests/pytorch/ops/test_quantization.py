@@ -38,6 +38,7 @@ def _quantize(x, dtype, spec, backend, pow2=False):
 
 
 def _check_against_ref(x, q, s, dtype, group, pow2=False):
+    x, q, s = x.cpu(), q.cpu(), s.cpu()
     ref_q, ref_s = ref_quantize_groups(x.float(), *group, dtype, pow2)
     gr, gc = group
     rows, cols = x.shape
@@ -54,8 +55,8 @@ def _check_against_ref(x, q, s, dtype, group, pow2=False):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s[0].name}-{s[1]}-{s[2]}")
-def test_quantize_matches_reference(backend, dtype, spec):
-    x = torch.randn(80, 72, dtype=torch.bfloat16) * 3  # odd sizes: partial blocks on both axes
+def test_quantize_matches_reference(backend, dtype, spec, device):
+    x = torch.randn(80, 72, dtype=torch.bfloat16, device=device) * 3  # odd sizes: partial blocks on both axes
     q, s = _quantize(x, dtype, spec, backend)
     assert q.dtype == dtype and q.shape == x.shape and s.dtype == torch.float32
     _check_against_ref(x, q, s, dtype, spec[3])
@@ -63,11 +64,11 @@ def test_quantize_matches_reference(backend, dtype, spec):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s[0].name}-{s[1]}-{s[2]}")
-def test_quantize_with_transpose(backend, spec):
+def test_quantize_with_transpose(backend, spec, device):
     g, bs, axis, _ = spec
     if axis == 0:
         pytest.skip("with_transpose has no axis")
-    x = torch.randn(64, 48, dtype=torch.float32)
+    x = torch.randn(64, 48, dtype=torch.float32, device=device)
     gn, _, br, bc = normalize_spec(2, g, bs, None)
     q, s, qt, st = impl.quantize_fp8_with_transpose_impl(x, E4M3, gn, br, bc, False, backend)
     assert q.shape == (64, 48) and qt.shape == (48, 64) and qt.is_contiguous()
@@ -78,9 +79,9 @@ def test_quantize_with_transpose(backend, spec):
     _check_against_ref(x.t().contiguous(), qt, st, E4M3, group_t)
 
 
-def test_rowwise_transpose_many_partials():
+def test_rowwise_transpose_many_partials(device):
     """More row blocks than one reduction step of partial_to_scale_kernel (loop over partials)."""
-    x = torch.randn(2100, 24)
+    x = torch.randn(2100, 24, device=device)
     x[1500, 5] = 80.0  # column 5's amax comes from a late row block
     got = impl.quantize_fp8_with_transpose_impl(x, E4M3, "rowwise", 0, 0, False, "triton")
     want = impl.quantize_fp8_with_transpose_impl(x, E4M3, "rowwise", 0, 0, False, "torch")
@@ -93,8 +94,8 @@ def test_rowwise_transpose_many_partials():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_power_of_two_scales(backend):
-    x = torch.randn(32, 64) * 7
+def test_power_of_two_scales(backend, device):
+    x = torch.randn(32, 64, device=device) * 7
     q, s = impl.quantize_fp8_impl(x, E4M3, "rowwise", -1, 0, 0, True, backend)
     mant, _ = torch.frexp(s)
     assert torch.all(mant == 0.5), "scale_inv must be a power of two"
