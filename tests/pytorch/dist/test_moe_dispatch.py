@@ -75,6 +75,23 @@ def _body_roundtrip(rank, world, device, backend_name):
     assert_close(probs.grad, ref_pg, torch.float32)
 
 
+def _body_fp8_dispatch(rank, world, device):
+    """(x_fp8, x_scale) travel together; rows arrive bit-exact."""
+    from primus_turbo.pytorch.ops.moe.dispatch import moe_dispatch
+
+    x, indices, probs = _inputs(rank, device)
+    scale = x.abs().amax(-1, keepdim=True) / 448.0
+    x_fp8 = (x / scale).to(torch.float8_e4m3fn)
+    (recv_x, recv_scale), recv_idx, _, _, _ = moe_dispatch((x_fp8, scale), indices, probs, NUM_EXPERTS)
+    ex, ei, _ = _expected_recv(rank, world, device)
+    n = ex.shape[0]
+    assert recv_x.dtype == torch.float8_e4m3fn and recv_scale.shape == (recv_x.shape[0], 1)
+    deq = recv_x[:n].float() * recv_scale[:n]
+    ref_scale = ex.abs().amax(-1, keepdim=True) / 448.0
+    ref = (ex / ref_scale).to(torch.float8_e4m3fn).float() * ref_scale
+    assert torch.equal(deq.cpu(), ref)
+
+
 def _body_token_dispatcher(rank, world, device):
     from primus_turbo.pytorch.modules.token_dispatcher import TokenDispatcher
 
@@ -154,6 +171,7 @@ def _body_deep_ep_megatron(rank, world, device):
 def _body_all(rank, world, device, backend_name):
     _body_roundtrip(rank, world, device, backend_name)
     _body_token_dispatcher(rank, world, device)
+    _body_fp8_dispatch(rank, world, device)
     _body_bad_sizes(rank, world, device)
     _body_bad_input(rank, world, device)
     _body_deep_ep_megatron(rank, world, device)
