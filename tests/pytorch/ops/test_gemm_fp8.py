@@ -111,10 +111,10 @@ def test_zero_size_m():
         b.grad = None
 
 
-def test_delayed_scaling_uses_history():
+def test_delayed_scaling_uses_history(device):
     cfg = _cfg(G.TENSORWISE, Format.HYBRID, ScalingStrategy.DELAYED)
-    state = DelayedScalingState(cfg)
-    a, b, ta, tb = _inputs(48, 64, 96, "NT", "cpu", torch.float32)
+    state = DelayedScalingState(cfg, device=device)
+    a, b, ta, tb = _inputs(48, 64, 96, "NT", device, torch.float32)
     for step in range(3):
         a.grad = b.grad = None
         _check(a, b, ta, tb, cfg, msg=f"delayed step {step}", delayed_state=state)

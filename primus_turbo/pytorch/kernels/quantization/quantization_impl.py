@@ -179,8 +179,8 @@ def _colwise_triton(x2, out_dtype, pow2, transpose):
     dev = x2.device
     bc, chunk_r = 128, 256
     num_chunks = max(1, ceil_div(rows, chunk_r))
-    if num_chunks > 256:  # keep the partial buffer a register-sized reduction in the cast pass
-        chunk_r = ceil_div(rows, 256 * 64) * 64
+    if num_chunks > 32:  # the cast pass reduces [chunks, 128] partials in registers: keep it <= 32 rows
+        chunk_r = ceil_div(rows, 32 * 32) * 32
         num_chunks = ceil_div(rows, chunk_r)
     partials = torch.empty((num_chunks, cols), dtype=torch.float32, device=dev)
     grid_c = ceil_div(cols, bc)
