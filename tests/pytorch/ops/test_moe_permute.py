@@ -314,3 +314,28 @@ def test_permute_turbo_csrc_matches_triton(dtype, device):
     assert torch.equal(out_c, out_t) and torch.equal(probs_c, probs_t)
     ukw = dict(kind="unpermute", y=out_t, row_id_map=row_id_map, probs=probs, num_tokens=t)
     assert_close(PermuteTurbo.execute(**ukw), PermuteTriton.execute(**ukw).float(), dtype)
+
+
+def test_moe_ops_torch_compile_fullgraph(device):
+    """router -> swiglu_with_probs -> permute -> unpermute traces with fullgraph=True (custom ops +
+    register_fake), forward and backward, and matches eager."""
+    from primus_turbo.pytorch.ops.activation import swiglu_with_probs
+    from primus_turbo.pytorch.ops.moe.router import fused_topk_routing
+
+    def f(x, p, logits):
+        probs, _, idx = fused_topk_routing(logits, 2, return_indices=True)
+        y = swiglu_with_probs(x, p)
+        topk_probs = probs.gather(1, idx)
+        out, _, rid, _ = token_permute(y, idx, topk_probs, num_experts=8)
+        return token_unpermute(out, rid, topk_probs).sum() + probs.sum()
+
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    p = torch.rand(16, device=device, requires_grad=True)
+    logits = torch.randn(16, 8, device=device, requires_grad=True)
+    eager = f(x, p, logits)
+    grads = torch.autograd.grad(eager, [x, p, logits])
+    compiled = torch.compile(f, fullgraph=True)(x, p, logits)
+    cgrads = torch.autograd.grad(compiled, [x, p, logits])
+    assert_close(compiled, eager, torch.float32)
+    for a, b in zip(cgrads, grads):
+        assert_close(a, b, torch.float32)
