@@ -29,6 +29,7 @@ from primus_turbo.pytorch.kernels.moe.dispatch_impl import DispatchHandle, dispa
 from primus_turbo.pytorch.kernels.moe.permute_impl import build_row_id_map, moe_unpermute_fwd
 
 _workspaces: dict = {}
+_retired: list = []
 # Bounded SMs for the push kernels (DeepEP defaults to 20-24); deep_ep.Buffer.set_num_sms sets it.
 NUM_PROGRAMS = int(os.environ.get("PRIMUS_TURBO_EP_NUM_SMS", "32"))
 
@@ -84,9 +85,12 @@ def _workspace(group, nbytes: int, device):
                 enable(name)
             except Exception:
                 pass
+        if cur is not None:  # kernels queued on the old workspace may still run: keep it alive
+            _retired.append(cur)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         hdl = symm_mem.rendezvous(buf, name)
-        ptrs = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=device)
+        raw_ptrs = hdl.buffer_ptrs() if callable(hdl.buffer_ptrs) else hdl.buffer_ptrs
+        ptrs = torch.tensor(list(raw_ptrs), dtype=torch.int64, device=device)
         cur = (buf, hdl, ptrs)
         _workspaces[name] = cur
     return cur
