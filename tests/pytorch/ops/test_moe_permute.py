@@ -339,3 +339,18 @@ def test_moe_ops_torch_compile_fullgraph(device):
     assert_close(compiled, eager, torch.float32)
     for a, b in zip(cgrads, grads):
         assert_close(a, b, torch.float32)
+
+
+@pytest.mark.deterministic
+def test_permute_unpermute_bitwise_deterministic(device):
+    """Unpermute is a gather with a fixed summation order (no atomics): bitwise reproducible."""
+    t, e, k, h = 64, 8, 4, 48
+    indices, probs = _routing(t, e, k, device)
+    x = torch.randn(t, h, device=device, requires_grad=True)
+    runs = []
+    for _ in range(2):
+        out, _, rid, _ = token_permute(x, indices, num_experts=e, pad_multiple=16)
+        y = token_unpermute(out * 1.5, rid, probs)
+        (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        runs.append((y, gx))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
