@@ -128,7 +128,10 @@ def gemm_fp8_persistent_kernel(
     if SCALE_MODE == 0:
         tensor_scale = tl.load(a_s_ptr) * tl.load(b_s_ptr)
 
-    for tile_id in range(start_pid, num_tiles, NUM_SMS):
+    # flatten=True software-pipelines across tiles (next tile's loads overlap this epilogue); a
+    # separate epilogue tile counter keeps prologue and epilogue independent, as in gemm_kernel.py.
+    tile_id_c = start_pid - NUM_SMS
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,6 +159,12 @@ def gemm_fp8_persistent_kernel(
                 acc += part * (a_s[:, None] * b_s[None, :])
             else:
                 acc = _dot(a, tl.trans(b), acc)
+        tile_id_c += NUM_SMS
+        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+        rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
         if SCALE_MODE == 0:
             acc = acc * tensor_scale
         elif SCALE_MODE == 1:
