@@ -89,9 +89,16 @@ def scaled_matmul(
     """a @ b (bf16/fp16/fp32: torch.mm, i.e. cuBLAS) or the FP8 product with dequant scales.
 
     FP8: ``b`` must be column-major (``b.t()`` contiguous), as torch._scaled_mm requires.
+    Non-CUDA tensors (the gloo CPU tests) never reach torch._scaled_mm: its CPU kernel is tensor-wise
+    only before torch 2.13 (an INTERNAL ASSERT on row-wise scales) and its dtype support varies by
+    release, so FP8 on CPU is dequantize (fp32) + torch.mm, which is also the more exact product.
     """
     if a_scale is None:
         return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+    if not a.is_cuda:
+        b_deq = b.float() if b_scale is None else b.float() * b_scale.float()
+        res = torch.mm(a.float() * a_scale.float(), b_deq).to(out_dtype or torch.bfloat16)
+        return res if out is None else out.copy_(res)
     if a_scale.numel() > 1 and a_scale.data_ptr() % 16:
         a_scale = a_scale.clone()  # cuBLAS row-wise kernels need 16-byte aligned scales
     kwargs = dict(scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
