@@ -139,9 +139,7 @@ def _dispatch_probe(ctx) -> str | None:
                    feature="dispatch", condition=_dispatch_condition, probe=_dispatch_probe)  # fmt: skip
 def _dispatch(ctx) -> str:
     if ctx.cfg.model.moe.get("dispatcher", "alltoall") == "flex":
-        raise NotImplementedError(
-            "the flex (deep_ep Buffer) adapter is not wired yet: use dispatcher=alltoall"
-        )
+        return _install_turbo_deep_ep()
     if not ctx.cfg.turbo.grouped_gemm:
         raise ValueError(
             "turbo.dispatch applies the routing probs inside TEGroupedMLP: needs turbo.grouped_gemm"
@@ -150,6 +148,27 @@ def _dispatch(ctx) -> str:
 
     moe_layer.MoEAlltoAllTokenDispatcher = turbo_layers.TurboTokenDispatcher
     return "MoEAlltoAllTokenDispatcher -> TurboTokenDispatcher (turbo moe_dispatch/moe_combine + permute)"
+
+
+def _install_turbo_deep_ep() -> str:
+    """Megatron's flex dispatcher (deepep backend) over turbo's DeepEP-compatible Buffer: register
+    primus_turbo.pytorch.deep_ep as ``deep_ep`` and re-run fused_a2a's import-time ``HAVE_DEEP_EP`` branch."""
+    import importlib
+
+    from megatron.core.transformer.moe import fused_a2a, token_dispatcher
+
+    from primus_turbo.pytorch.deep_ep import install_as_deep_ep
+
+    if not install_as_deep_ep():
+        raise RuntimeError(
+            "a real DeepEP is installed; turbo.dispatch would shadow it (set turbo.dispatch=false)"
+        )
+    fused_a2a = importlib.reload(fused_a2a)
+    if not fused_a2a.HAVE_DEEP_EP:
+        raise RuntimeError("megatron fused_a2a still cannot import deep_ep after installing the turbo Buffer")
+    for name in ("fused_dispatch", "fused_combine", "set_deepep_num_sms"):
+        setattr(token_dispatcher, name, getattr(fused_a2a, name))
+    return "MoEFlexTokenDispatcher (deepep backend) -> primus_turbo.pytorch.deep_ep.Buffer"
 
 
 def _async_tp_condition(ctx) -> str | None:

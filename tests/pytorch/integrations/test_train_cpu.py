@@ -60,6 +60,15 @@ def test_turbo_disabled_runs_the_stock_local_path(tmp_path):
     assert {"step_time_ms", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "max_mem_gb"} <= set(rows[0])
 
 
+def test_flex_dispatcher_runs_over_the_turbo_deep_ep_buffer(tmp_path):
+    metrics = tmp_path / "flex.jsonl"
+    rc, out, _ = torchrun("model.moe.dispatcher=flex", "train.steps=3", f"train.metrics_file={metrics}")
+    assert rc == 0, out[-3000:]
+    assert "MoEFlexTokenDispatcher (deepep backend) -> primus_turbo.pytorch.deep_ep.Buffer" in out
+    losses = _losses(metrics)
+    assert list(losses) == [1, 2, 3] and losses[3] < losses[1]
+
+
 def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ["train.steps=4", f"train.ckpt_dir={ckpt}", "train.save_interval=3"]
@@ -75,10 +84,10 @@ def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
 
 
 def test_unavailable_turbo_feature_under_strict_stops_with_the_flag():
-    rc, out, _ = torchrun("model.moe.dispatcher=flex", "train.steps=2")
+    rc, out, _ = torchrun("recipe=tiny_dense", "parallel.tp=2", "parallel.sequence_parallel=true",
+                          "turbo.async_tp=true", "train.steps=2")  # fmt: skip
     assert rc != 0
-    assert "turbo.dispatch cannot serve this run" in out and "flex (deep_ep Buffer)" in out
-    assert "turbo.strict=false" in out
+    assert "turbo.async_tp cannot serve this run" in out and "turbo.strict=false" in out
     assert "step 1/" not in out
 
 
