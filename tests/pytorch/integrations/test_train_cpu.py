@@ -49,15 +49,25 @@ def test_default_command_trains_tiny_moe_with_loss_going_down():
     assert seconds < 180, f"default run took {seconds:.0f} s (target < 180 s on 2 cores)"
 
 
-def test_turbo_disabled_runs_the_stock_local_path(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    rc, out, _ = torchrun("turbo.enabled=false", "train.steps=3", f"train.metrics_file={metrics}")
+def test_turbo_off_runs_the_stock_path_and_turbo_on_matches_it(tmp_path):
+    """tiny_dense with TP=2: the stock local modules and the turbo ones train the same trajectory (fp32)."""
+    common = ["recipe=tiny_dense", "parallel.tp=2", "train.steps=3"]
+    rc, out, _ = torchrun(*common, "turbo.enabled=false", f"train.metrics_file={tmp_path / 'off.jsonl'}")
     assert rc == 0, out[-3000:]
-    assert re.search(r"turbo\.gemm\s+off", out) and "Turbo" not in out.split("==== turbo report")[1][:2000]
-    assert "megatron.core.tensor_parallel.layers.ColumnParallelLinear" in out
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 for r in rows)
+    assert (
+        re.search(r"turbo\.gemm\s+off", out)
+        and "megatron.core.tensor_parallel.layers.ColumnParallelLinear" in out
+    )
+    assert "TurboColumnParallelLinear" not in out
+    rows = [json.loads(line) for line in (tmp_path / "off.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert {"step_time_ms", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "max_mem_gb"} <= set(rows[0])
+    rc, out, _ = torchrun(*common, f"train.metrics_file={tmp_path / 'on.jsonl'}")
+    assert rc == 0, out[-3000:]
+    assert "TurboColumnParallelLinear" in out
+    off, on = _losses(tmp_path / "off.jsonl"), _losses(tmp_path / "on.jsonl")
+    for step in (1, 2, 3):
+        assert on[step] == pytest.approx(off[step], rel=1e-4), (off, on)
 
 
 def test_flex_dispatcher_runs_over_the_turbo_deep_ep_buffer(tmp_path):
