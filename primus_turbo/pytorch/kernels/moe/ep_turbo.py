@@ -85,6 +85,15 @@ def _workspace(group, nbytes: int, device):
                 enable(name)
             except Exception:
                 pass
+        # Allocation is collective: check every rank asks for the same size first (a host sync, only
+        # when the workspace is created or grows), so mismatched ranks raise instead of hanging.
+        sizes = [None] * dist.get_world_size(group)
+        dist.all_gather_object(sizes, nbytes, group=group)
+        if len(set(sizes)) != 1:
+            raise ValueError(
+                f"moe_dispatch (TURBO): ranks need different workspace sizes {sizes} (hidden size, topk, "
+                "dtype or PRIMUS_TURBO_EP_MAX_TOKENS differ across ranks)"
+            )
         if cur is not None:  # kernels queued on the old workspace may still run: keep it alive
             _retired.append(cur)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
