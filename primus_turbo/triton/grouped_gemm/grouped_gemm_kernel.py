@@ -69,7 +69,7 @@ def grouped_gemm_kernel(
     stride_asm, stride_ask, stride_bsg, stride_bsk, stride_bsn,
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
+    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -117,6 +117,8 @@ def grouped_gemm_kernel(
                     )
                     sb = tl.load(b_scale_ptr + g * stride_bsg + kb * stride_bsk + tile_n * stride_bsn)
                     acc += tl.dot(a, b) * (sa[:, None] * sb)
+                elif IEEE:  # fp32 operands: exact fp32 products (the default would be tf32)
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, b, acc)
                 a_ptrs += BLOCK_K * stride_ak
@@ -138,7 +140,7 @@ def grouped_gemm_variable_k_kernel(
     stride_xm, stride_xp, stride_ym, stride_yq, stride_cg, stride_cp, stride_cq,
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
+    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr = False,
 ):  # fmt: skip
     """C[g] = X[rows_g]^T @ Y[rows_g]; an empty group's C[g] is written as exact zeros."""
     pid = tl.program_id(0)
@@ -178,7 +180,10 @@ def grouped_gemm_variable_k_kernel(
             if UPCAST:
                 x = x.to(tl.float32)
                 y = y.to(tl.float32)
-            acc = tl.dot(x, y, acc)
+            if IEEE:
+                acc = tl.dot(x, y, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, y, acc)
         if SCALE_MODE == 1:
             acc = acc * (tl.load(x_scale_ptr + g) * tl.load(y_scale_ptr + g))
         if SCALE_MODE == 2:  # per-column scales (along the token axis): they factor out of the sum
@@ -192,8 +197,13 @@ def grouped_gemm_variable_k_kernel(
 # -- launchers ------------------------------------------------------------------------------------
 # Tile choices (H100/H200, masked-pointer loads, one CTA per SM): 128x256x64 / 8 warps / 3 stages
 # is the Triton matmul tutorial's best bf16 config on sm_90 (147 KB smem); FP8 uses 128x128x128
-# (BLOCKWISE needs BLOCK_N == BLOCK_K == 128 so one weight scale covers a tile's K step).
+# (BLOCKWISE needs BLOCK_N == BLOCK_K == 128 so one weight scale covers a tile's K step). fp32
+# operands run an exact ("ieee") FMA dot with 64x64x32 tiles: a 16-bit tile config would need
+# twice the shared memory (128x128x64 x 4 stages = 256 KB > the 227 KB of sm_90) and tf32 would
+# miss fp32 accuracy. Every config is then pruned by its operand bytes (``fit_smem``).
 # The CPU interpreter gets small tiles (speed of the numpy emulation, not of a GPU).
+
+SMEM_BUDGET = 200 * 1024  # of sm_90's 227 KB: headroom for the epilogue/layout-conversion scratch
 
 
 def _num_programs(device) -> int:
@@ -208,36 +218,72 @@ def _block_g(num_groups: int) -> int:
     return max(16, triton.next_power_of_2(num_groups + 1))  # +1: the zero-filled tail lane
 
 
-def _fwd_config(is_fp8: bool, scale_mode: int, n: int, on_gpu: bool) -> dict:
+def fit_smem(cfg: dict, elem_bytes: int, keys=("BLOCK_M", "BLOCK_N", "BLOCK_K")) -> dict:
+    """Drop pipeline stages (then halve the N tile) until the operand buffers fit SMEM_BUDGET.
+
+    Triton on sm_90 allocates one A and one B buffer per stage (128x128x64 fp32 x 4 stages is the
+    262144 bytes an H200 rejected).
+    """
+    cfg = dict(cfg)
+    bm, bn, bk = keys
+
+    def smem(c):
+        return (c[bm] * c[bk] + c[bk] * c[bn]) * elem_bytes * c["num_stages"]
+
+    while smem(cfg) > SMEM_BUDGET and cfg["num_stages"] > 2:
+        cfg["num_stages"] -= 1
+    while smem(cfg) > SMEM_BUDGET and cfg[bn] > 32:
+        cfg[bn] //= 2
+    return cfg
+
+
+def _fwd_config(is_fp8: bool, scale_mode: int, n: int, on_gpu: bool, elem_bytes: int | None = None) -> dict:
+    elem_bytes = elem_bytes or (1 if is_fp8 else 2)
     if scale_mode == SCALE_BLOCKWISE:
         return dict(BLOCK_M=128 if on_gpu else 32, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
     if not on_gpu:
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=1)
     if is_fp8:
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
-    if n >= 256:
-        return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
+    elif elem_bytes >= 4:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
+    elif n >= 256:
+        cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+    return fit_smem(cfg, elem_bytes)
 
 
-def _wgrad_config(is_fp8: bool, on_gpu: bool) -> dict:
+def _wgrad_config(is_fp8: bool, on_gpu: bool, elem_bytes: int | None = None) -> dict:
+    elem_bytes = elem_bytes or (1 if is_fp8 else 2)
     if not on_gpu:
         return dict(BLOCK_P=32, BLOCK_Q=64, BLOCK_K=32, num_warps=4, num_stages=1)
     if is_fp8:
-        return dict(BLOCK_P=128, BLOCK_Q=128, BLOCK_K=128, num_warps=8, num_stages=4)
-    return dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, num_warps=8, num_stages=3)
+        cfg = dict(BLOCK_P=128, BLOCK_Q=128, BLOCK_K=128, num_warps=8, num_stages=4)
+    elif elem_bytes >= 4:
+        cfg = dict(BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, num_warps=8, num_stages=3)
+    return fit_smem(cfg, elem_bytes, keys=("BLOCK_P", "BLOCK_Q", "BLOCK_K"))
 
 
 def launch_grouped_gemm(a, b_view, out, group_lens, a_scale=None, b_scale=None, scale_mode=SCALE_NONE):
     """out[rows_g] = a[rows_g] @ b_view[g] (b_view: [G, K, N], any strides); out is fully written.
 
     a_scale/b_scale strides follow the layouts in the module docstring (b_scale may be a strided
-    view, e.g. the transpose used by dgrad).
+    view, e.g. the transpose used by dgrad). Empty problems launch nothing (M*N == 0: nothing to
+    write; K == 0: out is zero-filled here).
     """
     m, k = a.shape
     g, _, n = b_view.shape
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
     on_gpu = a.is_cuda
-    cfg = _fwd_config(a.element_size() == 1, scale_mode, n, on_gpu)
+    elem_bytes = max(a.element_size(), b_view.element_size())
+    cfg = _fwd_config(elem_bytes == 1, scale_mode, n, on_gpu, elem_bytes)
+    ieee = a.dtype == b_view.dtype and a.element_size() == 4 and scale_mode == SCALE_NONE
     a_scale = a_scale if a_scale is not None else out
     b_scale = b_scale if b_scale is not None else out
     a_s = list(a_scale.stride()) + [0, 0] if scale_mode >= SCALE_ROWWISE else [0, 0]
@@ -256,7 +302,7 @@ def launch_grouped_gemm(a, b_view, out, group_lens, a_scale=None, b_scale=None, 
         out.stride(0), out.stride(1),
         a_s[0], a_s[1], b_s[0], b_s[1], b_s[2],
         NUM_PROGS=_num_programs(a.device), BLOCK_G=_block_g(g), GROUP_M=8 if on_gpu else 2,
-        SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
+        SCALE_MODE=scale_mode, UPCAST=not on_gpu, IEEE=ieee, **cfg,
     )  # fmt: skip
     return out
 
@@ -265,20 +311,27 @@ def launch_grouped_gemm_variable_k(x, y, out, group_lens, x_scale=None, y_scale=
     """out[g] = x[rows_g]^T @ y[rows_g] for g < G (out: [G, P, Q]); empty groups get zeros.
 
     Scales: [G] each (scale_mode 1, the default when given) or [P] / [Q] contiguous (mode 2).
+    No tokens (M == 0) zero-fills out without a launch.
     """
     m, p = x.shape
     q = y.shape[1]
     g = out.shape[0]
+    if out.numel() == 0:
+        return out
+    if m == 0:
+        return out.zero_()
     on_gpu = x.is_cuda
-    cfg = _wgrad_config(x.element_size() == 1, on_gpu)
+    elem_bytes = max(x.element_size(), y.element_size())
+    cfg = _wgrad_config(elem_bytes == 1, on_gpu, elem_bytes)
     if scale_mode is None:
         scale_mode = SCALE_TENSORWISE if x_scale is not None else SCALE_NONE
+    ieee = x.dtype == y.dtype and x.element_size() == 4 and scale_mode == SCALE_NONE
     grouped_gemm_variable_k_kernel[(_num_programs(x.device),)](
         x, y, out, group_lens,
         x_scale if x_scale is not None else out, y_scale if y_scale is not None else out,
         g, m, p, q,
         x.stride(0), x.stride(1), y.stride(0), y.stride(1), out.stride(0), out.stride(1), out.stride(2),
         NUM_PROGS=_num_programs(x.device), BLOCK_G=_block_g(g),
-        SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
+        SCALE_MODE=scale_mode, UPCAST=not on_gpu, IEEE=ieee, **cfg,
     )  # fmt: skip
     return out

@@ -180,6 +180,20 @@ def test_custom_ops_opcheck(device):
     torch.library.opcheck(grouped_gemm_variable_k_impl, (a, torch.randn(24, 8, device=device), lens))
 
 
+@pytest.mark.parametrize("elem_bytes", [1, 2, 4])
+def test_gpu_configs_fit_shared_memory(elem_bytes):
+    """Every GPU tile config, pruned by operand bytes, fits sm_90 (fp32 once got a bf16 config: 256 KB)."""
+    for n in (48, 4096):
+        cfg = kmod._fwd_config(elem_bytes == 1, 0, n, on_gpu=True, elem_bytes=elem_bytes)
+        need = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem_bytes * cfg["num_stages"]
+        assert need <= kmod.SMEM_BUDGET, cfg
+    cfg = kmod._wgrad_config(elem_bytes == 1, on_gpu=True, elem_bytes=elem_bytes)
+    need = (cfg["BLOCK_P"] + cfg["BLOCK_Q"]) * cfg["BLOCK_K"] * elem_bytes * cfg["num_stages"]
+    assert need <= kmod.SMEM_BUDGET, cfg
+    big = kmod.fit_smem(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=4), 4)
+    assert (128 + big["BLOCK_N"]) * 64 * 4 * big["num_stages"] <= kmod.SMEM_BUDGET
+
+
 # -- sm_90 compilation (catches what the interpreter cannot: compile errors, smem overflow) ----
 _FWD_SIG = {
     "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "group_lens_ptr": "*i64",
@@ -190,6 +204,7 @@ _FWD_SIG = {
     "stride_bsg": "i32", "stride_bsk": "i32", "stride_bsn": "i32",
     "NUM_PROGS": "constexpr", "BLOCK_G": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
     "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "SCALE_MODE": "constexpr", "UPCAST": "constexpr",
+    "IEEE": "constexpr",
 }  # fmt: skip
 _WGRAD_SIG = {
     "x_ptr": "*bf16", "y_ptr": "*bf16", "c_ptr": "*bf16", "group_lens_ptr": "*i64",
@@ -197,7 +212,7 @@ _WGRAD_SIG = {
     "stride_xm": "i64", "stride_xp": "i32", "stride_ym": "i64", "stride_yq": "i32",
     "stride_cg": "i64", "stride_cp": "i32", "stride_cq": "i32",
     "NUM_PROGS": "constexpr", "BLOCK_G": "constexpr", "BLOCK_P": "constexpr", "BLOCK_Q": "constexpr",
-    "BLOCK_K": "constexpr", "SCALE_MODE": "constexpr", "UPCAST": "constexpr",
+    "BLOCK_K": "constexpr", "SCALE_MODE": "constexpr", "UPCAST": "constexpr", "IEEE": "constexpr",
 }  # fmt: skip
 
 
@@ -209,6 +224,8 @@ FWD_CASES = [  # (a dtype, b dtype, scale mode, N); fp8e5 x fp8e4nv is the HYBRI
     ("bf16", "bf16", 0, 4096),
     ("bf16", "bf16", 0, 128),
     ("fp16", "fp16", 0, 4096),
+    ("fp32", "fp32", 0, 4096),  # 4-byte operands: the config must be pruned for shared memory
+    ("fp32", "fp32", 0, 48),
     ("fp8e4nv", "fp8e4nv", 1, 4096),
     ("fp8e4nv", "fp8e4nv", 2, 4096),
     ("fp8e4nv", "fp8e4nv", 3, 4096),
@@ -218,6 +235,7 @@ FWD_CASES = [  # (a dtype, b dtype, scale mode, N); fp8e5 x fp8e4nv is the HYBRI
 WGRAD_CASES = [  # (x dtype, y dtype, scale mode); HYBRID wgrad is E5M2 grad x E4M3 activation
     ("bf16", "bf16", 0),
     ("fp16", "fp16", 0),
+    ("fp32", "fp32", 0),
     ("fp8e4nv", "fp8e4nv", 1),
     ("fp8e4nv", "fp8e4nv", 2),
     ("fp8e5", "fp8e4nv", 1),
@@ -225,19 +243,25 @@ WGRAD_CASES = [  # (x dtype, y dtype, scale mode); HYBRID wgrad is E5M2 grad x E
 ]
 
 
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8e4nv": 1, "fp8e5": 1}
+
+
 def _compile_all():
     """Every launch config the GPU uses, compiled for sm_90 (run in a process without the interpreter)."""
     for a_dtype, b_dtype, scale_mode, n in FWD_CASES:
-        cfg = kmod._fwd_config(a_dtype.startswith("fp8"), scale_mode, n, on_gpu=True)
+        nbytes = max(_BYTES[a_dtype], _BYTES[b_dtype])
+        cfg = kmod._fwd_config(nbytes == 1, scale_mode, n, on_gpu=True, elem_bytes=nbytes)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         consts = dict(NUM_PROGS=132, BLOCK_G=kmod._block_g(256), SCALE_MODE=scale_mode, UPCAST=False, **cfg)
-        consts["GROUP_M"] = 8
+        consts.update(GROUP_M=8, IEEE=a_dtype == "fp32")
         sig = _with_dtype(_with_dtype(_FWD_SIG, f"*{a_dtype}", ("a_ptr",)), f"*{b_dtype}", ("b_ptr",))
         compile_for_sm90(kmod.grouped_gemm_kernel, sig, consts, num_warps=warps, num_stages=stages)
     for x_dtype, y_dtype, scale_mode in WGRAD_CASES:
-        cfg = kmod._wgrad_config(x_dtype.startswith("fp8"), on_gpu=True)
+        nbytes = max(_BYTES[x_dtype], _BYTES[y_dtype])
+        cfg = kmod._wgrad_config(nbytes == 1, on_gpu=True, elem_bytes=nbytes)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         consts = dict(NUM_PROGS=132, BLOCK_G=kmod._block_g(64), SCALE_MODE=scale_mode, UPCAST=False, **cfg)
+        consts["IEEE"] = x_dtype == "fp32"
         sig = _with_dtype(_with_dtype(_WGRAD_SIG, f"*{x_dtype}", ("x_ptr",)), f"*{y_dtype}", ("y_ptr",))
         compile_for_sm90(kmod.grouped_gemm_variable_k_kernel, sig, consts, num_warps=warps, num_stages=stages)
 
