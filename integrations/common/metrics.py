@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import sys
 import time
 
@@ -104,7 +105,10 @@ class StepMetrics:
     def record(self, step: int, loss: float, step_seconds: float, tokens: int, lr: float, grad_norm) -> dict:
         tokens_per_gpu = tokens / self.world_size / step_seconds
         tflops = tokens_per_gpu * self.flops_per_token / 1e12
-        max_mem_gb = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        if torch.cuda.is_available():
+            max_mem_gb = torch.cuda.max_memory_allocated() / 2**30
+        else:  # CPU: peak resident set size of this rank's process (Linux reports KiB)
+            max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         row = {
             "step": step,
             "loss": loss,
