@@ -30,6 +30,8 @@ from primus_turbo.pytorch.ops.activation import swiglu_with_probs  # noqa: E402
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute  # noqa: E402
 from primus_turbo.pytorch.ops.moe.router import fused_topk_routing  # noqa: E402
 
+QUICK = False  # --quick: torch.compile baselines only for permute and swiglu (compile time budget)
+
 
 def _row(label, shape, dtype, check, fwd_bytes, fwd_ms, bwd_bytes=None, bwd_ms=None):
     return {
@@ -82,7 +84,10 @@ def bench_router(t, e, k, groups, topk_groups):
     grad = torch.randn(t, e, device="cuda")
     rows = []
     ref = eager(logits)
-    for label, fn in (("router/turbo", turbo), ("router/eager", eager), ("router/torch.compile", compiled)):
+    impls = [("router/turbo", turbo), ("router/eager", eager)] + (
+        [] if QUICK else [("router/torch.compile", compiled)]
+    )
+    for label, fn in impls:
         f, b = _fwd_bwd(fn, (logits,), grad)
         rows.append(_row(label, f"{t}x{e} top{k} g{groups}/{topk_groups}", logits.dtype,
                          _check(fn(logits), ref), fwd_b, f, bwd_b, b))  # fmt: skip
@@ -163,9 +168,11 @@ def bench_permute(t, h, e, k):
     compiled_unperm = torch.compile(eager_unperm)
     gout = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     ref = turbo_unperm(y, probs_g)
-    for label, fn, ins in (("unpermute+probs/turbo", turbo_unperm, (y, probs_g)),
-                           ("unpermute+probs/eager", eager_unperm, (y, probs_g)),
-                           ("unpermute+probs/torch.compile", compiled_unperm, (y, probs_g))):  # fmt: skip
+    impls = [("unpermute+probs/turbo", turbo_unperm), ("unpermute+probs/eager", eager_unperm)]
+    if not QUICK:
+        impls.append(("unpermute+probs/torch.compile", compiled_unperm))
+    for label, fn in impls:
+        ins = (y, probs_g)
         f, _ = bench_ms(lambda fn=fn, ins=ins: fn(*ins))
         out = fn(*ins)
         b, _ = bench_ms(lambda out=out: torch.autograd.grad(out, [y], gout, retain_graph=True))
@@ -196,7 +203,9 @@ def bench_swiglu(n, inter):
 
 
 def main():
+    global QUICK
     args = bench_parser(__doc__).parse_args()
+    QUICK = args.quick
     torch.manual_seed(0)
     rows = []
     if args.quick:
