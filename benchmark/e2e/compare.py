@@ -1,0 +1,243 @@
+"""End-to-end step-time comparison: framework x turbo on/off x bf16/fp8, one torchrun process per config.
+
+    python benchmark/e2e/compare.py recipe=deepseek_moe_fp8                       # megatron, 1 GPU, 4 configs
+    python benchmark/e2e/compare.py recipe=deepseek_moe_fp8 nproc=2 parallel.ep=2 model.num_layers=8
+    python benchmark/e2e/compare.py recipe=deepseek_moe_fp8 parity=true steps=500 # FP8 vs bf16 loss curves
+    python benchmark/e2e/compare.py recipe=tiny_moe nproc=2 precisions=bf16 steps=4 warmup=1 out=/tmp/e2e
+
+Options (key=value; every other key=value is passed to train.py as a Hydra override for all configurations):
+  recipe=NAME            recipes/recipe/NAME.yaml (default tiny_moe)
+  frameworks=a,b         megatron,torchtitan (default megatron)
+  nproc=N                GPUs (processes) per configuration (default 1)
+  precisions=a,b         bf16,fp8 (default bf16,fp8)
+  turbo=a,b              off,on (default off,on)
+  steps=N warmup=K       train.steps; medians skip the first K steps (default 30, 10; parity: 500, 10)
+  timeout=S              seconds per configuration before it is killed and reported as timeout (default 1800)
+  out=DIR                default benchmark/results/<gpu>/e2e/<recipe>_<nproc>gpu[_parity]
+  parity=true            turbo on, bf16 vs fp8 on the shipped text sample (data.kind=text unless given), same
+                         seed and data order; the report adds the final-loss gap (target: fp8 within 1%)
+  stock_fp8=true         also run the stock Megatron fp8 row (it stops at start-up: no FP8 without TE)
+  dry_run=true           print the commands, run nothing
+
+Writes DIR/report.md (table + failures with their log tails), DIR/results.json, DIR/report.png (when
+matplotlib is installed), DIR/runs/<config>.{log,jsonl}. Exit code 0 when every configuration that ran
+succeeded, 1 if not.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from plot import write_plot  # noqa: E402
+from report import RunResult, load_metrics, summarize, write_report  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+OPTIONS = {
+    "recipe": "tiny_moe", "frameworks": "megatron", "nproc": "1", "precisions": "bf16,fp8", "turbo": "off,on",
+    "steps": None, "warmup": "10", "timeout": "1800", "out": None, "parity": "false", "stock_fp8": "false",
+    "dry_run": "false",
+}  # fmt: skip
+TRUE = ("1", "true", "yes", "on")
+NO_STOCK_FP8 = "stock Megatron-Core without Transformer Engine has no FP8 path (stock_fp8=true runs it)"
+ERROR_LINE = re.compile(r"(^|\]: |: )[\w.]*(Error|Exception)\b|configuration error|^train\.py: ")
+
+
+def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """Split ``key=value`` arguments into compare options and train.py overrides."""
+    opts, overrides = dict(OPTIONS), []
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            print(__doc__)
+            raise SystemExit(0)
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise SystemExit(f"compare.py: argument {arg!r} is not key=value (see --help)")
+        if key in OPTIONS:
+            opts[key] = value
+        else:
+            overrides.append(arg)
+    opts["parity"] = opts["parity"].lower() in TRUE
+    opts["steps"] = int(opts["steps"] or (500 if opts["parity"] else 30))
+    opts["warmup"] = min(int(opts["warmup"]), max(opts["steps"] - 1, 0))
+    for key in ("frameworks", "precisions", "turbo"):
+        opts[key] = [v.strip().lower() for v in opts[key].split(",") if v.strip()]
+    bad = [v for v in opts["turbo"] if v not in ("on", "off")]
+    if bad:
+        raise SystemExit(f"compare.py: turbo={','.join(bad)}: expected on, off or on,off")
+    bad = [v for v in opts["precisions"] if v not in ("bf16", "fp8")]
+    if bad:
+        raise SystemExit(f"compare.py: precisions={','.join(bad)}: expected bf16, fp8 or bf16,fp8")
+    if opts["parity"]:
+        opts["turbo"], opts["precisions"] = ["on"], ["bf16", "fp8"]
+        if not any(o.startswith("data.kind=") for o in overrides):
+            overrides += ["data.kind=text", "data.path=data/sample.txt"]
+    return opts, overrides
+
+
+def gpu_name() -> str | None:
+    """Device name from nvidia-smi (the parent never initialises CUDA: the runs need the whole GPU)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [n.strip() for n in out.stdout.splitlines() if n.strip()]
+    return names[0] if out.returncode == 0 and names else None
+
+
+def gpu_slug(name: str | None) -> str:
+    if not name:
+        return "cpu"
+    for tag in ("h200", "h100", "h800", "h20", "a100", "b200"):
+        if tag in name.lower():
+            return tag
+    return name.lower().replace(" ", "_")
+
+
+def run_metadata(opts: dict, overrides: list[str], device: str | None) -> dict:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO,
+                                timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "recipe": opts["recipe"],
+        "device": f"{opts['nproc']}x {device}" if device else f"cpu ({opts['nproc']} ranks)",
+        "steps": opts["steps"],
+        "overrides": " ".join(overrides) or "none",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit or os.environ.get("PRIMUS_TURBO_COMMIT", "unknown"),
+    }
+
+
+def matrix(opts: dict) -> list[RunResult]:
+    runs = []
+    for framework in opts["frameworks"]:
+        for turbo in opts["turbo"]:
+            for precision in opts["precisions"]:
+                run = RunResult(framework=framework, turbo=turbo == "on", precision=precision)
+                stock_fp8 = framework == "megatron" and not run.turbo and precision == "fp8"
+                if stock_fp8 and opts["stock_fp8"].lower() not in TRUE:
+                    run.status, run.error = "skipped", NO_STOCK_FP8
+                runs.append(run)
+    return runs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(run: RunResult, opts: dict, overrides: list[str], runs_dir: Path) -> list[str]:
+    run.metrics_path = str(runs_dir / f"{run.slug}.jsonl")
+    run.log_path = str(runs_dir / f"{run.slug}.log")
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={opts['nproc']}",
+        f"--master_port={free_port()}", "train.py", f"recipe={opts['recipe']}", f"framework={run.framework}",
+        f"precision={run.precision}", f"turbo.enabled={str(run.turbo).lower()}",
+        f"train.steps={opts['steps']}", "train.log_interval=1", "train.progress=false",
+        f"train.metrics_file={run.metrics_path}", *overrides,
+    ]  # fmt: skip
+
+
+def error_line(log: str) -> str:
+    """The most telling error line of a failed run's log (not torchrun's ChildFailedError wrapper)."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    hits = [line for line in lines if ERROR_LINE.search(line) and "ChildFailedError" not in line]
+    line = hits[-1] if hits else (lines[-1] if lines else "no output")
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def execute(run: RunResult, cmd: list[str], timeout: float) -> None:
+    """Run one configuration as its own process group; fill status, rows and error fields of ``run``."""
+    Path(run.metrics_path).unlink(missing_ok=True)  # StepMetrics appends
+    run.command = shlex.join(cmd)
+    start, timed_out = time.perf_counter(), False
+    with open(run.log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            run.returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            run.returncode = proc.returncode
+    run.seconds = time.perf_counter() - start
+    text = Path(run.log_path).read_text(errors="replace")
+    run.rows = load_metrics(run.metrics_path)
+    backends = re.search(r"turbo report: op backends in step \d+: (.*)", text)
+    run.backends = backends.group(1).strip() if backends else ""
+    if run.returncode == 0 and run.rows:
+        run.status = "ok"
+        return
+    run.status = "timeout" if timed_out else "failed"
+    run.error = f"killed after {timeout:.0f} s" if timed_out else error_line(text)
+    if run.returncode == 0:
+        run.error = "exited 0 but wrote no metrics rows"
+    run.error_tail = "\n".join(text.splitlines()[-40:])
+
+
+def progress(i: int, n: int, run: RunResult, warmup: int) -> str:
+    head = f"[{i}/{n}] {run.label:<26}"
+    if run.status == "ok":
+        s = summarize(run.rows, warmup)
+        return (f"{head} ok      {run.seconds:6.0f} s | {s['step_time_ms']:.1f} ms/step | "
+                f"loss {s['final_loss']:.4f}")  # fmt: skip
+    return f"{head} {run.status.upper():<7} {run.seconds:6.0f} s | {run.error}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    device = gpu_name()
+    suffix = "_parity" if opts["parity"] else ""
+    name = f"{opts['recipe']}_{opts['nproc']}gpu"
+    default_out = REPO / "benchmark" / "results" / gpu_slug(device) / "e2e" / name
+    out = Path(opts["out"]).resolve() if opts["out"] else Path(f"{default_out}{suffix}")
+    runs_dir = out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    runs, timeout = matrix(opts), float(opts["timeout"])
+    print(f"compare: {len(runs)} configurations of recipe={opts['recipe']} on "
+          f"{device or 'cpu'} x{opts['nproc']}, {opts['steps']} steps (warm-up {opts['warmup']}) -> {out}",
+          flush=True)  # fmt: skip
+    for i, run in enumerate(runs, 1):
+        cmd = command(run, opts, overrides, runs_dir)
+        if opts["dry_run"].lower() in TRUE:
+            print(f"[{i}/{len(runs)}] {run.label}: {shlex.join(cmd)}")
+            continue
+        if run.status == "pending":
+            print(f"[{i}/{len(runs)}] {run.label} ...", flush=True)
+            execute(run, cmd, timeout)
+        print(progress(i, len(runs), run, opts["warmup"]), flush=True)
+    if opts["dry_run"].lower() in TRUE:
+        return 0
+    path, note = write_plot(out, runs, opts["warmup"])
+    meta = run_metadata(opts, overrides, device)
+    report = write_report(out, runs, opts["warmup"], meta, parity=opts["parity"], plot_note=note)
+    print(report.read_text().split("\n## ")[0])
+    print(f"compare: wrote {report}" + (f" and {path}" if path else f" ({note})"))
+    return 0 if all(r.status in ("ok", "skipped") for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

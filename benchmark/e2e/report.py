@@ -1,0 +1,226 @@
+"""Report writer for benchmark/e2e/compare.py: per-configuration summaries, report.md, results.json.
+
+Input is the train.py JSONL metrics schema (integrations/common/metrics.py, one row per step):
+``step, loss, step_time_ms, tokens_per_s_per_gpu, tflops_per_gpu, mfu, max_mem_gb, lr, grad_norm, time``.
+Step times are medians over the steps after ``warmup`` (the first steps carry Triton compiles, autotune
+and allocator growth). A configuration that failed, timed out or was skipped keeps its row with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+FP8_PARITY_TARGET = 0.01  # FP8 final loss within 1% of bf16 (issue 10)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One configuration of the comparison matrix and what came of it."""
+
+    framework: str
+    turbo: bool
+    precision: str
+    status: str = "pending"  # ok | failed | timeout | skipped
+    returncode: int | None = None
+    seconds: float = 0.0
+    command: str = ""
+    log_path: str = ""
+    metrics_path: str = ""
+    error: str = ""  # one line for the table
+    error_tail: str = ""  # last lines of the log, for the failures section
+    backends: str = ""  # "turbo report: op backends in step 1: ..." from the log
+    rows: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.framework} {'turbo' if self.turbo else 'stock'} {self.precision}"
+
+    @property
+    def slug(self) -> str:
+        return f"{self.framework}_{'turbo' if self.turbo else 'stock'}_{self.precision}"
+
+
+def load_metrics(path: str | Path) -> list[dict]:
+    """JSONL rows sorted by step; a truncated last line (killed run) is ignored."""
+    rows = []
+    path = Path(path)
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(rows: list[dict], warmup: int) -> dict:
+    """Medians after ``warmup`` steps (all steps when the run is shorter), peak memory, final loss."""
+    timed = [r for r in rows if r["step"] > warmup] or rows
+    if not rows:
+        return {}
+    return {
+        "steps": len(rows),
+        "timed_steps": len(timed),
+        "step_time_ms": _median([r["step_time_ms"] for r in timed]),
+        "tokens_per_s_per_gpu": _median([r["tokens_per_s_per_gpu"] for r in timed]),
+        "tflops_per_gpu": _median([r["tflops_per_gpu"] for r in timed]),
+        "mfu": _median([r.get("mfu") for r in timed]),
+        "max_mem_gb": max(r.get("max_mem_gb") or 0.0 for r in rows),
+        "final_loss": rows[-1]["loss"],
+        "smoothed_final_loss": smoothed_final_loss(rows),
+    }
+
+
+def smoothed_final_loss(rows: list[dict]) -> float | None:
+    """Mean loss over the last 10% of steps (at least 1, at most 50): one step's noise is not a gap."""
+    if not rows:
+        return None
+    tail = max(1, min(50, len(rows) // 10))
+    return statistics.fmean(r["loss"] for r in rows[-tail:])
+
+
+def speedups(results: list[RunResult], warmup: int) -> dict[str, float | None]:
+    """Stock-bf16 median step time / this row's, per framework (None without a successful stock bf16 row)."""
+    base = {}
+    for r in results:
+        if r.status == "ok" and not r.turbo and r.precision == "bf16":
+            base[r.framework] = summarize(r.rows, warmup).get("step_time_ms")
+    out = {}
+    for r in results:
+        mine = summarize(r.rows, warmup).get("step_time_ms") if r.status == "ok" else None
+        ref = base.get(r.framework)
+        out[r.label] = ref / mine if ref and mine else None
+    return out
+
+
+def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(value * scale, spec)
+
+
+TABLE_COLUMNS = [
+    "configuration", "status", "step time (ms)", "tokens/s/GPU", "TFLOP/s/GPU", "MFU",
+    "peak mem (GB)", "final loss", "speedup vs stock bf16",
+]  # fmt: skip
+
+
+def table_rows(results: list[RunResult], warmup: int) -> list[list[str]]:
+    speedup = speedups(results, warmup)
+    lines = []
+    for r in results:
+        if r.status != "ok":
+            reason = r.error or r.status
+            lines.append([r.label, f"{r.status.upper()}: {reason}"] + ["n/a"] * (len(TABLE_COLUMNS) - 2))
+            continue
+        s = summarize(r.rows, warmup)
+        lines.append([
+            r.label, "ok", _fmt(s["step_time_ms"]), _fmt(s["tokens_per_s_per_gpu"], ".0f"),
+            _fmt(s["tflops_per_gpu"], ".2f"), _fmt(s["mfu"], ".1f", 100) + ("%" if s["mfu"] else ""),
+            _fmt(s["max_mem_gb"], ".2f"), _fmt(s["final_loss"], ".4f"),
+            _fmt(speedup[r.label], ".2f") + ("x" if speedup[r.label] else ""),
+        ])  # fmt: skip
+    return lines
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        out.append("| " + " | ".join(cell.replace("|", "/").replace("\n", " ") for cell in row) + " |")
+    return "\n".join(out)
+
+
+def parity_summary(results: list[RunResult]) -> dict | None:
+    """FP8 vs bf16 final-loss gap for the first framework with both precisions (turbo on)."""
+    ok = {(r.framework, r.precision): r for r in results if r.status == "ok" and r.turbo}
+    for (framework, precision), bf16 in ok.items():
+        fp8 = ok.get((framework, "fp8"))
+        if precision != "bf16" or fp8 is None:
+            continue
+        ref, got = smoothed_final_loss(bf16.rows), smoothed_final_loss(fp8.rows)
+        gap = (got - ref) / ref
+        return {
+            "framework": framework,
+            "steps": min(len(bf16.rows), len(fp8.rows)),
+            "bf16_final_loss": ref,
+            "fp8_final_loss": got,
+            "relative_gap": gap,
+            "target": FP8_PARITY_TARGET,
+            "pass": gap <= FP8_PARITY_TARGET,
+        }
+    return None
+
+
+def _parity_section(parity: dict | None) -> list[str]:
+    if parity is None:
+        return ["## FP8 convergence parity", "", "No successful turbo bf16 + fp8 pair: no gap to report.", ""]
+    verdict = "PASS" if parity["pass"] else "FAIL"
+    return [
+        "## FP8 convergence parity",
+        "",
+        f"{parity['framework']}, {parity['steps']} steps, same seed and data order. Final loss = mean of the "
+        "last 10% of steps (1..50).",
+        "",
+        f"- bf16: {parity['bf16_final_loss']:.4f}",
+        f"- fp8:  {parity['fp8_final_loss']:.4f}",
+        f"- gap:  {100 * parity['relative_gap']:+.2f}% (fp8 vs bf16; target <= "
+        f"+{100 * parity['target']:.0f}%): **{verdict}**",
+        "",
+    ]
+
+
+def write_report(
+    out_dir: str | Path, results: list[RunResult], warmup: int, meta: dict, parity: bool = False,
+    plot_note: str = "",
+) -> Path:  # fmt: skip
+    """Write report.md and results.json into ``out_dir``; returns the report path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"# End-to-end comparison: {meta.get('recipe', '?')}", ""]
+    lines += [f"- {key}: {value}" for key, value in meta.items()]
+    lines += [
+        f"- step time, tokens/s, TFLOP/s, MFU: medians over the steps after warm-up ({warmup}); "
+        "peak memory: max over the run; speedup: stock bf16 step time / this step time (same framework)",
+        "",
+        markdown_table(TABLE_COLUMNS, table_rows(results, warmup)),
+        "",
+    ]
+    if parity:
+        lines += _parity_section(parity_summary(results))
+    lines += ["![step time and loss](report.png)" if not plot_note else f"Plot: {plot_note}", ""]
+    backends = [r for r in results if r.backends]
+    if backends:
+        lines += ["## Op backends (turbo runs, step 1)", ""]
+        lines += [f"- {r.label}: {r.backends}" for r in backends]
+        lines.append("")
+    failed = [r for r in results if r.status in ("failed", "timeout")]
+    if failed:
+        lines += ["## Failures", ""]
+        for r in failed:
+            lines += [f"### {r.label} ({r.status}, rc={r.returncode}, log {r.log_path})", ""]
+            lines += [f"`{r.command}`", "", "```", r.error_tail.rstrip(), "```", ""]
+    report = out_dir / "report.md"
+    report.write_text("\n".join(lines))
+    payload = {
+        "meta": meta,
+        "warmup": warmup,
+        "configurations": [
+            {
+                **{k: v for k, v in dataclasses.asdict(r).items() if k != "rows"},
+                "label": r.label,
+                "summary": summarize(r.rows, warmup),
+                "losses": [row["loss"] for row in r.rows],
+            }
+            for r in results
+        ],  # fmt: skip
+        "parity": parity_summary(results) if parity else None,
+    }
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
+    return report
