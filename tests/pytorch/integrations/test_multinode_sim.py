@@ -56,7 +56,9 @@ def _agent(node_rank: int, port: int, entry: str, out_dir: str, metrics: str) ->
     env.update(SIM_OUT=out_dir, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     log = open(os.path.join(out_dir, f"node{node_rank}.log"), "w")
     # Own process group: a hung rendezvous is cleaned up with its worker, not just the agent.
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _log(out_dir, node_rank: int) -> str:
