@@ -18,8 +18,9 @@ Preconditions (checked, ValueError/TypeError otherwise):
     amax all-reduce over the group).
 A group of size 1 runs a plain GEMM; zero-size problems run the unfused NCCL path.
 
-Backends: ``backend=None`` (dispatcher default: TURBO on CUDA+NCCL for large GEMMs, else NCCL),
-or pin ``"NCCL"``, ``"SYMM_MEM"``, ``"TURBO"``. These ops are not differentiable by themselves;
+Backends: ``backend=None`` (dispatcher default on CUDA+NCCL from ~0.2 ms of GEMM per rank: SYMM_MEM,
+or TURBO for comm-heavy all-gathers; NCCL otherwise; the measured rule is in async_tp_impl.py), or
+pin ``"NCCL"``, ``"SYMM_MEM"``, ``"TURBO"``. These ops are not differentiable by themselves;
 ``turbo.modules.ColumnParallelLinear`` / ``RowParallelLinear`` use them with their own backward.
 """
 

@@ -160,6 +160,40 @@ def test_bad_dims_and_ops_rejected():
         fused_all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 4)], 0, 3)
 
 
+# -- default backend rule: the measured 2x H200 table in async_tp_impl.py, on shape-only tensors ---
+@pytest.mark.parametrize(
+    "shape,ag_want,rs_fused",
+    [
+        ((8192, 4096, 14336), "SYMM_MEM", True),  # GEMM-bound: SYMM_MEM 1-4% ahead of TURBO
+        ((8192, 8192, 8192), "SYMM_MEM", True),
+        ((16384, 7168, 2048), "TURBO", True),  # comm-heavy gather: TURBO 1.86x vs SYMM_MEM 1.41x
+        ((4096, 4096, 4096), "NCCL", False),  # both fused paths lose to unfused here
+    ],
+)
+def test_default_backend_rule(monkeypatch, shape, ag_want, rs_fused):
+    from primus_turbo.pytorch.core.backend import BackendType
+    from primus_turbo.pytorch.kernels.async_tp import async_tp_impl as impl
+
+    world = 2
+    monkeypatch.setattr(impl, "group_info", lambda name: (None, world, 0))
+    for cls in (impl._AGTurbo, impl._RSTurbo):
+        monkeypatch.setattr(cls, "can_handle", staticmethod(lambda **kw: True))
+    M, K, N = shape
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    a_shard, b_col = torch.empty(M // world, K, **meta), torch.empty(K, N // world, **meta)
+    got = impl.AllGatherMatmulDispatcher.default_backend(a_shard=a_shard, bs=[b_col], group_name="g")
+    assert got is BackendType[ag_want], f"AG+GEMM {shape}: {got}"
+    a, b_row = torch.empty(M, K // world, **meta), torch.empty(K // world, N, **meta)
+    got = impl.MatmulReduceScatterDispatcher.default_backend(a=a, b=b_row, group_name="g")
+    assert got is (impl._RS_FUSED_BACKEND if rs_fused else BackendType.NCCL), f"GEMM+RS {shape}: {got}"
+    # off CUDA + NCCL (can_handle False) the default is always the unfused path
+    for cls in (impl._AGTurbo, impl._RSTurbo):
+        monkeypatch.setattr(cls, "can_handle", staticmethod(lambda **kw: False))
+    got_ag = impl.AllGatherMatmulDispatcher.default_backend(a_shard=a_shard, bs=[b_col], group_name="g")
+    got_rs = impl.MatmulReduceScatterDispatcher.default_backend(a=a, b=b_row, group_name="g")
+    assert got_ag is BackendType.NCCL and got_rs is BackendType.NCCL
+
+
 # -- 2 GPUs: TURBO / SYMM_MEM against the fp64 reference and against NCCL ------------------------
 def _gpu_body(rank, world, device, seed):
     for backend in ("NCCL", "TURBO", "SYMM_MEM"):

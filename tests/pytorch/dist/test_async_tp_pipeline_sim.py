@@ -124,8 +124,19 @@ def test_all_gather_pipeline_sim(monkeypatch, world, rows, splits, rowwise):
     assert len(run_all) == world
 
 
-@pytest.mark.parametrize("world,m,splits,reduce_op", [(2, 5, 2, "sum"), (2, 4, 1, "avg"), (4, 3, 3, "sum")])
-def test_reduce_scatter_pipeline_sim(monkeypatch, world, m, splits, reduce_op):
+@pytest.mark.parametrize(
+    "world,m,splits,reduce_op,fused",
+    [
+        (2, 5, 2, "sum", False),
+        (2, 4, 1, "avg", False),
+        (4, 3, 3, "sum", False),
+        (2, 5, 3, "avg", True),
+        (2, 6, 1, "sum", True),
+        (3, 4, 2, "avg", True),
+        (4, 3, 3, "sum", True),
+    ],
+)
+def test_reduce_scatter_pipeline_sim(monkeypatch, world, m, splits, reduce_op, fused):
     gen = torch.Generator().manual_seed(m * 17 + world)
     a = [torch.randn(world * m, 12, generator=gen) for _ in range(world)]
     b = [torch.randn(12, 20, generator=gen) for _ in range(world)]
@@ -137,8 +148,14 @@ def test_reduce_scatter_pipeline_sim(monkeypatch, world, m, splits, reduce_op):
             dst.copy_(a[rank][r0:r1] @ b[rank])
             produced[r0:r1] += 1
 
+        def accumulate(r0, r1, c, alpha, beta, dst):  # what torch.addmm(c, a, b, beta, alpha) computes
+            dst.copy_(alpha * (a[rank][r0:r1] @ b[rank]) + beta * c)
+            produced[r0:r1] += 1
+
         out = torch.empty(m, 20)
-        pipe.pipelined_produce_reduce_scatter(produce, out, reduce_op, "sim", world, rank, splits)
+        pipe.pipelined_produce_reduce_scatter(
+            produce, out, reduce_op, "sim", world, rank, splits, accumulate if fused else None
+        )
         return out, produced
 
     total = sum(x @ y for x, y in zip(a, b))

@@ -25,9 +25,10 @@ turbo.ops.gemm: the pipelines write each row block into a slice of the output (`
 turbo.ops.gemm does not take.
 
 Backend choice: ``backend=`` argument (pinned; raises if it cannot handle the inputs), else the
-in-code default: TURBO when it can handle the inputs and the GEMM is big enough to hide the
-communication (>= _TURBO_MIN_FLOP), else NCCL. Autotune is disabled for these dispatchers: each
-rank would time the candidates independently and could pick different backends, which deadlocks.
+in-code default (the measured rule next to _FUSED_MIN_FLOP): NCCL below ~0.2 ms of GEMM per rank or
+off CUDA+NCCL; above it SYMM_MEM, except TURBO for comm-heavy all-gathers. Autotune is disabled for
+these dispatchers: each rank would time the candidates independently and could pick different
+backends, which deadlocks.
 """
 
 from __future__ import annotations
@@ -59,9 +60,20 @@ __all__ = [
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
 
-# Below ~32 GFLOP per rank (~50 us of H200 GEMM) the pipeline's fixed cost (two barriers, stream
-# hops, ~15-25 us) eats the overlap; the unfused path is as fast there.
-_TURBO_MIN_FLOP = 2**35
+# Default backend rule, from bench_async_tp --quick on 2x H200, bf16 (ms: unfused / SYMM_MEM / TURBO):
+#   AG+GEMM 8192x4096x14336  0.80 / 0.71 / 0.72    GEMM+RS  1.17 / 0.92 / 0.94
+#   AG+GEMM 8192x8192x8192   1.02 / 0.80 / 0.83    GEMM+RS  1.06 / 0.90 / 0.93
+#   AG+GEMM 16384x7168x2048  0.82 / 0.58 / 0.44    GEMM+RS  0.49 / 0.42 / 0.44
+#   AG+GEMM 4096x4096x4096   0.20 / 0.39 / 0.33    GEMM+RS  0.20 / 0.27 / 0.32
+# (1) Fused only from 2**37 flop per rank (~0.2 ms of bf16 GEMM; FP8: twice that): 4096^3 (6.9e10 per
+#     rank) loses 28-49% to the pipelines' host/launch cost, 16384x7168x2048 (2.4e11) wins 14-86%.
+# (2) AG+GEMM: TURBO when the gather is comm-heavy (model push time >= 0.5 x the rank's GEMM:
+#     16384x7168x2048 is 0.9, TURBO 1.86x vs SYMM_MEM 1.41x), else SYMM_MEM (1-4% ahead at 0.13-0.23).
+# (3) GEMM+RS: SYMM_MEM (2-5% ahead of TURBO at all three). TURBO's addmm-fused reduction is newer
+#     than this table: re-measure, and set _RS_FUSED_BACKEND = BackendType.TURBO if it wins.
+_FUSED_MIN_FLOP = 2**37
+_AG_TURBO_MIN_COMM_RATIO = 0.5
+_RS_FUSED_BACKEND = BackendType.SYMM_MEM
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -240,6 +252,22 @@ def _default_splits(a_shard: torch.Tensor, bs: list[torch.Tensor], world: int) -
     return 2 if push_s <= 1.6 * gemm_s else 4
 
 
+def _rs_default_splits(out: torch.Tensor, k: int, n: int, world: int, fused: bool) -> int:
+    """Row blocks for the GEMM+RS push pipeline, from push ~ bytes / 350 GB/s vs GEMM ~ 650 TFLOP/s.
+
+    Fused (addmm onto the arrived partials): own block j waits for the peers' block j, so with P
+    blocks the pushes hide when push <= (P - 1) x one peer block's GEMM; 2x margin for the copy
+    engine slowing down next to a running GEMM. Unfused (reduction pass): the last push overlaps
+    the whole own-block GEMM, so 1 block unless the push outlasts it.
+    """
+    push_s = out.numel() * out.element_size() * (world - 1) / 350e9
+    gemm_s = 2 * out.shape[0] * k * n / 650e12  # one rank block
+    if not fused:
+        return 1 if push_s <= 0.8 * gemm_s else 2
+    ratio = push_s / max(gemm_s * (world - 1), 1e-12)
+    return 2 if ratio <= 0.5 else 3 if ratio <= 1.0 else 4
+
+
 # -- matmul + reduce-scatter backends -------------------------------------------------------------
 class _RSNccl(KernelBackend):
     @staticmethod
@@ -298,11 +326,16 @@ class _RSTurbo(KernelBackend):
             scale = a_scale[r0:r1] if rowwise else a_scale
             scaled_matmul(a[r0:r1], b, scale, b_scale, dtype, out=dst)
 
-        # Output blocks are pushed: with N >> K the push outlasts a block's GEMM, so split finer.
-        push_s = out.numel() * out.element_size() * (world - 1) / 350e9
-        gemm_s = 2 * out.shape[0] * a.shape[1] * b.shape[1] / 650e12
-        splits = num_splits if num_splits else (1 if push_s <= 0.8 * gemm_s else 2)
-        pipelined_produce_reduce_scatter(produce, out, reduce_op, group_name, world, rank, splits)
+        def accumulate(r0: int, r1: int, c: torch.Tensor, alpha: float, beta: float, dst: torch.Tensor):
+            torch.addmm(c, a[r0:r1], b, beta=beta, alpha=alpha, out=dst)
+
+        # bf16/fp16/fp32: the own block is computed onto the peers' pushed partials (addmm epilogue,
+        # no reduction kernel); FP8 (_scaled_mm has no C input) keeps the reduction pass.
+        fused = a_scale is None
+        splits = num_splits if num_splits else _rs_default_splits(out, a.shape[1], b.shape[1], world, fused)
+        pipelined_produce_reduce_scatter(
+            produce, out, reduce_op, group_name, world, rank, splits, accumulate if fused else None
+        )
         return out
 
 
@@ -329,12 +362,15 @@ class AllGatherMatmulDispatcher(_AsyncTPDispatcher):
         )
 
     @classmethod
-    def default_backend(cls, a_shard, bs, group_name, **kw) -> BackendType | None:
+    def default_backend(cls, a_shard, bs, group_name, a_scale=None, **kw) -> BackendType | None:
         _, world, _ = group_info(group_name)
-        flop = 2 * world * a_shard.shape[0] * a_shard.shape[1] * sum(b.shape[1] for b in bs)
-        if flop >= _TURBO_MIN_FLOP and _AGTurbo.can_handle(a_shard=a_shard, group_name=group_name):
-            return BackendType.TURBO
-        return BackendType.NCCL
+        gemm_flop = 2 * world * a_shard.shape[0] * a_shard.shape[1] * sum(b.shape[1] for b in bs)
+        fusable = _AGTurbo.can_handle(a_shard=a_shard, group_name=group_name)
+        if gemm_flop < _fused_min_flop(a_scale) or not fusable:
+            return BackendType.NCCL
+        push_s = a_shard.numel() * a_shard.element_size() * (world - 1) / 350e9
+        gemm_s = gemm_flop / (1300e12 if a_scale is not None else 650e12)
+        return BackendType.TURBO if push_s >= _AG_TURBO_MIN_COMM_RATIO * gemm_s else BackendType.SYMM_MEM
 
 
 class MatmulReduceScatterDispatcher(_AsyncTPDispatcher):
@@ -345,11 +381,15 @@ class MatmulReduceScatterDispatcher(_AsyncTPDispatcher):
         return (tuple(a.shape), a.dtype, tuple(b.shape), group_name, _rowwise(a_scale))
 
     @classmethod
-    def default_backend(cls, a, b, group_name, **kw) -> BackendType | None:
+    def default_backend(cls, a, b, group_name, a_scale=None, **kw) -> BackendType | None:
         flop = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        if flop >= _TURBO_MIN_FLOP and _RSTurbo.can_handle(a=a, group_name=group_name):
-            return BackendType.TURBO
+        if flop >= _fused_min_flop(a_scale) and _RSTurbo.can_handle(a=a, group_name=group_name):
+            return _RS_FUSED_BACKEND
         return BackendType.NCCL
+
+
+def _fused_min_flop(a_scale: torch.Tensor | None) -> int:
+    return _FUSED_MIN_FLOP * (2 if a_scale is not None else 1)  # FP8 GEMMs run ~2x faster
 
 
 def _run(dispatcher: type[_AsyncTPDispatcher], backend: str, **kw: Any) -> Any:

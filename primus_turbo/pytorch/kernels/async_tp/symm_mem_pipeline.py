@@ -6,13 +6,16 @@ side stream while the compute stream runs the GEMM of a chunk that is already lo
 instead of pulling (torch's symm-mem ops pull) removes the staging copy of the local shard and the
 barrier that must follow it, so the first GEMM starts immediately.
 
-Ordering, per call (``b`` = ``_SymmetricMemory.barrier``, a tiny all-ranks kernel):
-  side stream   : wait(compute) -> push part 0 -> b -> ev0 -> push part 1 -> b -> ev1 ...
+Ordering, per call (``b`` = ``_SymmetricMemory.barrier``, a tiny all-ranks kernel; every barrier
+runs on the side stream, none on the compute stream, so no GEMM ever waits on a peer's launch):
+  side stream   : wait(compute) -> b(0) -> push part 0 -> b -> ev0 -> push part 1 -> b -> ev1 ...
   compute stream: GEMM(local chunk) -> wait(ev0) -> GEMM(part 0) -> wait(ev1) -> ...
-                  -> wait(side) -> b(channel 0)
-The barrier after a push completes only when every rank has finished the same push, so after it
-this rank's buffer holds every peer's part. The closing barrier on the compute stream guarantees
-nobody overwrites a buffer (next call) that a peer is still reading.
+The opening b(0) completes only when every rank's side stream has passed its own wait(compute),
+i.e. every rank has finished reading its slots in the previous call (of either op: they share the
+workspace), so nobody overwrites a slot a peer still reads; it replaces a closing barrier on the
+compute stream, which stalled the next call's first GEMM until the slowest rank caught up. A
+barrier after a push completes only when every rank has finished the same push, so after it this
+rank's buffer holds every peer's part.
 
 Workspaces are one uint8 symmetric tensor per process group, grown on demand (a collective
 rendezvous, so every rank must call with the same shapes: true for TP). Old workspaces are kept
@@ -33,7 +36,7 @@ __all__ = [
 ]
 
 _ALIGN = 256  # bytes; keeps every slot 16-byte aligned for cuBLAS (row-wise scales) and copy engines
-_MAX_SPLITS = 8  # barrier channels 1..8 are ours; channel 0 closes the call
+_MAX_SPLITS = 8  # barrier channels 1..8 signal row blocks; channel 0 opens the call
 _workspaces: dict[str, tuple[torch.Tensor, object]] = {}
 _retired: list = []  # grown-out-of workspaces and handles, never freed (see module doc)
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -164,6 +167,7 @@ def pipelined_all_gather_consume(
 
     arrived = []
     with _cuda.stream(side):
+        handle.barrier(channel=0)  # every rank is done reading its slots (previous call)
         for channel, (r0, r1) in enumerate(parts, start=1):
             for step in range(1, world_size):
                 peer = (rank + step) % world_size
@@ -190,7 +194,6 @@ def pipelined_all_gather_consume(
                 for full, part in zip(gathered, views):
                     full[src * rows : (src + 1) * rows].copy_(part, non_blocking=True)
     compute.wait_stream(side)
-    handle.barrier(channel=0)
 
 
 def pipelined_produce_reduce_scatter(
@@ -201,13 +204,22 @@ def pipelined_produce_reduce_scatter(
     world_size: int,
     rank: int,
     num_splits: int = 1,
+    accumulate: Callable[[int, int, torch.Tensor, float, float, torch.Tensor], None] | None = None,
 ) -> None:
     """out = reduce_op over ranks of rows block ``rank`` of the full [world_size * m, N] product.
 
     ``produce(r0, r1, dst)`` writes rows [r0, r1) of this rank's partial product into ``dst``.
-    Blocks destined to peers are produced first and pushed into the peer's slot for this rank
-    while the next block computes; this rank's own block is produced straight into its slot; a
-    single ``sum``/``mean`` over the ``world_size`` slots finishes the reduction.
+    Blocks destined to peers are produced first (row block by row block) and pushed into the
+    peer's slot for this rank while the next block computes.
+
+    Without ``accumulate``: this rank's own block is produced straight into its slot and one
+    ``sum``/``mean`` over the ``world_size`` slots finishes the reduction (an extra pass over
+    world_size x out on the compute stream, after the last push).
+    With ``accumulate(r0, r1, c, alpha, beta, dst)`` (dst = alpha * rows [r0, r1) of the product
+    + beta * c, e.g. ``torch.addmm``): each row block's arrival is signalled by its own barrier and
+    the own block is computed onto the peers' arrived partials, so the reduction rides in the
+    GEMM's epilogue and no separate reduction kernel runs. Needs >= 2 row blocks to hide the
+    pushes (own block j waits for the peers' block j).
     """
     m = out.shape[0]
     parts = _row_parts(m, max(1, min(num_splits, _MAX_SPLITS))) if m else []
@@ -216,16 +228,18 @@ def pipelined_produce_reduce_scatter(
     compute = _cuda.current_stream()
     side = _side_stream(out.device)
     side.wait_stream(compute)
+    with _cuda.stream(side):
+        handle.barrier(channel=0)  # every rank is done reading its slots (previous call)
 
     def slot(owner: int, src: int) -> torch.Tensor:
         return _view(handle, owner, src * slot_bytes, out)
 
     stages = [torch.empty_like(out[: parts[0][1] - parts[0][0]]) for _ in range(2)] if parts else []
-    stage_free = [None, None]
+    stage_free, arrived = [None, None], []
     n = 0
-    for step in range(1, world_size):
-        peer = (rank + step) % world_size
-        for r0, r1 in parts:
+    for channel, (r0, r1) in enumerate(parts, start=1):
+        for step in range(1, world_size):
+            peer = (rank + step) % world_size
             stage = stages[n % 2][: r1 - r0]
             if stage_free[n % 2] is not None:
                 compute.wait_event(stage_free[n % 2])
@@ -237,14 +251,35 @@ def pipelined_produce_reduce_scatter(
                 done.record(side)
             stage_free[n % 2] = done
             n += 1
-    own = slot(rank, rank)
-    for r0, r1 in parts:
-        produce(rank * m + r0, rank * m + r1, own[r0:r1])
-    with _cuda.stream(side):
-        handle.barrier(channel=1)
+        if accumulate is not None:
+            with _cuda.stream(side):
+                handle.barrier(channel=channel)
+                event = _cuda.Event()
+                event.record(side)
+            arrived.append(event)
+    if accumulate is None:
+        own = slot(rank, rank)
+        for r0, r1 in parts:
+            produce(rank * m + r0, rank * m + r1, own[r0:r1])
+        with _cuda.stream(side):
+            handle.barrier(channel=1)
+        compute.wait_stream(side)
+        _reduce_slots(handle, rank, world_size, slot_bytes, out, reduce_op)
+        return
+    scale = 1.0 / world_size if reduce_op == "avg" else 1.0
+    peers = [(rank + step) % world_size for step in range(1, world_size)]
+    for event, (r0, r1) in zip(arrived, parts):
+        compute.wait_event(event)
+        dst = out[r0:r1]
+        if world_size == 2:
+            c = slot(rank, peers[0])[r0:r1]
+        else:
+            c = dst
+            torch.add(slot(rank, peers[0])[r0:r1], slot(rank, peers[1])[r0:r1], out=dst)
+            for peer in peers[2:]:
+                dst.add_(slot(rank, peer)[r0:r1])
+        accumulate(rank * m + r0, rank * m + r1, c, scale, scale, dst)
     compute.wait_stream(side)
-    _reduce_slots(handle, rank, world_size, slot_bytes, out, reduce_op)
-    handle.barrier(channel=0)
 
 
 def _reduce_slots(handle, rank: int, world_size: int, slot_bytes: int, out: torch.Tensor, reduce_op: str):
