@@ -93,6 +93,13 @@ def test_rowwise_transpose_many_partials(device):
             assert (g.float() != w.float()).float().mean() < 1e-3
 
 
+def test_rowwise_two_pass_path(device):
+    """Rows longer than the register tile take the two-pass (amax, cast) loop."""
+    x = torch.randn(24, 200, device=device)
+    q, s = impl._rowwise_triton(x, E4M3, False, max_row_tile=64)
+    _check_against_ref(x, q, s, E4M3, (1, 0))
+
+
 def test_column_scales_many_chunks(device):
     """> 32 row chunks: the column-scale pass grows its chunk instead of its register tile."""
     x = torch.randn(8300, 8, device=device)
@@ -223,9 +230,10 @@ def _compile_quant_kernels():
         compile_for_sm90(
             qk.tensorwise_cast_transpose_kernel, sig_t | dict.fromkeys(cex, "constexpr"), cex, num_warps=8
         )
-    cex = {"BLOCK_R": 2, "BLOCK_C": 2048, **common}
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_inv_ptr": "*fp32", "R": "i32", "C": "i32"}
-    compile_for_sm90(qk.rowwise_quant_kernel, sig | dict.fromkeys(cex, "constexpr"), cex)
+    for single, bc in ((False, 2048), (True, 8192)):
+        cex = {"BLOCK_R": 1 if single else 2, "BLOCK_C": bc, "SINGLE_PASS": single, **common}
+        compile_for_sm90(qk.rowwise_quant_kernel, sig | dict.fromkeys(cex, "constexpr"), cex, num_warps=8)
     cex = {"CHUNK_R": 256, "BLOCK_R": 32, "BLOCK_C": 128}
     sig = {"x_ptr": "*bf16", "partial_ptr": "*fp32", "R": "i32", "C": "i32"}
     compile_for_sm90(qk.col_amax_partial_kernel, sig | dict.fromkeys(cex, "constexpr"), cex)

@@ -148,13 +148,17 @@ def _tensorwise_triton(x, out_dtype, pow2, with_t, static_scale=None):
     return q, scale_inv, qt, amax
 
 
-def _rowwise_triton(x2, out_dtype, pow2):
-    """Per-row scales of a contiguous (R, C): q (R, C), scale_inv (R, 1)."""
+def _rowwise_triton(x2, out_dtype, pow2, max_row_tile: int = 8192):
+    """Per-row scales of a contiguous (R, C): q (R, C), scale_inv (R, 1).
+
+    Rows up to ``max_row_tile`` elements are read once and kept in registers (8192 bf16 = 16 KB
+    per program, 32 fp32/thread at 8 warps); longer rows take two passes (the second from L2)."""
     qk = _tl()
     rows, cols = x2.shape
     q = torch.empty_like(x2, dtype=out_dtype)
     scale_inv = torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
-    bc = min(qk.next_pow2(cols), 2048)
+    single = qk.next_pow2(cols) <= max_row_tile
+    bc = qk.next_pow2(cols) if single else 2048
     br = max(1, min(4096 // bc, qk.next_pow2(rows)))
     qk.rowwise_quant_kernel[(ceil_div(rows, br),)](
         x2,
@@ -167,7 +171,8 @@ def _rowwise_triton(x2, out_dtype, pow2):
         OUT_DTYPE=qk.fp8_tl_dtype(out_dtype),
         BLOCK_R=br,
         BLOCK_C=bc,
-        num_warps=4,
+        SINGLE_PASS=single,
+        num_warps=8 if br * bc >= 4096 else 4,
     )
     return q, scale_inv
 
