@@ -40,6 +40,7 @@ from primus_turbo.pytorch.core.backend import GlobalBackendManager  # noqa: E402
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity  # noqa: E402
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (  # noqa: E402
     GroupedGemmDispatcher,
+    cutlass_offsets,
     grouped_gemm_impl,
     grouped_gemm_variable_k_impl,
 )
@@ -129,12 +130,13 @@ def turbo_impls(x, w, lens, grad, backend, fp8_config=None):
 
     dgrad = wgrad = None
     if fp8_config is None:
+        offs = cutlass_offsets(lens, x.shape[0])  # what the autograd Function builds once per forward
 
         def dgrad():
-            return grouped_gemm_impl(grad, w.detach(), lens, False)
+            return grouped_gemm_impl(grad, w.detach(), lens, False, offs)
 
         def wgrad():
-            return grouped_gemm_variable_k_impl(grad, x.detach(), lens)
+            return grouped_gemm_variable_k_impl(grad, x.detach(), lens, offs)
 
     return fwd, bwd, dgrad, wgrad
 

@@ -7,6 +7,7 @@ import os
 import torch
 
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
+    cutlass_offsets,
     grouped_gemm_impl,
     grouped_gemm_variable_k_impl,
 )
@@ -101,17 +102,20 @@ def _debug_check_values(op, a, group_lens, group_offs) -> None:
 class GroupedGemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, group_lens, trans_b):
-        ctx.save_for_backward(a, b, group_lens)
         ctx.trans_b = trans_b
         if b.shape[0] == 1:  # one expert: a dense GEMM (cuBLAS), group_lens[0] == M by contract
+            ctx.save_for_backward(a, b, group_lens, None)
             return a @ (b[0].t() if trans_b else b[0])
-        return grouped_gemm_impl(a, b, group_lens, trans_b)
+        # torch._grouped_mm offsets: built once here (a few tiny kernels), reused by dgrad and wgrad
+        offs = cutlass_offsets(group_lens, a.shape[0]) if a.is_cuda and a.dtype == torch.bfloat16 else None
+        ctx.save_for_backward(a, b, group_lens, offs)
+        return grouped_gemm_impl(a, b, group_lens, trans_b, offs)
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, b, group_lens = ctx.saved_tensors
+        a, b, group_lens, offs = ctx.saved_tensors
         trans_b = ctx.trans_b
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.contiguous()  # no-op (no copy) for the usual contiguous gradient
         grad_a = grad_b = None
         if b.shape[0] == 1:
             b0 = b[0]
@@ -122,13 +126,13 @@ class GroupedGemmFunction(torch.autograd.Function):
             return grad_a, grad_b, None, None
         if ctx.needs_input_grad[0]:
             # dA = dC @ B_g^T: the same grouped kernel with b read the other way round
-            grad_a = grouped_gemm_impl(grad_out, b, group_lens, not trans_b)
+            grad_a = grouped_gemm_impl(grad_out, b, group_lens, not trans_b, offs)
         if ctx.needs_input_grad[1]:
             # dB_g = A_g^T @ dC_g ([K, N]) or dC_g^T @ A_g ([N, K] when trans_b): variable-K
             if trans_b:
-                grad_b = grouped_gemm_variable_k_impl(grad_out, a, group_lens)
+                grad_b = grouped_gemm_variable_k_impl(grad_out, a, group_lens, offs)
             else:
-                grad_b = grouped_gemm_variable_k_impl(a, grad_out, group_lens)
+                grad_b = grouped_gemm_variable_k_impl(a, grad_out, group_lens, offs)
         return grad_a, grad_b, None, None
 
 

@@ -14,6 +14,7 @@ from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     GroupedGemmDispatcher,
     GroupedGemmVariableKDispatcher,
+    cutlass_offsets,
 )
 from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as kmod
 
@@ -178,6 +179,15 @@ def test_custom_ops_opcheck(device):
     torch.library.opcheck(grouped_gemm_impl, (a, torch.randn(3, 16, 8, device=device), lens, False))
     torch.library.opcheck(grouped_gemm_impl, (a, torch.randn(3, 8, 16, device=device), lens, True))
     torch.library.opcheck(grouped_gemm_variable_k_impl, (a, torch.randn(24, 8, device=device), lens))
+    # bf16 with precomputed torch._grouped_mm offsets (what the autograd Function passes)
+    GlobalBackendManager.set_grouped_gemm_backend("CUTLASS")
+    offs = cutlass_offsets(lens, 24)
+    a16, b16 = a.bfloat16(), torch.randn(3, 8, 16, device=device, dtype=torch.bfloat16)
+    torch.library.opcheck(grouped_gemm_impl, (a16, b16, lens, True, offs))
+    y16 = torch.randn(24, 8, device=device, dtype=torch.bfloat16)
+    torch.library.opcheck(grouped_gemm_variable_k_impl, (a16, y16, lens, offs))
+    assert_close(grouped_gemm_impl(a16, b16, lens, True, offs), grouped_gemm_ref(a16, b16, lens, True),
+                 torch.bfloat16, msg="offs")  # fmt: skip
 
 
 @pytest.mark.parametrize("elem_bytes", [1, 2, 4])

@@ -8,8 +8,10 @@ Two problems, one dispatcher each (both answer to PRIMUS_TURBO_GROUPED_GEMM_BACK
 
 Backends:
   CUTLASS  torch._grouped_mm (bf16, 16-byte aligned strides: K and N multiples of 8). Offsets are
-           clamped to M and the last one forced to M so no output row is left unwritten; wgrad
-           outputs of empty groups are masked to exact zeros.
+           clamped to M and the last one forced to M so no output row is left unwritten; the ops
+           layer computes them once per forward (``offs``) and reuses them in dgrad and wgrad.
+           Wgrad outputs of empty groups: exact zeros from the sm_90 kernel itself (pytorch#172439,
+           #192497: Hopper writes zeros, Blackwell did not), masked to zeros on other devices.
   TRITON   persistent sync-free kernels (primus_turbo/triton/grouped_gemm).
   TORCH    a per-group loop of matmuls; the reference and the CPU default. It is the ONLY backend
            that synchronises with the host (it reads group_lens with .tolist()).
@@ -49,9 +51,13 @@ def cutlass_offsets(group_lens: torch.Tensor, total: int) -> torch.Tensor:
     unless PRIMUS_TURBO_DEBUG_CHECKS=1) every row is still covered, so nothing is left
     uninitialised. Device-side only: no host sync.
     """
-    offs = torch.cumsum(group_lens, 0).clamp_(0, total).to(torch.int32)
+    offs = torch.cumsum(group_lens, 0, dtype=torch.int32).clamp_(0, total)
     offs[-1:] = total
     return offs
+
+
+def _offsets(group_lens, total, offs):
+    return cutlass_offsets(group_lens, total) if offs is None else offs
 
 
 def _is_sm90_plus(t: torch.Tensor) -> bool:
@@ -87,9 +93,8 @@ class GroupedGemmCutlassBackend(KernelBackend):
         return a.shape[1] % 8 == 0 and n % 8 == 0 and min(a.shape[0], a.shape[1], n) > 0
 
     @staticmethod
-    def execute(a, b, group_lens, trans_b, **kw):
-        offs = cutlass_offsets(group_lens, a.shape[0])
-        return torch._grouped_mm(a, _b_view(b, trans_b), offs=offs)
+    def execute(a, b, group_lens, trans_b, offs=None, **kw):
+        return torch._grouped_mm(a, _b_view(b, trans_b), offs=_offsets(group_lens, a.shape[0], offs))
 
 
 class GroupedGemmTritonBackend(KernelBackend):
@@ -152,10 +157,11 @@ class VariableKCutlassBackend(KernelBackend):
         return x.shape[1] % 8 == 0 and y.shape[1] % 8 == 0 and min(x.shape[0], x.shape[1], y.shape[1]) > 0
 
     @staticmethod
-    def execute(x, y, group_lens, **kw):
-        offs = cutlass_offsets(group_lens, x.shape[0])
-        out = torch._grouped_mm(x.t(), y, offs=offs)
-        # empty groups: guarantee exact zeros whatever the library leaves there
+    def execute(x, y, group_lens, offs=None, **kw):
+        out = torch._grouped_mm(x.t(), y, offs=_offsets(group_lens, x.shape[0], offs))
+        if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9:
+            return out  # sm_90 CUTLASS writes exact zeros for empty groups: no extra pass over dW
+        # elsewhere: guarantee exact zeros whatever the library leaves there
         return torch.where((group_lens > 0).view(-1, 1, 1), out, out.new_zeros(()))
 
 
@@ -194,22 +200,29 @@ class GroupedGemmVariableKDispatcher(AutoKernelDispatcher):
 # -- custom ops (torch.compile traces through these) ----------------------------------------------
 @torch.library.custom_op("primus_turbo::grouped_gemm", mutates_args=())
 def grouped_gemm_impl(
-    a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor, trans_b: bool
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_lens: torch.Tensor,
+    trans_b: bool,
+    offs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return GroupedGemmDispatcher.dispatch(a=a, b=b, group_lens=group_lens, trans_b=trans_b)
+    """offs: optional precomputed ``cutlass_offsets(group_lens, a.shape[0])`` (CUTLASS only)."""
+    return GroupedGemmDispatcher.dispatch(a=a, b=b, group_lens=group_lens, trans_b=trans_b, offs=offs)
 
 
 @grouped_gemm_impl.register_fake
-def _(a, b, group_lens, trans_b):
+def _(a, b, group_lens, trans_b, offs=None):
     n = b.shape[1] if trans_b else b.shape[2]
     return a.new_empty(a.shape[0], n)
 
 
 @torch.library.custom_op("primus_turbo::grouped_gemm_variable_k", mutates_args=())
-def grouped_gemm_variable_k_impl(x: torch.Tensor, y: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
-    return GroupedGemmVariableKDispatcher.dispatch(x=x, y=y, group_lens=group_lens)
+def grouped_gemm_variable_k_impl(
+    x: torch.Tensor, y: torch.Tensor, group_lens: torch.Tensor, offs: torch.Tensor | None = None
+) -> torch.Tensor:
+    return GroupedGemmVariableKDispatcher.dispatch(x=x, y=y, group_lens=group_lens, offs=offs)
 
 
 @grouped_gemm_variable_k_impl.register_fake
-def _(x, y, group_lens):
+def _(x, y, group_lens, offs=None):
     return x.new_empty(group_lens.shape[0], x.shape[1], y.shape[1])
