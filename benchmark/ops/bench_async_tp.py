@@ -19,7 +19,8 @@ Timing: collectives need the same call count on every rank, so instead of do_ben
 its repetition count per rank) a fixed number of iterations is timed with CUDA events, 5 times;
 the median is taken and the max over ranks reported. The GPU box must keep NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (set here if absent).
-Target (2x H200): TURBO >= 1.15x unfused for both ops at the first three shapes.
+Target (2x H200): TURBO >= 1.15x unfused for both ops at the first three shapes; the dispatcher row
+(its label names the backend the default rule picked) never below unfused.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import GEMM_COLUMNS, bench_parser, out_dir, print_table, tflops, write_csv  # noqa: E402
 
+from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (  # noqa: E402
+    AllGatherMatmulDispatcher,
+    MatmulReduceScatterDispatcher,
+)
 from primus_turbo.pytorch.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from primus_turbo.pytorch.ops.async_tp import (  # noqa: E402
     fused_all_gather_matmul,
@@ -171,6 +176,9 @@ def bench_shape(M, K, N, op, precision, quick, iters) -> list[dict]:
             rows.append(dict(base, label=f"{op} {label}", Check=f"ERROR {type(e).__name__}"))
             continue
         unfused_ms = ms if backend == "NCCL" else unfused_ms
+        if backend is None:  # name the backend the default rule picked
+            disp = AllGatherMatmulDispatcher if op == "AG+GEMM" else MatmulReduceScatterDispatcher
+            label = f"{label} ({disp.last_backend.name if disp.last_backend else '?'})"
         rows.append(
             dict(
                 base,
