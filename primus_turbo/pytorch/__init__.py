@@ -2,6 +2,8 @@
 
 from primus_turbo.pytorch import modules, ops
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+from primus_turbo.pytorch.core.float8_tensor import Float8Tensor
+from primus_turbo.pytorch.core.fp8_autocast import fp8_autocast
 from primus_turbo.pytorch.core.low_precision import (
     Float8QuantConfig,
     Format,
@@ -13,6 +15,8 @@ __all__ = [
     "ops",
     "modules",
     "BackendType",
+    "Float8Tensor",
+    "fp8_autocast",
     "GlobalBackendManager",
     "Float8QuantConfig",
     "Format",
