@@ -5,6 +5,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 JOBS=${PYTEST_JOBS:-2}
+# A fresh inductor cache: a stale one can hide a changed fake kernel of a custom op.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}
 .venv/bin/python -m pytest tests -n "$JOBS" --timeout=900 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
