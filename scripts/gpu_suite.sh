@@ -20,16 +20,21 @@ setup() {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 }
 
+# The device tool returns only a few files: pack everything under $OUT into one tarball at exit.
+pack() { (cd "$OUT" && ls | grep -v '^results.tgz$' > /tmp/pack.list && tar czf /tmp/results.tgz -T /tmp/pack.list \
+  && xargs rm -rf < /tmp/pack.list && mv /tmp/results.tgz results.tgz); }
+[ "${PACK:-1}" = 1 ] && trap pack EXIT
+
 mode=${1:-tests}; shift || true
 setup
 case "$mode" in
   setup) ;;
   tests)
-    python3 -m pytest tests -n "${PYTEST_JOBS:-4}" -q -x --timeout=600 -p no:cacheprovider "$@" 2>&1 \
-      | tee "$OUT/pytest_gpu.log" | tail -60 ;;
+    python3 -m pytest -n "${PYTEST_JOBS:-4}" -q --timeout=600 -p no:cacheprovider -m "not multigpu" \
+      "${@:-tests}" 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "FAILED|ERROR|passed|failed" | tail -60 ;;
   dist)
-    python3 -m pytest tests --dist-only -q --timeout=600 -p no:cacheprovider "$@" 2>&1 \
-      | tee "$OUT/pytest_dist.log" | tail -40 ;;
+    python3 -m pytest --dist-only -q --timeout=600 -p no:cacheprovider "${@:-tests}" 2>&1 \
+      | tee "$OUT/pytest_dist.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40 ;;
   bench|bench-quick)
     q=""; [ "$mode" = bench-quick ] && q="--quick"
     for b in "$@"; do
