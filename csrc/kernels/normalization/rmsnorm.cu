@@ -16,6 +16,7 @@
 // spills except 8 B in the bf16 vectorized backward). The forward needs 32-64.
 
 #include <algorithm>
+#include <type_traits>
 
 #include "primus_turbo/common.h"
 #include "primus_turbo/rmsnorm.h"
@@ -156,11 +157,14 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     const int n_vec = hidden / VEC;
     const float w_shift = zero_centered_gamma ? 1.f : 0.f;
     const float inv_hidden = 1.f / hidden;
-    float dw[VPT][VEC];
+    // dweight partials: fp64 for fp32 data (a CTA sums rows / grid products per column; fp32 drifted
+    // past the fp32 tolerance at 32768 rows), fp32 for 16-bit data (registers; their tolerance is 100x).
+    using Acc = typename std::conditional<std::is_same<T, float>::value, double, float>::type;
+    Acc dw[VPT][VEC];
 #pragma unroll
     for (int i = 0; i < VPT; ++i)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) dw[i][j] = 0.f;
+        for (int j = 0; j < VEC; ++j) dw[i][j] = Acc(0);
 
     const int64_t block_stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
     for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += block_stride) {
@@ -210,7 +214,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
                 for (int j = 0; j < VEC; ++j) {
                     const float x_hat = to_float(xv[i].v[j]) * rstd;
                     const float dy_j = to_float(dyv[i].v[j]);
-                    dw[i][j] += dy_j * x_hat;  // here, not in the first pass: shorter live ranges
+                    dw[i][j] += static_cast<Acc>(dy_j) * x_hat;  // here, not in pass 1: shorter live ranges
                     float g = rstd * (dy_j * (to_float(w.v[j]) + w_shift) - x_hat * mean_dot);
                     if (ds_row != nullptr) g += to_float(ds.v[j]);
                     out.v[j] = from_float<T>(g);
@@ -226,7 +230,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
         const int idx = threadIdx.x + i * blockDim.x;
         if (idx < n_vec) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) mine[idx * VEC + j] = dw[i][j];
+            for (int j = 0; j < VEC; ++j) mine[idx * VEC + j] = static_cast<float>(dw[i][j]);
         }
     }
     if (blockDim.y == 1) return;
@@ -239,23 +243,24 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     }
 }
 
-// dweight[c] = sum_g partial[g, c]: a 32x32 CTA, coalesced over columns, fixed summation order.
+// dweight[c] = sum_g partial[g, c]: a 32x32 CTA, coalesced over columns, fixed summation order,
+// summed in fp64 (the buffer is small: grid x hidden floats; fp64 adds cost nothing here).
 template <typename T>
 __global__ void __launch_bounds__(1024) dweight_reduce_kernel(const float* __restrict__ partial,
                                                                T* __restrict__ dweight, int64_t groups,
                                                                int hidden) {
-    __shared__ float tile[32][33];
+    __shared__ double tile[32][33];
     const int col = blockIdx.x * 32 + threadIdx.x;
-    float acc = 0.f;
+    double acc = 0.0;
     if (col < hidden)
-        for (int64_t g = threadIdx.y; g < groups; g += 32) acc += partial[g * hidden + col];
+        for (int64_t g = threadIdx.y; g < groups; g += 32) acc += static_cast<double>(partial[g * hidden + col]);
     tile[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
     if (threadIdx.y == 0 && col < hidden) {
-        float total = 0.f;
+        double total = 0.0;
 #pragma unroll
         for (int k = 0; k < 32; ++k) total += tile[k][threadIdx.x];
-        dweight[col] = from_float<T>(total);
+        dweight[col] = from_float<T>(static_cast<float>(total));
     }
 }
 

@@ -10,8 +10,6 @@ backward. Backend per call: TURBO (csrc CUDA) > TRITON > TORCH, or pinned with `
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from primus_turbo.pytorch.core.backend import BackendType
@@ -20,10 +18,26 @@ from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import (
     rmsnorm_bwd,
     rmsnorm_bwd_impl,
     rmsnorm_fwd,
-    rmsnorm_fwd_impl,
+    rmsnorm_fwd_traced,
 )
 
 __all__ = ["rmsnorm", "rmsnorm_residual"]
+
+# Backend names by accepted spelling, built at import: parsing ``backend=`` is then a dict lookup
+# that torch.compile (Dynamo) traces as constants on every torch version (no Enum-class
+# ``__members__`` / ``BackendType[...]`` access inside the traced region).
+_BACKEND_NAMES: dict = {m: m.name for m in BackendType}
+_BACKEND_NAMES.update({m.name: m.name for m in BackendType})
+_ACCEPTED = ", ".join(m.name for m in BackendType)
+_INF = float("inf")
+
+
+def _backend_name(backend: BackendType | str, op: str) -> str:
+    key = backend.strip().upper() if isinstance(backend, str) else backend
+    name = _BACKEND_NAMES.get(key) if isinstance(key, (str, BackendType)) else None
+    if name is None:
+        raise ValueError(f"{op}: unknown backend {backend!r}; accepted: {_ACCEPTED} (case-insensitive)")
+    return name
 
 
 def _validate(
@@ -60,18 +74,20 @@ def _validate(
             raise TypeError(f"{op}: residual dtype {residual.dtype} != x dtype {x.dtype}")
         if residual.device != x.device:
             raise ValueError(f"{op}: residual is on {residual.device} but x is on {x.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < _INF):
         raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
     if backend is None:
         return ""
-    return BackendType.parse(backend, source=f"{op}(backend=...)").name
+    return _backend_name(backend, f"{op}(backend=...)")
 
 
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     """[..., hidden] -> contiguous [rows, hidden] (a view when already contiguous)."""
     if t is None:
         return None
-    rows = math.prod(t.shape[:-1])  # not reshape(-1, ...): ambiguous when hidden == 0
+    rows = 1  # not reshape(-1, ...): ambiguous when hidden == 0; a loop, not math.prod, for Dynamo
+    for d in t.shape[:-1]:
+        rows = rows * d
     return t.reshape(rows, t.shape[-1]).contiguous()
 
 
@@ -82,7 +98,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, residual, weight, eps, zero_centered_gamma, backend):
         ctx.set_materialize_grads(False)
         x_rows, weight = _rows(x), weight.contiguous()
-        fwd = rmsnorm_fwd_impl if torch.compiler.is_compiling() else rmsnorm_fwd  # see rmsnorm_impl.py
+        fwd = rmsnorm_fwd_traced if torch.compiler.is_compiling() else rmsnorm_fwd  # see rmsnorm_impl.py
         y, sum_out, rstd = fwd(x_rows, _rows(residual), weight, float(eps), zero_centered_gamma, backend)
         # the backward needs the normalised input: x, or x + residual for the fused variant
         ctx.save_for_backward(x_rows if residual is None else sum_out, weight, rstd)

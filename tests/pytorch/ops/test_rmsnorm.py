@@ -6,7 +6,7 @@ import pytest
 import torch
 from ref.moe_compile_check import run_compile_check
 from ref.rmsnorm_ref import rmsnorm_grads_ref, rmsnorm_ref
-from test_utils import assert_close
+from test_utils import assert_close, get_tolerances
 from triton_compile_utils import compile_for_sm90
 
 import primus_turbo.pytorch as turbo
@@ -16,6 +16,7 @@ from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import (
     RMSNormDispatcher,
     rmsnorm_bwd_impl,
     rmsnorm_fwd_impl,
+    rmsnorm_residual_fwd_impl,
     turbo_max_hidden,
 )
 from primus_turbo.triton.normalization import rmsnorm_kernel as rk
@@ -35,6 +36,18 @@ def _inputs(shape, dtype, device, zero_centered_gamma=False):
     return x, w.requires_grad_()
 
 
+def _assert_dweight(out, ref, dtype, rows, msg):
+    """dweight is a sum over all rows: its absolute rounding error grows ~sqrt(rows) (fp32 partial
+    sums, per-row rstd rounding), while entries whose sum cancels to ~0 get only atol. Scale atol by
+    sqrt(rows / 4096) beyond 4096 rows (32768 rows: x2.8); rtol stays the dtype's."""
+    tol = get_tolerances(dtype)
+    atol = tol["atol"] * max(1.0, (rows / 4096) ** 0.5)
+    assert not torch.isnan(out).any(), f"{msg}: output has NaN"
+    torch.testing.assert_close(
+        out.float(), ref.float(), rtol=tol["rtol"], atol=atol, msg=lambda m: f"{msg}: {m}"
+    )
+
+
 def _check_plain(shape, dtype, device, backend, zero_centered_gamma=False, eps=1e-6):
     x, w = _inputs(shape, dtype, device, zero_centered_gamma)
     y = turbo.ops.rmsnorm(x, w, eps=eps, zero_centered_gamma=zero_centered_gamma, backend=backend)
@@ -48,7 +61,7 @@ def _check_plain(shape, dtype, device, backend, zero_centered_gamma=False, eps=1
     assert_close(y, ref_y, dtype, msg=f"y {tag}")
     assert x.grad.shape == x.shape and w.grad.shape == w.shape and w.grad.dtype == dtype
     assert_close(x.grad, ref_dx, dtype, msg=f"dx {tag}")
-    assert_close(w.grad, ref_dw, dtype, msg=f"dweight {tag}")
+    _assert_dweight(w.grad, ref_dw, dtype, x.numel() // max(shape[-1], 1), f"dweight {tag}")
 
 
 def _check_residual(shape, dtype, device, backend, use_sum_grad=True):
@@ -70,7 +83,7 @@ def _check_residual(shape, dtype, device, backend, use_sum_grad=True):
     ref_dx, ref_dw = rmsnorm_grads_ref(s, w, dy, dsum=ds)
     assert_close(x.grad, ref_dx, dtype, msg=f"dx {tag}")
     assert_close(res.grad, ref_dx, dtype, msg=f"dresidual {tag}")
-    assert_close(w.grad, ref_dw, dtype, msg=f"dweight {tag}")
+    _assert_dweight(w.grad, ref_dw, dtype, x.numel() // max(shape[-1], 1), f"dweight {tag}")
 
 
 # -- numerics on CPU (TORCH, TRITON interpreter) -----------------------------------------------------
@@ -189,9 +202,9 @@ def test_turbo_max_hidden_rule():
 def test_opcheck_custom_ops():
     x, w = torch.randn(5, 24), torch.randn(24)
     res = torch.randn(5, 24)
-    for residual in (None, res):
-        torch.library.opcheck(rmsnorm_fwd_impl, (x, residual, w, 1e-6, False, "TORCH"))
-    y, _, rstd = rmsnorm_fwd_impl(x, None, w, 1e-6, False, "TORCH")
+    torch.library.opcheck(rmsnorm_fwd_impl, (x, w, 1e-6, False, "TORCH"))
+    torch.library.opcheck(rmsnorm_residual_fwd_impl, (x, res, w, 1e-6, False, "TORCH"))
+    y, rstd = rmsnorm_fwd_impl(x, w, 1e-6, False, "TORCH")
     for dsum in (None, res):
         torch.library.opcheck(rmsnorm_bwd_impl, (torch.randn_like(y), x, w, rstd, dsum, True, "TORCH"))
 
@@ -292,10 +305,11 @@ def test_gpu_turbo_misaligned_and_default():
     buf = torch.randn(64 * 2048 + 1, dtype=torch.bfloat16, device="cuda")
     x = buf[1:].view(64, 2048).detach().requires_grad_()  # 2-byte offset: scalar path
     w = torch.randn(2048, dtype=torch.bfloat16, device="cuda").requires_grad_()
-    y = turbo.ops.rmsnorm(x, w)  # automatic: TURBO first on CUDA
-    assert RMSNormDispatcher.last_backend == BackendType.TURBO
+    y = turbo.ops.rmsnorm(x, w)  # automatic on CUDA: TRITON forward, TURBO backward (measured rule)
+    assert RMSNormDispatcher.last_backend == BackendType.TRITON
     dy = torch.randn_like(y)
     y.backward(dy)
+    assert RMSNormDispatcher.last_backend == BackendType.TURBO
     assert_close(y, rmsnorm_ref(x, w)[0], torch.bfloat16, msg="misaligned y")
     ref_dx, ref_dw = rmsnorm_grads_ref(x, w, dy)
     assert_close(x.grad, ref_dx, torch.bfloat16, msg="misaligned dx")
@@ -342,7 +356,7 @@ def test_gpu_bitwise_deterministic(backend):
     dy = torch.randn_like(x)
     runs = []
     for _ in range(2):
-        y, _, rstd = rmsnorm_fwd_impl(x, None, w, 1e-6, False, backend)
+        y, rstd = rmsnorm_fwd_impl(x, w, 1e-6, False, backend)
         dx, dw = rmsnorm_bwd_impl(dy, x, w, rstd, None, False, backend)
         runs.append((y, dx, dw))
     for a, b in zip(*runs):
