@@ -1,0 +1,150 @@
+"""benchmark/e2e/compare.py: the report writer on synthetic metrics, argument handling, and one real CPU run.
+
+The real run is the CI-sized matrix (tiny_moe, 2 gloo ranks, megatron x turbo off/on x bf16/fp8, 3 steps):
+bf16 rows must train and get speedups; stock fp8 is skipped with its reason; turbo fp8 fails on a CPU (no
+FP8 device) and must show up in the table with its error, never dropped.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "benchmark", "e2e"))
+
+import compare  # noqa: E402
+import report  # noqa: E402
+
+
+def _rows(step_ms: float, loss_offset: float, steps: int = 20, mem: float = 10.0) -> list[dict]:
+    # Step 1 is a slow warm-up step that the median must skip.
+    return [
+        {"step": i, "loss": 5.0 * math.exp(-i / 10) + 1.0 + loss_offset,
+         "step_time_ms": 10 * step_ms if i == 1 else step_ms + (i % 3),
+         "tokens_per_s_per_gpu": 8192e3 / step_ms, "tflops_per_gpu": 400.0 * 500 / step_ms,
+         "mfu": 0.4 * 500 / step_ms, "max_mem_gb": mem + i / 100}
+        for i in range(1, steps + 1)
+    ]  # fmt: skip
+
+
+def _results() -> list[report.RunResult]:
+    stock = report.RunResult("megatron", False, "bf16", status="ok", rows=_rows(1000.0, 0.0))
+    turbo = report.RunResult("megatron", True, "bf16", status="ok", rows=_rows(500.0, 0.001))
+    fp8 = report.RunResult("megatron", True, "fp8", status="ok", rows=_rows(400.0, 0.02))
+    failed = report.RunResult(
+        "torchtitan", True, "bf16", status="failed", returncode=1, command="torchrun .. framework=torchtitan",
+        error="RuntimeError: CUDA out of memory", error_tail="line a\nRuntimeError: CUDA out of memory",
+    )  # fmt: skip
+    skipped = report.RunResult("megatron", False, "fp8", status="skipped", error=compare.NO_STOCK_FP8)
+    return [stock, skipped, turbo, fp8, failed]
+
+
+def _table(text: str) -> dict[str, list[str]]:
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| megatron")]
+    rows += [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| torchtitan")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows}
+
+
+def test_summarize_takes_medians_after_warmup_and_peak_memory():
+    rows = _rows(500.0, 0.0, steps=7)
+    s = report.summarize(rows, warmup=1)
+    assert s["step_time_ms"] == pytest.approx(501.0)  # steps 2..7 -> 502,500,501,502,500,501
+    assert s["max_mem_gb"] == pytest.approx(10.07)
+    assert s["final_loss"] == pytest.approx(rows[-1]["loss"])
+    assert s["timed_steps"] == 6
+    assert report.summarize(rows, warmup=50)["timed_steps"] == 7  # run shorter than warm-up: all steps
+
+
+def test_load_metrics_sorts_and_ignores_a_truncated_last_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    rows = [json.dumps({"step": 2, "loss": 2.0}), json.dumps({"step": 1, "loss": 3.0}), '{"st']
+    path.write_text("\n".join(rows))
+    assert [r["step"] for r in report.load_metrics(path)] == [1, 2]
+    assert report.load_metrics(tmp_path / "missing.jsonl") == []
+
+
+def test_report_keeps_failed_and_skipped_rows_and_computes_speedups(tmp_path):
+    results = _results()
+    path = report.write_report(tmp_path, results, warmup=1, meta={"recipe": "deepseek_moe_fp8"}, parity=True)
+    text = path.read_text()
+    table = _table(text)
+    assert set(table) == {r.label for r in results}
+    assert table["megatron stock bf16"][-1] == "1.00x"
+    assert table["megatron turbo bf16"][-1] == "2.00x"  # 1001 / 501 ms (medians after warm-up)
+    assert table["megatron turbo fp8"][-1] == "2.50x"  # 1001 / 401
+    assert table["megatron turbo bf16"][4] == "40.0%"  # MFU column
+    assert table["torchtitan turbo bf16"][0] == "FAILED: RuntimeError: CUDA out of memory"
+    assert table["torchtitan turbo bf16"][-1] == "n/a"
+    assert table["megatron stock fp8"][0].startswith("SKIPPED: stock Megatron-Core")
+    failures = text.split("## Failures")[1]
+    assert "torchtitan turbo bf16 (failed, rc=1" in failures and "line a" in failures
+    assert "framework=torchtitan" in failures
+    # Parity: fp8 is 0.02 above bf16 on a ~1.9 tail loss -> ~+1.1% -> FAIL against the 1% target.
+    parity = json.loads((tmp_path / "results.json").read_text())["parity"]
+    bf16_tail = report.smoothed_final_loss(results[2].rows)
+    assert parity["relative_gap"] == pytest.approx((0.02 - 0.001) / bf16_tail, rel=1e-6)
+    assert not parity["pass"] and "**FAIL**" in text
+    saved = json.loads((tmp_path / "results.json").read_text())["configurations"]
+    assert [c["status"] for c in saved] == ["ok", "skipped", "ok", "ok", "failed"]
+    assert len(saved[0]["losses"]) == 20
+
+
+def test_speedup_is_na_without_a_successful_stock_bf16_row(tmp_path):
+    results = _results()[2:]  # no stock rows
+    table = _table(report.write_report(tmp_path, results, warmup=1, meta={}).read_text())
+    assert table["megatron turbo bf16"][-1] == "n/a" and table["megatron turbo bf16"][1] == "501.0"
+
+
+def test_parse_args_splits_options_from_train_overrides():
+    opts, overrides = compare.parse_args(["recipe=deepseek_moe_fp8", "nproc=2", "parallel.ep=2", "turbo=on"])
+    assert opts["recipe"] == "deepseek_moe_fp8" and opts["nproc"] == "2" and opts["turbo"] == ["on"]
+    assert overrides == ["parallel.ep=2"] and opts["steps"] == 30
+    opts, overrides = compare.parse_args(["parity=true", "steps=8", "warmup=20"])
+    assert opts["turbo"] == ["on"] and opts["precisions"] == ["bf16", "fp8"] and opts["warmup"] == 7
+    assert "data.kind=text" in overrides
+    with pytest.raises(SystemExit, match="turbo=maybe"):
+        compare.parse_args(["turbo=maybe"])
+    with pytest.raises(SystemExit, match="not key=value"):
+        compare.parse_args(["deepseek"])
+
+
+def test_error_line_prefers_the_root_error_over_torchrun_wrapper():
+    log = (
+        "step 1/3 | loss 5.0\n[rank0]: Traceback (most recent call last):\n"
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \ntrain.py FAILED\n"
+    )
+    assert compare.error_line(log).startswith("[rank0]: torch.OutOfMemoryError: CUDA out of memory")
+
+
+@pytest.mark.slow
+def test_compare_runs_the_cpu_matrix_and_reports_every_configuration(tmp_path):
+    cmd = [sys.executable, "benchmark/e2e/compare.py", "recipe=tiny_moe", "nproc=2", "steps=3", "warmup=1",
+           "precisions=bf16,fp8", "timeout=240", f"out={tmp_path}"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    fp8_runs = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    assert proc.returncode == (0 if fp8_runs else 1), out[-3000:]
+    for i, label in enumerate(["stock bf16", "stock fp8", "turbo bf16", "turbo fp8"], 1):
+        assert f"[{i}/4] megatron {label}" in out, out[-3000:]
+    table = _table((tmp_path / "report.md").read_text())
+    assert table["megatron stock bf16"][0] == "ok" and table["megatron stock bf16"][-1] == "1.00x"
+    assert table["megatron turbo bf16"][0] == "ok" and table["megatron turbo bf16"][-1].endswith("x")
+    assert table["megatron stock fp8"][0].startswith("SKIPPED")
+    if not fp8_runs:
+        error = table["megatron turbo fp8"][0]
+        assert error.startswith("FAILED: train.py: configuration error: precision=fp8"), error
+    saved = json.loads((tmp_path / "results.json").read_text())["configurations"]
+    for config in saved:
+        if config["status"] == "ok":
+            assert len(config["losses"]) == 3 and all(0 < x < 10 for x in config["losses"])
+            assert config["summary"]["timed_steps"] == 2
+    stock, turbo = saved[0]["losses"], saved[2]["losses"]
+    assert turbo[0] == pytest.approx(stock[0], rel=1e-2), "same model shape and data: same starting loss"
+    assert (tmp_path / "runs" / "megatron_turbo_bf16.log").exists()
