@@ -6,7 +6,8 @@ expert ids (-1 where the expert lives elsewhere) and the matching probs (0 there
 exact reverse: every rank sends its rows back and the source rank sums them per token (fp32
 accumulation, fixed order: deterministic).
 
-Backends (op_name "moe_dispatch_combine", env PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND):
+Backends (op_name "moe_dispatch_combine", env PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND; default order
+DEEP_EP > NCCL > TURBO, TURBO opt-in until measured on GPU):
   NCCL     all_to_all_single (gloo on CPU). The split sizes must be known on the host: that one
            device->host copy per dispatch is inherent to this path (combine reuses the sizes).
   TURBO    intranode kernels over torch symmetric memory (kernels/moe/ep_turbo.py): no host sync.
@@ -250,6 +251,9 @@ class MoEDispatchCombineDispatcher(AutoKernelDispatcher):
         BackendType.DEEP_EP: DispatchDeepEP,
         BackendType.NCCL: DispatchNCCL,
     }
+    # TURBO is opt-in (PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=TURBO) until its 2-GPU tests and
+    # bench_moe_dispatch have run on H200; then move it first.
+    default_order = (BackendType.DEEP_EP, BackendType.NCCL, BackendType.TURBO)
 
     @classmethod
     def make_key(cls, **kw):
@@ -273,7 +277,7 @@ class MoEDispatchCombineDispatcher(AutoKernelDispatcher):
         pinned, _ = GlobalBackendManager.user_backend(cls.op_name, cls.precision(**kw))
         if pinned is not None:
             return super().resolve(**kw)
-        for backend, impl in cls.backends.items():
-            if impl.can_handle(**kw):
+        for backend in cls.default_order:
+            if cls.backends[backend].can_handle(**kw):
                 return backend
         raise ValueError(f"{cls.op_name}: no backend can handle these inputs ({cls.describe(**kw)})")
