@@ -9,9 +9,10 @@ plus the measured device-to-device copy bandwidth of this GPU in the same run.
 Bytes moved (each input read once, each output written once): forward x, weight -> y, rstd;
 backward dy, x, weight, rstd -> dx, dweight; the residual variant adds residual (read) and
 x + residual (written) forward, d(sum) (read) backward. Backward time is the autograd backward
-alone (retain_graph), for every label. Check: turbo y, dx, dweight vs an fp32 reference at the
-bf16 tolerance (rtol = atol = 1e-2). Targets (H200): TURBO >= 1.0x torch.compile and >= 85% of
-the copy bandwidth, forward and backward.
+alone (retain_graph), for every label. "turbo auto" is backend=None (the dispatcher's per-stage
+pick). Check: turbo y, dx, dweight vs an fp32 reference at the bf16 tolerance (rtol = atol =
+1e-2). Targets (H200): TURBO >= 1.0x torch.compile and >= 85% of the copy bandwidth, forward and
+backward.
 """
 
 from __future__ import annotations
@@ -60,13 +61,16 @@ def copy_bandwidth() -> float:
 def candidates(residual: bool) -> dict:
     compiled = torch.compile(residual_math if residual else rmsnorm_math, dynamic=False)
     out = {}
-    for name in ("TURBO", "TRITON"):
+    # "auto": backend=None, the dispatcher's per-stage default (TRITON forward, TURBO backward)
+    for name in ("TURBO", "TRITON", None):
         if name == "TURBO" and not HAS_CPP_EXTENSION:
             continue
         if residual:
-            out[f"turbo {name}"] = lambda x, r, w, b=name: turbo.ops.rmsnorm_residual(x, r, w, EPS, backend=b)
+            out[f"turbo {name or 'auto'}"] = lambda x, r, w, b=name: turbo.ops.rmsnorm_residual(
+                x, r, w, EPS, backend=b
+            )
         else:
-            out[f"turbo {name}"] = lambda x, r, w, b=name: turbo.ops.rmsnorm(x, w, EPS, backend=b)
+            out[f"turbo {name or 'auto'}"] = lambda x, r, w, b=name: turbo.ops.rmsnorm(x, w, EPS, backend=b)
     if residual:
 
         def eager_residual(x, r, w):

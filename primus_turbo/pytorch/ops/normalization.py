@@ -96,7 +96,10 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, zero_centered_gamma, backend):
-        ctx.set_materialize_grads(False)
+        if not torch.compiler.is_compiling():
+            # eager: an unused output's gradient stays None (no zero tensor is read). Dynamo does not
+            # trace every ctx method on every torch version; compiled graphs materialise grads anyway.
+            ctx.set_materialize_grads(False)
         x_rows, weight = _rows(x), weight.contiguous()
         fwd = rmsnorm_fwd_traced if torch.compiler.is_compiling() else rmsnorm_fwd  # see rmsnorm_impl.py
         y, sum_out, rstd = fwd(x_rows, _rows(residual), weight, float(eps), zero_centered_gamma, backend)
