@@ -97,3 +97,34 @@ def test_two_nodes_on_one_host_train_tiny_moe_with_ep_across_nodes(tmp_path):
     node0 = _log(tmp_path, 0) + _log(tmp_path, 1)
     assert f"done: {STEPS} steps" in node0
     assert seconds < 120, f"2-node simulation took {seconds:.0f} s (target < 90 s)"
+
+
+def test_slurm_script_launches_one_agent_per_node_on_one_rendezvous(tmp_path):
+    """scripts/slurm/train.sbatch under a fake srun/scontrol (DRY_RUN=1): the per-node torchrun commands."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho gpu-node-07\necho gpu-node-08\n")
+    # Fake srun: drop its options, run the task once per node with that node's SLURM_NODEID.
+    (bin_dir / "srun").write_text(
+        '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+        'for id in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$id "$@"; done\n'
+    )
+    for tool in ("scontrol", "srun"):
+        os.chmod(bin_dir / tool, 0o755)
+    slurm = {"SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-node-[07-08]"}
+    env = {**os.environ, **slurm, "DRY_RUN": "1", "TORCHRUN": "torchrun"}
+    env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    script = os.path.join(REPO, "scripts", "slurm", "train.sbatch")
+    proc = subprocess.run(["bash", script, "parallel.ep=16", "model.num_layers=8"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launches = [line.split() for line in proc.stdout.splitlines() if line.startswith("torchrun ")]
+    assert len(launches) == 2, proc.stdout
+    for node_rank, args in enumerate(launches):
+        assert f"--node-rank={node_rank}" in args
+        assert {"--nnodes=2", "--nproc_per_node=8", "--rdzv-backend=c10d", "--rdzv-id=4242"} <= set(args)
+        assert "--rdzv-endpoint=gpu-node-07:29500" in args  # the first node hosts the rendezvous
+        train = args[args.index("train.py") + 1 :]
+        assert train[0] == "recipe=deepseek_moe_fp8"
+        assert train[-2:] == ["parallel.ep=16", "model.num_layers=8"]
+        assert "resume=true" in train and "train.ckpt_dir=ckpt/4242" in train
