@@ -106,7 +106,6 @@ def test_unavailable_turbo_feature_under_strict_stops_with_the_flag():
     [
         (["precision=fp8"], "precision=fp8 needs an FP8-capable GPU"),
         (["parallel.ep=3"], "does not divide world size 2"),
-        (["framework=torchtitan"], "framework=torchtitan is not implemented yet"),
         (["recipe=no_such_recipe"], "Could not find 'recipe/no_such_recipe'"),
     ],
 )
