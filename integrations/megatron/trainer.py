@@ -189,10 +189,10 @@ def train_step(run: Run, step: int) -> tuple[float, object]:
     run.scheduler.step(increment=1)
     # Loss lives on the last pipeline stage; sum it and the number of contributing ranks over the world.
     if losses:
-        pair = torch.stack([torch.stack([x["lm loss"].float() for x in losses]).mean(), torch.ones(())])
+        mean_loss = torch.stack([x["lm loss"].float() for x in losses]).mean().to(run.device)
+        pair = torch.stack([mean_loss, torch.ones((), device=run.device)])
     else:
-        pair = torch.zeros(2)
-    pair = pair.to(run.device)
+        pair = torch.zeros(2, device=run.device)
     dist.all_reduce(pair)
     return (pair[0] / pair[1]).item(), grad_norm
 
