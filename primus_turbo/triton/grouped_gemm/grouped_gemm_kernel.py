@@ -134,6 +134,34 @@ def grouped_gemm_kernel(
 
 
 @triton.jit
+def _vk_step(
+    x_ptr, y_ptr, acc, k0, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk,
+    stride_xm, stride_xp, stride_ym, stride_yq,
+    MASK_ROWS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """acc += X[k0:k0+BLOCK_K, ps]^T @ Y[k0:k0+BLOCK_K, qs], rows outside [row_start, row_end) masked."""
+    rows64 = (k0 + offs_bk).to(tl.int64)
+    x_ptrs = x_ptr + rows64[None, :] * stride_xm + ps[:, None] * stride_xp
+    y_ptrs = y_ptr + rows64[:, None] * stride_ym + qs[None, :] * stride_yq
+    if MASK_ROWS:
+        rows = k0 + offs_bk
+        r_mask = (rows >= row_start) & (rows < row_end)
+        x = tl.load(x_ptrs, mask=p_mask[:, None] & r_mask[None, :], other=0.0)
+        y = tl.load(y_ptrs, mask=r_mask[:, None] & q_mask[None, :], other=0.0)
+    else:
+        x = tl.load(x_ptrs, mask=p_mask[:, None], other=0.0)
+        y = tl.load(y_ptrs, mask=q_mask[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+        y = y.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(x, y, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, y, acc)
+    return acc
+
+
+@triton.jit
 def grouped_gemm_variable_k_kernel(
     x_ptr, y_ptr, c_ptr, group_lens_ptr, x_scale_ptr, y_scale_ptr,
     G, M, P, Q,
@@ -163,27 +191,27 @@ def grouped_gemm_variable_k_kernel(
         p_mask = ps < P
         q_mask = qs < Q
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-        for k0 in range(row_start, row_end, BLOCK_K):
-            rows = k0 + offs_bk
-            r_mask = rows < row_end
-            rows64 = rows.to(tl.int64)
-            x = tl.load(
-                x_ptr + rows64[None, :] * stride_xm + ps[:, None] * stride_xp,
-                mask=p_mask[:, None] & r_mask[None, :],
-                other=0.0,
-            )
-            y = tl.load(
-                y_ptr + rows64[:, None] * stride_ym + qs[None, :] * stride_yq,
-                mask=r_mask[:, None] & q_mask[None, :],
-                other=0.0,
-            )
-            if UPCAST:
-                x = x.to(tl.float32)
-                y = y.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(x, y, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, y, acc)
+        # Token tiles aligned to BLOCK_K: the interior ones are unmasked along the token axis, so
+        # token-contiguous operands (the FP8 transposed copies) get aligned vector loads; only the
+        # (at most two) partial tiles at the group's edges are masked. A mask on an arbitrary
+        # row_start / row_end along the contiguous axis would force 1-element loads everywhere.
+        first_full = tl.cdiv(row_start, BLOCK_K) * BLOCK_K
+        last_full = (row_end // BLOCK_K) * BLOCK_K
+        if (row_start < first_full) & (row_start < row_end):  # head: a partial tile
+            acc = _vk_step(
+                x_ptr, y_ptr, acc, first_full - BLOCK_K, row_start, row_end, ps, qs, p_mask, q_mask,
+                offs_bk, stride_xm, stride_xp, stride_ym, stride_yq, True, UPCAST, IEEE,
+            )  # fmt: skip
+        for k0 in range(first_full, last_full, BLOCK_K):
+            acc = _vk_step(
+                x_ptr, y_ptr, acc, k0, row_start, row_end, ps, qs, p_mask, q_mask,
+                offs_bk, stride_xm, stride_xp, stride_ym, stride_yq, False, UPCAST, IEEE,
+            )  # fmt: skip
+        if (last_full < row_end) & (last_full >= first_full):  # tail: a partial tile
+            acc = _vk_step(
+                x_ptr, y_ptr, acc, last_full, row_start, row_end, ps, qs, p_mask, q_mask,
+                offs_bk, stride_xm, stride_xp, stride_ym, stride_yq, True, UPCAST, IEEE,
+            )  # fmt: skip
         if SCALE_MODE == 1:
             acc = acc * (tl.load(x_scale_ptr + g) * tl.load(y_scale_ptr + g))
         if SCALE_MODE == 2:  # per-column scales (along the token axis): they factor out of the sum
