@@ -26,7 +26,9 @@ def torchrun(*overrides, nproc=2, timeout=300):
            f"--master_port={free_port()}", "train.py", *overrides]  # fmt: skip
     start = time.perf_counter()
     # conftest sets TRITON_INTERPRET=1 for kernel tests; a training run uses the ops' torch CPU backends.
+    # CUDA_VISIBLE_DEVICES="": these are the CPU main-job checks, also when the suite runs on a GPU machine.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
 
