@@ -39,6 +39,9 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.eps = float(eps)
         self.zero_centered_gamma = bool(zero_centered_gamma)
+        # parsed here, eagerly: forward (maybe under torch.compile) then passes a plain name
+        if backend is not None:
+            backend = BackendType.parse(backend, source="RMSNorm(backend=...)").name
         self.backend = backend
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.reset_parameters()

@@ -23,21 +23,23 @@ from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import (
 
 __all__ = ["rmsnorm", "rmsnorm_residual"]
 
-# Backend names by accepted spelling, built at import: parsing ``backend=`` is then a dict lookup
-# that torch.compile (Dynamo) traces as constants on every torch version (no Enum-class
-# ``__members__`` / ``BackendType[...]`` access inside the traced region).
-_BACKEND_NAMES: dict = {m: m.name for m in BackendType}
-_BACKEND_NAMES.update({m.name: m.name for m in BackendType})
+# Backend names, built at import: parsing ``backend=`` is then a membership test / dict lookup that
+# torch.compile (Dynamo) traces as constants on every torch version (no Enum-class ``__members__`` /
+# ``BackendType[...]`` access inside the traced region). Strings never touch the enum-keyed dict.
+_BACKEND_NAMES = frozenset(m.name for m in BackendType)
+_ENUM_NAMES = {m: m.name for m in BackendType}
 _ACCEPTED = ", ".join(m.name for m in BackendType)
 _INF = float("inf")
 
 
 def _backend_name(backend: BackendType | str, op: str) -> str:
-    key = backend.strip().upper() if isinstance(backend, str) else backend
-    name = _BACKEND_NAMES.get(key) if isinstance(key, (str, BackendType)) else None
-    if name is None:
-        raise ValueError(f"{op}: unknown backend {backend!r}; accepted: {_ACCEPTED} (case-insensitive)")
-    return name
+    if isinstance(backend, str):
+        name = backend.strip().upper()
+        if name in _BACKEND_NAMES:
+            return name
+    elif isinstance(backend, BackendType):
+        return _ENUM_NAMES[backend]
+    raise ValueError(f"{op}: unknown backend {backend!r}; accepted: {_ACCEPTED} (case-insensitive)")
 
 
 def _validate(
