@@ -38,10 +38,11 @@ def run(cfg: DictConfig) -> dict:
             from primus_turbo.integrations.megatron.trainer import train
 
             return train(cfg)
-        raise ConfigError(
-            f"framework={framework} is not implemented yet (TorchTitan lands in its own issue); "
-            "use framework=megatron"
-        )
+        if framework == "torchtitan":
+            from primus_turbo.integrations.torchtitan.trainer import train as train_torchtitan
+
+            return train_torchtitan(cfg)
+        raise ConfigError(f"framework={framework}: expected megatron or torchtitan")
     except ConfigError as err:
         if os.environ.get("RANK", "0") == "0":
             print(f"train.py: configuration error: {err}", file=sys.stderr, flush=True)

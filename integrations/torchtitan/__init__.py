@@ -1,0 +1,1 @@
+"""TorchTitan 0.2.2 adapter: the "primus_turbo" model converter, recipe -> JobConfig, trainer glue."""

@@ -1,0 +1,297 @@
+"""The ``primus_turbo`` TorchTitan model converter and its patch registry (same rules as the Megatron side).
+
+Enable it in any TorchTitan 0.2.2 job with ``--model.converters primus_turbo`` after importing this
+module, or through ``train.py framework=torchtitan`` (which sets the options from the Hydra recipe).
+``convert(model)`` runs on the meta-device model before parallelisation, swapping per turbo flag:
+
+  gemm          nn.Linear (all but the MoE router gate) -> turbo Linear, or Float8Linear with precision=fp8
+  attention     ScaledDotProductAttentionWrapper -> TurboAttention "bhsd" (MLA 192/128, GQA)
+  rmsnorm       nn.RMSNorm -> turbo RMSNorm
+  grouped_gemm  GroupedExperts -> turbo grouped GEMM (bf16 or FP8) over the stacked w1/w2/w3
+  router        TokenChoiceTopKRouter -> turbo fused_topk_routing
+
+Parameter names and shapes never change. Fail-closed: a requested feature that cannot serve the run stops it
+(``PatchError``) unless turbo.strict=false; every decision is a row of the turbo report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from primus_turbo.integrations.common.patch_registry import PatchRegistry, apply_patches, format_report
+from primus_turbo.integrations.megatron import turbo_ops  # framework-agnostic op lookup
+from primus_turbo.integrations.torchtitan import turbo_modules as tm
+from torch import nn
+from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+from torchtitan.models.moe.moe import GroupedExperts, TokenChoiceTopKRouter
+from torchtitan.protocols.model_converter import _registry_model_converter_cls as _registered_converters
+from torchtitan.protocols.model_converter import register_model_converter
+
+TESTED = ("0.2.2",)
+CONVERTER_NAME = "primus_turbo"
+REGISTRY = PatchRegistry(framework="torchtitan")
+_FP8_GRANULARITY = {"tensorwise": "TENSORWISE", "rowwise": "ROWWISE", "blockwise": "BLOCKWISE"}
+
+
+@dataclass
+class TurboOptions:
+    """The ``turbo.*`` flags, FP8 recipe and parallel degrees the converter needs (``turbo_cfg`` for the
+    registry: ``enabled``, ``strict`` and one bool per feature)."""
+
+    enabled: bool = True
+    strict: bool = True
+    gemm: bool = True
+    grouped_gemm: bool = True
+    attention: bool = True
+    rmsnorm: bool = True
+    router: bool = True
+    permute: bool = False
+    dispatch: bool = False
+    async_tp: bool = False
+    fp8_recipe: str | None = None  # None = bf16; tensorwise | rowwise | blockwise | delayed
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+
+    def get(self, key, default=None):
+        return getattr(self, key, default)
+
+
+_OPTIONS: TurboOptions | None = None
+LAST_REPORT: list = []
+
+
+def options_from_cfg(cfg) -> TurboOptions:
+    """TurboOptions from the Hydra config (turbo.*, fp8.*, parallel.*)."""
+    t, p = cfg.turbo, cfg.parallel
+    flags = {k: bool(t[k]) for k in ("enabled", "strict", "gemm", "grouped_gemm", "attention", "rmsnorm",
+                                       "router", "permute", "dispatch", "async_tp")}  # fmt: skip
+    fp8 = cfg.fp8.recipe if cfg.fp8.enabled else None
+    return TurboOptions(**flags, fp8_recipe=fp8, tp=p.tp, ep=p.ep, cp=p.cp)
+
+
+def set_options(options: TurboOptions | None) -> None:
+    """Options for converters built after this call (train.py sets them from the recipe; None = defaults)."""
+    global _OPTIONS
+    _OPTIONS = options
+
+
+@dataclass
+class TitanPatchContext:
+    model: nn.Module
+    options: TurboOptions
+    fp8_config: object = None
+    notes: dict = field(default_factory=dict)
+
+    def modules_of(self, cls, exact: bool = True) -> list[tuple[nn.Module, str, nn.Module]]:
+        """(parent, attribute name, child) for every ``cls`` instance (``exact``: not subclasses, which
+        are the turbo replacements already in place)."""
+        found = []
+        for parent in self.model.modules():
+            for name, child in parent.named_children():
+                if type(child) is cls or (not exact and isinstance(child, cls)):
+                    found.append((parent, name, child))
+        return found
+
+
+def _needs(*ops):
+    def probe(ctx) -> str | None:
+        missing = [n for n in ops if not turbo_ops.has(n)]
+        return f"turbo op(s) {', '.join(missing)} not found in primus_turbo" if missing else None
+
+    return probe
+
+
+def _tp_condition(what: str):
+    def condition(ctx) -> str | None:
+        if ctx.options.tp > 1:
+            return f"tp > 1: TorchTitan's TP plans shard {what}; stock module kept"
+        return None
+
+    return condition
+
+
+def _needs_moe(ctx) -> str | None:
+    return None if ctx.modules_of(GroupedExperts, exact=False) else "dense model (no GroupedExperts)"
+
+
+# ---- FP8 (first: the linear and expert swaps read ctx.fp8_config) ---------------------------------------
+
+
+def _fp8_probe(ctx) -> str | None:
+    o = ctx.options
+    if not (o.gemm or o.grouped_gemm):
+        return "precision=fp8 needs turbo.gemm or turbo.grouped_gemm"
+    if o.fp8_recipe == "delayed" and o.grouped_gemm and ctx.modules_of(GroupedExperts, exact=False):
+        return (
+            "fp8.recipe=delayed: turbo grouped_gemm_fp8 supports current scaling only "
+            "(tensorwise|rowwise|blockwise)"
+        )
+    return _needs("ops.gemm_fp8", "ops.grouped_gemm_fp8")(ctx)
+
+
+@REGISTRY.register("turbo.fp8", "primus_turbo.pytorch.core.low_precision.Float8QuantConfig", TESTED,
+                   condition=lambda ctx: None if ctx.options.fp8_recipe else "precision=bf16",
+                   probe=_fp8_probe)  # fmt: skip
+def _fp8(ctx) -> str:
+    from primus_turbo.pytorch.core.low_precision import (
+        Float8QuantConfig,
+        Format,
+        ScalingGranularity,
+        ScalingStrategy,
+    )
+
+    recipe = ctx.options.fp8_recipe
+    if recipe == "delayed":
+        ctx.fp8_config = Float8QuantConfig(format=Format.HYBRID, strategy=ScalingStrategy.DELAYED)
+    else:
+        granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
+        fmt = Format.E4M3 if recipe == "blockwise" else Format.HYBRID
+        ctx.fp8_config = Float8QuantConfig(format=fmt, granularity=granularity)
+    return f"turbo linears/experts run FP8 GEMMs: {recipe}"
+
+
+# ---- module swaps ----------------------------------------------------------------------------------------
+
+
+def _fp8_linear_ok(linear: nn.Linear) -> bool:
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
+@REGISTRY.register("turbo.gemm", "torch.nn.Linear", TESTED, feature="gemm",
+                   condition=_tp_condition("nn.Linear"), probe=_needs("ops.gemm"))  # fmt: skip
+def _gemm(ctx) -> str:
+    swapped, kept = 0, []
+    for parent, name, linear in ctx.modules_of(nn.Linear):
+        if isinstance(parent, TokenChoiceTopKRouter):
+            kept.append(name)  # [T, E] router logits: tiny N, stays on torch (as on the Megatron side)
+            continue
+        if ctx.fp8_config is not None and name != "output" and _fp8_linear_ok(linear):
+            setattr(parent, name, tm.TitanFloat8Linear.from_stock(linear, ctx.fp8_config))
+        else:
+            setattr(parent, name, tm.TitanLinear.from_stock(linear))
+        swapped += 1
+    kind = "Float8Linear (LM head: bf16)" if ctx.fp8_config is not None else "Linear"
+    return f"{swapped} nn.Linear -> turbo {kind}; router gates kept ({len(kept)})"
+
+
+def _attention_condition(ctx) -> str | None:
+    if ctx.options.cp > 1:
+        return "context parallelism (cp > 1) uses TorchTitan's CP attention"
+    if not ctx.modules_of(ScaledDotProductAttentionWrapper):
+        return "no SDPA inner attention (flex/varlen attention kept)"
+    return None
+
+
+@REGISTRY.register("turbo.attention", "torchtitan.models.attention.ScaledDotProductAttentionWrapper", TESTED,
+                   feature="attention", condition=_attention_condition,
+                   probe=_needs("modules.TurboAttention"))  # fmt: skip
+def _attention(ctx) -> str:
+    count = 0
+    for parent, name, _ in ctx.modules_of(ScaledDotProductAttentionWrapper):
+        scale = getattr(parent, "softmax_scale", None) or getattr(parent, "scaling", None)
+        setattr(parent, name, tm.TitanInnerAttention(softmax_scale=scale))
+        count += 1
+    return f"{count} SDPA inner attention -> TurboAttention(layout=bhsd) (turbo.ops.flash_attn_func)"
+
+
+@REGISTRY.register("turbo.rmsnorm", "torch.nn.RMSNorm", TESTED, feature="rmsnorm",
+                   condition=_tp_condition("the norms (SequenceParallel)"),
+                   probe=_needs("modules.RMSNorm"))  # fmt: skip
+def _rmsnorm(ctx) -> str:
+    norms = ctx.modules_of(nn.RMSNorm)
+    for parent, name, norm in norms:
+        setattr(parent, name, tm.TitanRMSNorm.from_stock(norm))
+    return f"{len(norms)} nn.RMSNorm -> turbo RMSNorm (turbo.ops.rmsnorm)"
+
+
+@REGISTRY.register("turbo.grouped_gemm", "torchtitan.models.moe.moe.GroupedExperts", TESTED,
+                   feature="grouped_gemm", condition=_needs_moe,
+                   probe=_needs("ops.grouped_gemm", "ops.grouped_gemm_fp8"))  # fmt: skip
+def _grouped_gemm(ctx) -> str:
+    experts = ctx.modules_of(GroupedExperts)
+    for _, _, module in experts:
+        module.__class__ = tm.TurboGroupedExperts  # same parameters, new forward
+    tm.EXPERTS_FP8_CONFIG = ctx.fp8_config
+    kind = "grouped_gemm_fp8" if ctx.fp8_config is not None else "grouped_gemm"
+    return f"{len(experts)} GroupedExperts -> turbo.ops.{kind} (w1/w2/w3 unchanged)"
+
+
+def _router_probe(ctx) -> str | None:
+    for _, _, router in ctx.modules_of(TokenChoiceTopKRouter):
+        problem = tm.router_semantics_problem(router)
+        if problem:
+            return problem
+    return _needs("ops.moe.fused_topk_routing")(ctx)
+
+
+@REGISTRY.register("turbo.router", "torchtitan.models.moe.moe.TokenChoiceTopKRouter", TESTED,
+                   feature="router", condition=_needs_moe, probe=_router_probe)  # fmt: skip
+def _router(ctx) -> str:
+    routers = ctx.modules_of(TokenChoiceTopKRouter)
+    for _, _, module in routers:
+        module.__class__ = tm.TurboTopKRouter
+    return f"{len(routers)} TokenChoiceTopKRouter -> turbo.ops.fused_topk_routing"
+
+
+# ---- features the TorchTitan side does not serve yet (fail-closed when requested) ------------------------
+
+
+@REGISTRY.register("turbo.permute", "torchtitan.models.moe.moe.TokenReorderer", TESTED, feature="permute",
+                   condition=_needs_moe,
+                   probe=lambda ctx: "TorchTitan's MoE reorders tokens itself; the turbo permute is "
+                   "not wired for TorchTitan yet")  # fmt: skip
+def _permute(ctx) -> str:
+    return ""
+
+
+@REGISTRY.register("turbo.dispatch", "torchtitan.distributed.expert_parallel.ExpertParallel", TESTED,
+                   feature="dispatch",
+                   condition=lambda ctx: None if ctx.options.ep > 1 else "ep=1: no EP communication",
+                   probe=lambda ctx: "EP all-to-all runs in TorchTitan's ExpertParallel; the turbo "
+                   "dispatcher is not wired for TorchTitan yet")  # fmt: skip
+def _dispatch(ctx) -> str:
+    return ""
+
+
+@REGISTRY.register("turbo.async_tp", "torchtitan.distributed.tensor_parallel.maybe_enable_async_tp", TESTED,
+                   feature="async_tp",
+                   condition=lambda ctx: None if ctx.options.tp > 1 else "needs tp > 1",
+                   probe=lambda ctx: "the async-TP adapter is not wired for TorchTitan yet")  # fmt: skip
+def _async_tp(ctx) -> str:
+    return ""
+
+
+def convert_model(model: nn.Module, options: TurboOptions) -> list:
+    """Apply the registry to ``model`` in place; returns the report rows (raises PatchError when strict)."""
+    import torchtitan
+
+    tm.EXPERTS_FP8_CONFIG = None
+    ctx = TitanPatchContext(model=model, options=options)
+    rows = apply_patches(REGISTRY, ctx, options, getattr(torchtitan, "__version__", "0.2.2"))
+    LAST_REPORT[:] = rows
+    return rows
+
+
+class PrimusTurboConverter:
+    """TorchTitan ``ModelConverter``: ``convert`` swaps modules, prints the turbo report on rank 0."""
+
+    def __init__(self, job_config, parallel_dims):
+        options = _OPTIONS or TurboOptions()
+        options.tp = parallel_dims.tp
+        options.ep = parallel_dims.ep
+        options.cp = parallel_dims.cp
+        self.options = options
+
+    def convert(self, model: nn.Module) -> None:
+        rows = convert_model(model, self.options)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(format_report(f"torchtitan, turbo.enabled={self.options.enabled}", rows), flush=True)
+
+    def post_optimizer_hook(self, model) -> None:
+        return None
+
+
+if CONVERTER_NAME not in _registered_converters:
+    register_model_converter(PrimusTurboConverter, CONVERTER_NAME)

@@ -1,0 +1,190 @@
+"""``train.py framework=torchtitan``: TorchTitan's own Trainer on the recipe, with our data and metrics.
+
+1. ``check_expressible`` + ``build_model_args``: the recipe as a TorchTitan flavor (ConfigError early).
+2. A train spec ``primus_turbo_<family>`` = TorchTitan's stock spec for the family with three swaps: the
+   recipe's flavor, our token data (``TokenBatchLoader``: the same batches as the Megatron side), and our
+   metrics processor (per-step line + JSONL through ``common.metrics.StepMetrics``, MFU against our peak
+   table instead of TorchTitan's lspci/A100 default).
+3. ``TurboTitanTrainer`` (TorchTitan's Trainer; on a CPU the shims in ``cpu_shims`` make it run on gloo)
+   with ``model.converters=["primus_turbo"]`` when turbo.enabled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from primus_turbo.integrations.common.data import TokenBatches
+from primus_turbo.integrations.common.metrics import StepMetrics, check_finite, model_flops_per_token
+from primus_turbo.integrations.common.patch_registry import PatchError
+from primus_turbo.integrations.torchtitan.job_config import (
+    build_job_config,
+    build_model_args,
+    check_expressible,
+)
+
+
+def log0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+class TokenBatchLoader:
+    """TorchTitan ``BaseDataLoader`` over ``common.data.TokenBatches``: yields ({"input": [b, s]}, labels)
+    for microbatch i of step n as a pure function of (seed, n, i, dp_rank); the state is one counter."""
+
+    def __init__(self, batches: TokenBatches, microbatches_per_step: int, dp_rank: int):
+        self.batches = batches
+        self.microbatches_per_step = microbatches_per_step
+        self.dp_rank = dp_rank
+        self.position = 0
+
+    def __iter__(self):
+        while True:
+            step, micro = divmod(self.position, self.microbatches_per_step)
+            tokens = self.batches.batch(step + 1, micro, self.dp_rank)
+            self.position += 1
+            yield {"input": tokens[:, :-1].contiguous()}, tokens[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+class TurboMetricsProcessor:
+    """The part of TorchTitan's MetricsProcessor its Trainer uses, writing our per-step line and JSONL."""
+
+    def __init__(self, cfg: DictConfig, parallel_dims):
+        precision = "fp8" if cfg.fp8.enabled else "bf16"
+        self.cfg = cfg
+        self.step_metrics = StepMetrics(cfg, parallel_dims.world_size, model_flops_per_token(cfg.model),
+                                        precision, dist.get_rank() == 0)  # fmt: skip
+        self.color = SimpleNamespace(**{c: "" for c in ("blue", "red", "green", "yellow", "cyan", "reset")})
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        self.device_memory_monitor = SimpleNamespace(
+            device_name=name,
+            get_peak_stats=lambda: SimpleNamespace(max_reserved_gib=0.0, max_reserved_pct=0.0),
+        )
+        self.num_flops_per_token = 0
+        self.ntokens_since_last_log = 0
+        self.data_loading_times: list[float] = []
+        self.optimizers = None
+        self.model_parts = None
+        self.losses: list[float] = []
+        self._last_log = time.perf_counter()
+        self._last_step = 0
+
+    def should_log(self, step: int) -> bool:
+        return step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        steps = max(step - self._last_step, 1)
+        seconds = (now - self._last_log) / steps
+        loss = float(global_avg_loss)
+        check_finite(loss, step)
+        self.losses.append(loss)
+        if step == 1 and self.cfg.turbo.enabled:
+            from primus_turbo.integrations.megatron.trainer import backends_used
+
+            log0(f"turbo report: op backends in step {step}: {backends_used()}")
+        tokens = self.cfg.data.global_batch_size * self.cfg.model.seq_length
+        lr = (extra_metrics or {}).get("lr", 0.0)
+        self.step_metrics.record(step, loss, seconds, tokens, lr, grad_norm)
+        self.ntokens_since_last_log = 0
+        self.data_loading_times.clear()
+        self._last_log, self._last_step = time.perf_counter(), step
+
+    def close(self) -> None:
+        self.step_metrics.close()
+
+
+_SPECS: dict = {}  # name -> TrainSpec registered in this process
+_ACTIVE: dict = {}  # "cfg": the recipe the registered builders read
+
+
+def _build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **_):
+    cfg = _ACTIVE["cfg"]
+    d, m, t = cfg.data, cfg.model, cfg.train
+    batches = TokenBatches(d.kind, m.seq_length, d.micro_batch_size, m.vocab_size, t.seed, d.path)
+    return TokenBatchLoader(batches, d.global_batch_size // (d.micro_batch_size * dp_world_size), dp_rank)
+
+
+def _build_metrics_processor(job_config, parallel_dims, model_args=None, **_):
+    return TurboMetricsProcessor(_ACTIVE["cfg"], parallel_dims)
+
+
+def register_train_spec(cfg: DictConfig) -> tuple[str, str]:
+    """Register ``primus_turbo_<family>`` (once per process) and the recipe's flavor: (name, flavor)."""
+    import torchtitan.protocols.train_spec as ts
+    from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
+
+    family, model_args = build_model_args(cfg)
+    name = f"primus_turbo_{family}"
+    _ACTIVE["cfg"] = cfg
+    if name not in _SPECS:
+        stock = ts.get_train_spec(family)
+        _SPECS[name] = dataclasses.replace(
+            stock, model_args={}, build_dataloader_fn=_build_dataloader, build_tokenizer_fn=None,
+            build_validator_fn=None, build_metrics_processor_fn=_build_metrics_processor,
+            # expert-bias load balancing (aux-loss-free) for every MoE family, as deepseek_v3 does
+            build_optimizers_fn=build_optimizers_with_moe_load_balancing,
+        )  # fmt: skip
+        ts.register_train_spec(name, _SPECS[name])
+    _SPECS[name].model_args[cfg.recipe_name] = model_args
+    return name, cfg.recipe_name
+
+
+def _setup_process_group() -> None:
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if torch.cuda.is_available():
+        return  # TorchTitan's Trainer initialises NCCL itself
+    from primus_turbo.integrations.torchtitan.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def train(cfg: DictConfig) -> dict:
+    """Run the recipe on TorchTitan's Trainer; returns {"losses": [...], "last_step": n}."""
+    check_expressible(cfg)
+    import primus_turbo.integrations.torchtitan.converter as converter  # registers "primus_turbo"
+    from torchtitan.tools.logging import init_logger
+    from torchtitan.train import Trainer
+
+    name, flavor = register_train_spec(cfg)
+    job_config = build_job_config(cfg, name, flavor)
+    converter.set_options(converter.options_from_cfg(cfg))
+    _setup_process_group()
+    init_logger()
+    trainer = None
+    try:
+        trainer = Trainer(job_config)
+        trainer.train()
+    except PatchError as err:
+        log0(f"train.py: {err}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(3) from None
+    finally:
+        if trainer is not None:
+            trainer.close()
+    losses = trainer.metrics_processor.losses
+    if losses:
+        log0(f"done: {trainer.step} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return {"losses": losses, "last_step": trainer.step}

@@ -1,0 +1,175 @@
+"""Turbo replacements for TorchTitan 0.2.2 leaf modules: same parameter names, shapes and init hooks.
+
+Each class is built from the stock module it replaces (``from_stock``) and shares its Parameters, so the
+model's state_dict keys and shapes do not change and TorchTitan checkpoints load with turbo on or off.
+All of them work on the meta device (TorchTitan converts the model before ``to_empty`` + ``init_weights``).
+
+- ``TitanLinear`` / ``TitanFloat8Linear``: ``turbo.modules.Linear`` / ``Float8Linear`` that follow
+  ``torch.autocast`` like ``nn.Linear`` (single-GPU TorchTitan runs bf16 through AMP, not FSDP).
+- ``TitanInnerAttention``: ``turbo.modules.TurboAttention`` (layout "bhsd") with the SDPA wrapper's call
+  signature; covers DeepSeek-V3 MLA (q/k 192, v 128) and Llama3/Qwen3 GQA.
+- ``TitanRMSNorm``: ``turbo.modules.RMSNorm`` honouring ``nn.RMSNorm(eps=None)`` (eps = finfo(dtype).eps).
+- ``TurboGroupedExperts``: ``GroupedExperts`` over ``turbo.ops.grouped_gemm`` / ``grouped_gemm_fp8`` on the
+  stacked ``w1/w2/w3`` [G, ...] parameters.
+- ``TurboTopKRouter``: ``TokenChoiceTopKRouter`` over ``turbo.ops.fused_topk_routing``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchtitan.models.moe.moe import GroupedExperts, TokenChoiceTopKRouter
+
+from primus_turbo.pytorch.modules import Float8Linear, Linear, RMSNorm, TurboAttention
+from primus_turbo.pytorch.ops import fused_topk_routing, gemm, grouped_gemm, grouped_gemm_fp8
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """Cast ``x`` to the active autocast dtype, as autocast does for ``F.linear`` (turbo ops are custom ops,
+    which autocast passes through unchanged)."""
+    device_type = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if x.dtype != dtype:
+            return x.to(dtype)
+    return x
+
+
+def _share_linear_params(new: nn.Module, linear: nn.Linear) -> nn.Module:
+    new.weight = linear.weight
+    new.bias = linear.bias
+    return new
+
+
+class TitanLinear(Linear):
+    """``turbo.modules.Linear`` (bf16/fp32 ``turbo.ops.gemm``) following autocast."""
+
+    @classmethod
+    def from_stock(cls, linear: nn.Linear) -> TitanLinear:
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        return _share_linear_params(new, linear)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.weight.dtype == x2d.dtype else self.weight.to(x2d.dtype)
+        return gemm(x2d, weight, trans_b=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = autocast_input(x)
+        out = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+class TitanFloat8Linear(Float8Linear):
+    """``turbo.modules.Float8Linear`` (forward, dgrad and wgrad in FP8) following autocast."""
+
+    @classmethod
+    def from_stock(cls, linear: nn.Linear, config) -> TitanFloat8Linear:
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config,
+                  device="meta")  # fmt: skip
+        return _share_linear_params(new, linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = autocast_input(x)
+        out = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+class TitanInnerAttention(TurboAttention):
+    """Causal ``turbo.ops.flash_attn_func`` with ``ScaledDotProductAttentionWrapper``'s signature:
+    q [B, Hq, S, Dqk], k [B, Hkv, S, Dqk], v [B, Hkv, S, Dv] -> [B, Hq, S, Dv]; GQA when Hkv < Hq."""
+
+    def __init__(self, softmax_scale: float | None = None):
+        super().__init__(causal=True, softmax_scale=softmax_scale, layout="bhsd")
+
+    def forward(self, q, k, v, *, scale: float | None = None, enable_gqa: bool = False, is_causal=True):
+        if not is_causal:
+            raise ValueError("TitanInnerAttention: only causal attention is supported (is_causal=False seen)")
+        if scale is not None and (self.softmax_scale is None or abs(scale - self.softmax_scale) > 1e-12):
+            raise ValueError(
+                f"TitanInnerAttention: scale={scale} differs from the converted {self.softmax_scale}"
+            )
+        return super().forward(q, k, v)
+
+
+class TitanRMSNorm(RMSNorm):
+    """``turbo.modules.RMSNorm``; ``eps=None`` resolves per call to finfo(x.dtype).eps like nn.RMSNorm."""
+
+    @classmethod
+    def from_stock(cls, norm: nn.RMSNorm) -> TitanRMSNorm:
+        (hidden,) = norm.normalized_shape
+        new = cls(hidden, eps=norm.eps or 1e-6, device="meta")
+        new.eps_from_dtype = norm.eps is None
+        new.weight = norm.weight
+        return new
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if getattr(self, "eps_from_dtype", False):
+            self.eps = torch.finfo(x.dtype).eps
+        return super().forward(x, residual)
+
+
+# FP8 config of the grouped experts; set by the converter's fp8 patch (None: bf16 grouped GEMM).
+EXPERTS_FP8_CONFIG = None
+
+
+class TurboGroupedExperts(GroupedExperts):
+    """``GroupedExperts`` with the SwiGLU expert MLP on turbo grouped GEMMs (one per weight, trans_b: the
+    [G, N, K] layout TorchTitan stores). Rows of ``x`` are grouped by expert as ``num_tokens_per_expert``
+    says; with EP, TorchTitan's ExpertParallel has already permuted (and padded) them. No host sync."""
+
+    def _grouped(self, x: torch.Tensor, w: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
+        w = w if w.dtype == x.dtype else w.to(x.dtype)
+        if EXPERTS_FP8_CONFIG is not None:
+            return grouped_gemm_fp8(x, w, group_lens, trans_b=True, config=EXPERTS_FP8_CONFIG)
+        return grouped_gemm(x, w, group_lens, trans_b=True)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        in_dtype = x.dtype
+        if x.device.type == "cuda" or torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.bfloat16)  # the stock grouped_mm path computes in bf16 as well
+        group_lens = num_tokens_per_expert.to(torch.int64)  # the router's histc gives float counts
+        h = F.silu(self._grouped(x, w1, group_lens)) * self._grouped(x, w3, group_lens)
+        return self._grouped(h, w2, group_lens).to(in_dtype)
+
+
+class TurboTopKRouter(TokenChoiceTopKRouter):
+    """``TokenChoiceTopKRouter.forward`` in one fused routing kernel (incl. group-limited routing).
+
+    Same results as the stock router for the semantics ``router_semantics_problem`` accepts: softmax over
+    all experts without renormalisation, or sigmoid with renormalisation; group-limited routing that
+    ranks groups by the sum of their top-2 scores (top_k / num_limited_groups == 2, as DeepSeek-V2/V3).
+    """
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None):
+        logits = self.gate(x)
+        probs, _, indices = fused_topk_routing(
+            logits.float(), self.top_k, score_function=self.score_func,
+            use_pre_softmax=self.score_func == "softmax", num_groups=self.num_expert_groups,
+            topk_groups=self.num_limited_groups, scaling_factor=self.route_scale, expert_bias=expert_bias,
+            return_indices=True,
+        )  # fmt: skip
+        top_scores = probs.gather(1, indices)
+        # int64 counts like CUDA histc on int64 indices (sync-free; defined on CPU, where histc is not)
+        flat = indices.view(-1)
+        num_tokens_per_expert = torch.zeros(self.num_experts, device=x.device, dtype=flat.dtype)
+        num_tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+        return top_scores, indices, num_tokens_per_expert
+
+
+def router_semantics_problem(router: TokenChoiceTopKRouter) -> str | None:
+    """Why the fused routing kernel would route ``router`` differently from the stock one (None: same)."""
+    if router._debug_force_load_balance:
+        return "debug.moe_force_load_balance is set"
+    if router.score_func == "softmax" and router.route_norm:
+        return "softmax routing with route_norm=True (the fused kernel does not renormalise softmax scores)"
+    if router.score_func == "sigmoid" and not router.route_norm and router.top_k > 1:
+        return "sigmoid routing without route_norm (the fused kernel renormalises sigmoid scores)"
+    if router.num_expert_groups and router.top_k // (router.num_limited_groups or 1) != 2:
+        return (
+            f"group-limited routing with top_k/num_limited_groups = {router.top_k}/"
+            f"{router.num_limited_groups} != 2 (TorchTitan ranks groups by their top-2 sum)"
+        )
+    return None
