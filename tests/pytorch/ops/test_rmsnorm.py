@@ -209,10 +209,12 @@ def test_opcheck_custom_ops():
         torch.library.opcheck(rmsnorm_bwd_impl, (torch.randn_like(y), x, w, rstd, dsum, True, "TORCH"))
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("backend", [None, " torch ", BackendType.TORCH])
+def test_torch_compile_fullgraph(backend):
+    # backend= as a string / enum is parsed inside the traced region: must not graph-break
     def f(x, r, w):
-        y, s = turbo.ops.rmsnorm_residual(x, r, w)
-        return turbo.ops.rmsnorm(y + s, w, zero_centered_gamma=True)
+        y, s = turbo.ops.rmsnorm_residual(x, r, w, backend=backend)
+        return turbo.ops.rmsnorm(y + s, w, zero_centered_gamma=True, backend=backend)
 
     x, w = _inputs((4, 32), torch.float32, "cpu")
     r = torch.randn(4, 32)
