@@ -5,7 +5,8 @@ Two torchrun agents with ``--nnodes=2 --nproc_per_node=1`` meet through a c10d r
 "nodes": each node holds 2 of the 4 experts, so every MoE layer's all-to-all crosses the node boundary.
 The per-rank entry is train.py's own Hydra main (``hydra_main.run``) plus one line that writes each rank's
 losses, because train.py logs on rank 0 only. Checks: both agents exit 0, both ranks saw the same loss at
-every step, rank 0's JSONL agrees, and the loss went down.
+every step, rank 0's JSONL agrees, the loss went down, and a single-node 2-process run of the same job
+(launched alongside) has the same losses.
 """
 
 import json
@@ -43,26 +44,32 @@ RANK_ENTRY = textwrap.dedent(
 )
 
 
-def _agent(node_rank: int, port: int, entry: str, out_dir: str, metrics: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-        f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=multinode-sim", f"--rdzv-conf=is_host={int(node_rank == 0)}", "--local-addr=127.0.0.1",
-        entry, "recipe=tiny_moe", "parallel.ep=2", f"train.steps={STEPS}", "train.progress=false",
-        f"train.metrics_file={metrics}",
-    ]  # fmt: skip
+def _agent(node_rank: int | None, port: int, entry: str, out_dir: str, metrics: str) -> subprocess.Popen:
+    """One "node" (node_rank 0/1) of the 2-node job, or (None) the single-node 2-process reference run."""
+    if node_rank is None:
+        launch = ["--nproc_per_node=2", f"--master_port={free_port()}"]
+    else:
+        launch = [
+            "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=multinode-sim",
+            f"--rdzv-conf=is_host={int(node_rank == 0)}", "--local-addr=127.0.0.1",
+        ]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, entry, "recipe=tiny_moe", "parallel.ep=2",
+           f"train.steps={STEPS}", "train.progress=false", f"train.metrics_file={metrics}"]  # fmt: skip
     # conftest sets TRITON_INTERPRET=1 for kernel tests; a training run uses the ops' torch CPU backends.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(SIM_OUT=out_dir, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    log = open(os.path.join(out_dir, f"node{node_rank}.log"), "w")
+    name = "single_node" if node_rank is None else f"node{node_rank}"
+    log = open(os.path.join(out_dir, f"{name}.log"), "w")
     # Own process group: a hung rendezvous is cleaned up with its worker, not just the agent.
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
 
 
-def _log(out_dir, node_rank: int) -> str:
-    with open(os.path.join(out_dir, f"node{node_rank}.log")) as f:
+def _log(out_dir, node_rank: int | None) -> str:
+    name = "single_node" if node_rank is None else f"node{node_rank}"
+    with open(os.path.join(out_dir, f"{name}.log")) as f:
         return f.read()[-3000:]
 
 
@@ -71,9 +78,12 @@ def test_two_nodes_on_one_host_train_tiny_moe_with_ep_across_nodes(tmp_path):
     entry = tmp_path / "rank_entry.py"
     entry.write_text(RANK_ENTRY.format(repo=REPO))
     metrics = tmp_path / "metrics.jsonl"
+    reference = tmp_path / "single_node.jsonl"
     port = free_port()
     start = time.perf_counter()
     agents = [_agent(node, port, str(entry), str(tmp_path), str(metrics)) for node in (0, 1)]
+    # The same job as one node with 2 processes, alongside: the 2-node launch must not change the numbers.
+    agents.append(_agent(None, port, os.path.join(REPO, "train.py"), str(tmp_path), str(reference)))
     try:
         codes = [agent.wait(timeout=150) for agent in agents]
     finally:
@@ -82,7 +92,7 @@ def test_two_nodes_on_one_host_train_tiny_moe_with_ep_across_nodes(tmp_path):
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
     seconds = time.perf_counter() - start
-    for node, code in enumerate(codes):
+    for node, code in zip((0, 1, None), codes):
         assert code == 0, f"node {node} exited {code}:\n{_log(tmp_path, node)}"
 
     ranks = {}
@@ -94,6 +104,8 @@ def test_two_nodes_on_one_host_train_tiny_moe_with_ep_across_nodes(tmp_path):
     logged = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert logged == pytest.approx(losses0, rel=1e-6), (logged, losses0)
     assert losses0[-1] < losses0[0] - 0.2, f"loss did not go down: {losses0}"
+    single = [json.loads(line)["loss"] for line in reference.read_text().splitlines()]
+    assert losses0 == pytest.approx(single, rel=1e-5), f"2 nodes {losses0} vs 1 node x 2 procs {single}"
     node0 = _log(tmp_path, 0) + _log(tmp_path, 1)
     assert f"done: {STEPS} steps" in node0
     assert seconds < 120, f"2-node simulation took {seconds:.0f} s (target < 90 s)"
