@@ -4,7 +4,9 @@ Quantization (``config.granularity``; every operand quantized along its reductio
 
 * forward  a: tensor / row along K / 1x128 along K;  b: tensor / row along K / 128x128 blocks.
 * dgrad    grad_out: same granularity along N;  b: the forward's fp8 copy (TENSORWISE and
-           BLOCKWISE: 128x128 scales are symmetric) or requantized along N (ROWWISE).
+           BLOCKWISE: 128x128 scales are symmetric); ROWWISE with trans_b: a transposed fp8 copy
+           made in the forward's quantization pass (one scale per K column shared by the experts,
+           see ``_quant_rowwise_weight_with_dgrad_copy``); ROWWISE without: requantized along N.
 * wgrad    the reduction axis is the per-expert token range. TENSORWISE: one scale per tensor;
            ROWWISE and BLOCKWISE: one scale per column of a and of grad_out over all tokens (it
            factors out of every expert's sum, so no scale straddles an expert boundary). The fp8
@@ -99,6 +101,24 @@ def _quant_act_and_wgrad(x, dtype, mode):
     return _quant_act(x, dtype, mode), _quant_for_wgrad(x, dtype, mode)
 
 
+def _quant_rowwise_weight_with_dgrad_copy(b, dtype):
+    """ROWWISE b [G, N, K]: the forward copy (scaled along K per (g, n)) and the dgrad copy in one
+    fused pass over b (``quantize_fp8_with_transpose`` of b as [G*N, K]).
+
+    The dgrad copy is the [K, G*N] transpose, scaled along G*N: one scale per k shared by all
+    experts. It is along the dgrad output axis (dA[:, k] = sum_n dC[:, n] * W_g[n, k]), so it
+    factors out of every expert's sum exactly; sharing it only costs precision if experts' weight
+    magnitudes in a column differ by orders of magnitude. This replaces a bf16 transpose copy of
+    b plus a second quantization pass in every backward (3 extra reads/writes of the weights).
+    Returns (qw [G, N, K], sw [G, N], (dgrad b_view [G, N, K] strided view, dgrad scale [G, K])).
+    """
+    g, n, k = b.shape
+    q, s, q_t, s_t = quantize_fp8_with_transpose(b.reshape(g * n, k), dtype, ScalingGranularity.ROWWISE)
+    dgrad_view = q_t.view(k, g, n).permute(1, 2, 0)  # [G, N(reduce), K(out)], N contiguous
+    dgrad_scale = s_t.reshape(1, k).expand(g, k)
+    return q.view(g, n, k), s.reshape(g, n), (dgrad_view, dgrad_scale)
+
+
 class GroupedGemmFP8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, group_lens, trans_b, config, out_dtype):
@@ -110,11 +130,14 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             (qa, sa), (qa_t, sa_t) = _quant_act_and_wgrad(a, fwd_dtype, mode)
         else:
             (qa, sa), qa_t, sa_t = _quant_act(a, fwd_dtype, mode), None, None
-        qw, sw = _quant_weight(w_nk, fwd_dtype, mode)
+        if mode == SCALE_ROWWISE and trans_b and ctx.needs_input_grad[0]:
+            qw, sw, saved_w = _quant_rowwise_weight_with_dgrad_copy(b, fwd_dtype)
+        else:
+            qw, sw = _quant_weight(w_nk, fwd_dtype, mode)
+            # ROWWISE dgrad requantizes b along N; the other modes reuse the forward's weight copy
+            saved_w = (b,) if mode == SCALE_ROWWISE else (qw, sw)
         b_view, b_scale = _as_kernel_b(qw, sw, mode, groups)
         out = grouped_gemm_fp8_impl(qa, b_view, sa, b_scale, group_lens, mode, out_dtype)
-        # ROWWISE dgrad requantizes b along N; the other modes reuse the forward's weight copy
-        saved_w = (b,) if mode == SCALE_ROWWISE else (qw, sw)
         ctx.save_for_backward(group_lens, qa_t, sa_t, *saved_w)
         ctx.mode, ctx.trans_b, ctx.config = mode, trans_b, config
         ctx.a_dtype, ctx.b_dtype, ctx.groups = a.dtype, b.dtype, groups
@@ -134,7 +157,9 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             qg_t, sg_t = _quant_for_wgrad(grad_out, bwd_dtype, mode)
         if ctx.needs_input_grad[0]:
-            if mode == SCALE_ROWWISE:  # requantize the weight along N (the dgrad reduction)
+            if mode == SCALE_ROWWISE and len(saved_w) == 2:  # the forward's transposed copy
+                b_view, b_scale = saved_w
+            elif mode == SCALE_ROWWISE:  # requantize the weight along N (the dgrad reduction)
                 (b,) = saved_w
                 w_kn = b.transpose(1, 2).contiguous() if trans_b else b
                 qw_kn, sw_kn = _quant_weight(w_kn, config.format.fwd_dtype, mode)

@@ -116,15 +116,16 @@ def test_grouped_gemm_fp8_gpu_training_shapes(granularity, G, K, N, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("G,K,N", [(64, 2048, 1408), (32, 7168, 2048)])
 @pytest.mark.parametrize("kind", ["balanced", "empty"])
-def test_grouped_gemm_fp8_cutlass_rowwise_forward(G, K, N, kind, device):
-    """torch._scaled_grouped_mm serves ROWWISE E4M3 forward (and dgrad for E4M3)."""
+@pytest.mark.parametrize("granularity", [ScalingGranularity.ROWWISE, ScalingGranularity.TENSORWISE])
+def test_grouped_gemm_fp8_cutlass_forward(G, K, N, kind, granularity, device):
+    """torch._scaled_grouped_mm serves the E4M3 forward: ROWWISE, and TENSORWISE as broadcast rowwise."""
     GlobalBackendManager.set_grouped_gemm_backend("CUTLASS")
     lens = make_group_lens(8192, G, kind, device)
     a = torch.randn(8192, K, dtype=torch.bfloat16, device=device)
     b = torch.randn(G, N, K, dtype=torch.bfloat16, device=device) / K**0.5
-    out = grouped_gemm_fp8(a, b, lens, config=Float8QuantConfig(granularity=ScalingGranularity.ROWWISE))
+    out = grouped_gemm_fp8(a, b, lens, config=Float8QuantConfig(granularity=granularity))
     assert GroupedGemmFP8Dispatcher.last_backend is BackendType.CUTLASS
-    assert_snr(out, grouped_gemm_ref(a, b, lens, True), 25.0, f"CUTLASS rowwise {kind}")
+    assert_snr(out, grouped_gemm_ref(a, b, lens, True), 25.0, f"CUTLASS {granularity.name} {kind}")
 
 
 @pytest.mark.gpu
