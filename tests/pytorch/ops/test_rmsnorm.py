@@ -142,6 +142,15 @@ def test_non_contiguous(backend, device):
     assert_close(x2.grad, rmsnorm_grads_ref(x2, w, g)[0], torch.float32, msg="dx with strided dy")
 
 
+def test_default_backend_rule_per_stage():
+    class _CudaLike:  # only .is_cuda is read by the rule
+        is_cuda = True
+
+    assert RMSNormDispatcher.default_backend(stage="fwd", x=_CudaLike()) == BackendType.TRITON
+    assert RMSNormDispatcher.default_backend(stage="bwd", x=_CudaLike()) == BackendType.TURBO
+    assert RMSNormDispatcher.default_backend(stage="bwd", x=torch.empty(1)) == BackendType.TORCH
+
+
 def test_default_backend_cpu_is_torch():
     x, w = _inputs((3, 8), torch.float32, "cpu")
     turbo.ops.rmsnorm(x, w)
