@@ -17,7 +17,7 @@ Labels (impl):
   turbo auto               turbo.ops.grouped_gemm, dispatcher with autotune (CUTLASS vs TRITON)
   turbo TRITON             turbo.ops.grouped_gemm pinned to the persistent Triton kernels
   torch._scaled_grouped_mm FP8 rowwise forward on pre-quantized operands (kernel only, no bwd)
-  turbo fp8 <GRAN>         turbo.ops.grouped_gemm_fp8 TRITON (rowwise: auto), quantization included
+  turbo fp8 <GRAN>         turbo.ops.grouped_gemm_fp8 TRITON (rowwise/tensorwise: auto), quantization included
 Check: out/da/db SNR vs the torch._grouped_mm bf16 results (bf16 rounding alone: ~50 dB): bf16 >= 40 dB,
 FP8 >= 25 dB.
 Targets (H200): turbo auto fwd+bwd >= 1.15x torch._grouped_mm geomean, never < 1.0x; FP8 fwd+bwd
@@ -212,7 +212,7 @@ def run_shape(shape, dist, quick, device):
     if not quick:
         grans.insert(0, ScalingGranularity.TENSORWISE)
     for g in grans:
-        backend = None if g is ScalingGranularity.ROWWISE else "TRITON"
+        backend = "TRITON" if g is ScalingGranularity.BLOCKWISE else None  # auto: CUTLASS fwd
         impls.append((f"turbo fp8 {g.name.lower()}", backend, Float8QuantConfig(granularity=g)))
     for name, backend, cfg in impls:
         fns = turbo_impls(x, w, lens, grad, backend, cfg)
