@@ -3,10 +3,11 @@
 Quantization (``config.granularity``; every operand quantized along its reduction axis):
 
 * forward  a: tensor / row along K / 1x128 along K;  b: tensor / row along K / 128x128 blocks.
-* dgrad    grad_out: same granularity along N;  b: the forward's fp8 copy (TENSORWISE and
-           BLOCKWISE: 128x128 scales are symmetric); ROWWISE with trans_b: a transposed fp8 copy
-           made in the forward's quantization pass (one scale per K column shared by the experts,
-           see ``_quant_rowwise_weight_with_dgrad_copy``); ROWWISE without: requantized along N.
+* dgrad    grad_out: same granularity along N;  b: TENSORWISE/ROWWISE with trans_b: a transposed
+           (K-major) fp8 copy made in the forward's quantization pass (ROWWISE: one scale per K
+           column shared by the experts, see ``_quant_weight_with_dgrad_copy``); BLOCKWISE: the
+           forward's copy (128x128 scales are symmetric); otherwise requantized along N (ROWWISE)
+           or the forward's copy (TENSORWISE).
 * wgrad    the reduction axis is the per-expert token range. TENSORWISE: one scale per tensor;
            ROWWISE and BLOCKWISE: one scale per column of a and of grad_out over all tokens (it
            factors out of every expert's sum, so no scale straddles an expert boundary). The fp8
@@ -101,22 +102,26 @@ def _quant_act_and_wgrad(x, dtype, mode):
     return _quant_act(x, dtype, mode), _quant_for_wgrad(x, dtype, mode)
 
 
-def _quant_rowwise_weight_with_dgrad_copy(b, dtype):
-    """ROWWISE b [G, N, K]: the forward copy (scaled along K per (g, n)) and the dgrad copy in one
-    fused pass over b (``quantize_fp8_with_transpose`` of b as [G*N, K]).
+def _quant_weight_with_dgrad_copy(b, dtype, mode):
+    """TENSORWISE / ROWWISE b [G, N, K]: the forward copy (scaled along K) and the dgrad copy in
+    one fused pass over b (``quantize_fp8_with_transpose`` of b as [G*N, K]).
 
-    The dgrad copy is the [K, G*N] transpose, scaled along G*N: one scale per k shared by all
-    experts. It is along the dgrad output axis (dA[:, k] = sum_n dC[:, n] * W_g[n, k]), so it
-    factors out of every expert's sum exactly; sharing it only costs precision if experts' weight
-    magnitudes in a column differ by orders of magnitude. This replaces a bf16 transpose copy of
-    b plus a second quantization pass in every backward (3 extra reads/writes of the weights).
-    Returns (qw [G, N, K], sw [G, N], (dgrad b_view [G, N, K] strided view, dgrad scale [G, K])).
+    The dgrad copy is the [K, G*N] transpose: reduction axis N contiguous, the K-major operand
+    layout Hopper FP8 MMAs need (the forward copy read as [G, N, K] is MN-major). TENSORWISE: the
+    same single scale. ROWWISE: scaled along G*N, one scale per k shared by all experts; it is
+    along the dgrad output axis (dA[:, k] = sum_n dC[:, n] * W_g[n, k]), so it factors out of every
+    expert's sum exactly and only costs precision if experts' weight magnitudes in one column
+    differ by orders of magnitude. This replaces (ROWWISE) a bf16 transpose copy of b plus a
+    second quantization pass in every backward.
+    Returns (qw [G, N, K], sw, (dgrad b_view [G, N, K] strided view, dgrad scale)).
     """
     g, n, k = b.shape
-    q, s, q_t, s_t = quantize_fp8_with_transpose(b.reshape(g * n, k), dtype, ScalingGranularity.ROWWISE)
+    gran = ScalingGranularity.TENSORWISE if mode == SCALE_TENSORWISE else ScalingGranularity.ROWWISE
+    q, s, q_t, s_t = quantize_fp8_with_transpose(b.reshape(g * n, k), dtype, gran)
     dgrad_view = q_t.view(k, g, n).permute(1, 2, 0)  # [G, N(reduce), K(out)], N contiguous
-    dgrad_scale = s_t.reshape(1, k).expand(g, k)
-    return q.view(g, n, k), s.reshape(g, n), (dgrad_view, dgrad_scale)
+    if mode == SCALE_TENSORWISE:
+        return q.view(g, n, k), s.reshape(1), (dgrad_view, s_t.reshape(1))
+    return q.view(g, n, k), s.reshape(g, n), (dgrad_view, s_t.reshape(1, k).expand(g, k))
 
 
 class GroupedGemmFP8Function(torch.autograd.Function):
@@ -130,8 +135,8 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             (qa, sa), (qa_t, sa_t) = _quant_act_and_wgrad(a, fwd_dtype, mode)
         else:
             (qa, sa), qa_t, sa_t = _quant_act(a, fwd_dtype, mode), None, None
-        if mode == SCALE_ROWWISE and trans_b and ctx.needs_input_grad[0]:
-            qw, sw, saved_w = _quant_rowwise_weight_with_dgrad_copy(b, fwd_dtype)
+        if mode != SCALE_BLOCKWISE and trans_b and ctx.needs_input_grad[0]:
+            qw, sw, saved_w = _quant_weight_with_dgrad_copy(b, fwd_dtype, mode)
         else:
             qw, sw = _quant_weight(w_nk, fwd_dtype, mode)
             # ROWWISE dgrad requantizes b along N; the other modes reuse the forward's weight copy
@@ -164,7 +169,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 w_kn = b.transpose(1, 2).contiguous() if trans_b else b
                 qw_kn, sw_kn = _quant_weight(w_kn, config.format.fwd_dtype, mode)
                 b_view, b_scale = qw_kn.transpose(1, 2), sw_kn
-            else:  # qw [G, N, K] is already [G, reduce=N, out=K]; 128x128 block scales are symmetric
+            else:  # [G, reduce=N, out=K]: TENSORWISE the K-major copy, BLOCKWISE qw (symmetric scales)
                 b_view, sw = saved_w
                 b_scale = sw.expand(groups) if mode == SCALE_TENSORWISE else sw
             grad_a = grouped_gemm_fp8_impl(qg, b_view, sg, b_scale, group_lens, mode, ctx.a_dtype)
