@@ -115,5 +115,6 @@ def apply_megatron_patches(cfg: DictConfig, spec) -> list:
     )
 
     turbo_layers.FP8_CONFIG = None  # set again by the turbo.fp8 entry when precision=fp8
+    turbo_layers.FP8_GROUPED_CONFIG = None
     ctx = MegatronPatchContext(cfg=cfg, spec=spec)
     return apply_patches(REGISTRY, ctx, cfg.turbo, megatron.core.__version__)

@@ -26,43 +26,67 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from primus_turbo.integrations.megatron import turbo_ops
 
-# Set by the registry's fp8 entry before the model is built (a primus_turbo Float8QuantConfig), else None.
+# Set by the registry's fp8 entry before the model is built (primus_turbo Float8QuantConfigs), else None:
+# FP8_CONFIG for the linears, FP8_GROUPED_CONFIG for the experts (grouped FP8 has no delayed scaling).
 FP8_CONFIG = None
+FP8_GROUPED_CONFIG = None
 
 
-def _linear_2d(x2d: torch.Tensor, weight: torch.Tensor, fp8_config) -> torch.Tensor:
+def _delayed_state(config):
+    """A per-module amax history when the linears use DELAYED scaling (fp8.recipe=delayed), else None."""
+    if FP8_CONFIG is None or FP8_CONFIG.strategy.name != "DELAYED":
+        return None
+    device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+    return turbo_ops.get("core.fp8_autocast.DelayedScalingState")(FP8_CONFIG, device=device)
+
+
+def _linear_2d(x2d: torch.Tensor, weight: torch.Tensor, fp8_config, delayed_state=None) -> torch.Tensor:
     accumulate = weight.requires_grad and isinstance(getattr(weight, "main_grad", None), torch.Tensor)
     if fp8_config is not None:
-        return turbo_ops.get("ops.gemm_fp8")(x2d, weight, trans_b=True, config=fp8_config)
+        gemm_fp8 = turbo_ops.get("ops.gemm_fp8")
+        return gemm_fp8(x2d, weight, trans_b=True, config=fp8_config, delayed_state=delayed_state)
     return turbo_ops.get("ops.gemm")(x2d, weight, trans_b=True, accumulate_into_main_grad=accumulate)
 
 
 def turbo_linear_forward_impl(
     input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-    grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, fp8_config=None, **_unused,
+    grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, fp8_config=None, delayed_state=None,
+    **_unused,
 ):  # fmt: skip
     """Drop-in for ``linear_with_grad_accumulation_and_async_allreduce`` (same arguments)."""
     if sequence_parallel:
         input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
     elif allreduce_dgrad:
         input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-    out = _linear_2d(input.reshape(-1, input.shape[-1]), weight, fp8_config)
+    out = _linear_2d(input.reshape(-1, input.shape[-1]), weight, fp8_config, delayed_state)
     out = out.view(*input.shape[:-1], weight.shape[0])
     return out + bias if bias is not None else out
 
 
 class TurboColumnParallelLinear(ColumnParallelLinear):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fp8_delayed_state = _delayed_state(self.config)
+
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
-        return turbo_linear_forward_impl(input, weight, *args, fp8_config=FP8_CONFIG, **kwargs)
+        return turbo_linear_forward_impl(
+            input, weight, *args, fp8_config=FP8_CONFIG, delayed_state=self.fp8_delayed_state, **kwargs
+        )
 
 
 class TurboRowParallelLinear(RowParallelLinear):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fp8_delayed_state = _delayed_state(self.config)
+
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
-        return turbo_linear_forward_impl(input, weight, *args, fp8_config=FP8_CONFIG, **kwargs)
+        return turbo_linear_forward_impl(
+            input, weight, *args, fp8_config=FP8_CONFIG, delayed_state=self.fp8_delayed_state, **kwargs
+        )
 
 
 class TurboRMSNorm(torch.nn.Module):
@@ -141,9 +165,9 @@ class _TurboGroupedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, m_splits):
         weights = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
         group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(x.device, non_blocking=True)
-        if FP8_CONFIG is not None:
+        if FP8_GROUPED_CONFIG is not None:
             out = turbo_ops.get("ops.grouped_gemm_fp8")(
-                x, weights, group_lens, trans_b=True, config=FP8_CONFIG
+                x, weights, group_lens, trans_b=True, config=FP8_GROUPED_CONFIG
             )
         else:
             out = turbo_ops.get("ops.grouped_gemm")(x, weights, group_lens, trans_b=True)

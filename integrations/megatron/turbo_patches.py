@@ -198,14 +198,11 @@ def _fp8_probe(ctx) -> str | None:
         return (
             "Megatron-Core without Transformer Engine has no FP8 path: precision=fp8 needs turbo.enabled=true"
         )
-    if cfg.fp8.recipe == "delayed":
-        return (
-            "fp8.recipe=delayed needs module-owned amax history, not wired yet: "
-            "use tensorwise|rowwise|blockwise"
-        )
     needed = []
     if cfg.turbo.gemm:
         needed.append("ops.gemm_fp8")
+        if cfg.fp8.recipe == "delayed":
+            needed.append("core.fp8_autocast.DelayedScalingState")
     if cfg.turbo.grouped_gemm and ctx.is_moe:
         needed.append("ops.grouped_gemm_fp8")
     if not needed:
@@ -216,10 +213,24 @@ def _fp8_probe(ctx) -> str | None:
 @REGISTRY.register("turbo.fp8", "megatron.core.transformer.transformer_config.TransformerConfig.fp8", TESTED,
                    condition=_fp8_condition, probe=_fp8_probe)  # fmt: skip
 def _fp8(ctx) -> str:
-    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
+    from primus_turbo.pytorch.core.low_precision import (
+        Float8QuantConfig,
+        Format,
+        ScalingGranularity,
+        ScalingStrategy,
+    )
 
     recipe = ctx.cfg.fp8.recipe
+    if recipe == "delayed":
+        # Linears keep a per-module amax history (DelayedScalingState); grouped_gemm_fp8 has no delayed
+        # scaling, so the experts use current tensorwise scaling.
+        turbo_layers.FP8_CONFIG = Float8QuantConfig(format=Format.HYBRID, strategy=ScalingStrategy.DELAYED)
+        turbo_layers.FP8_GROUPED_CONFIG = Float8QuantConfig(format=Format.HYBRID)
+        return (
+            "linears: FP8 HYBRID TENSORWISE delayed scaling; experts: FP8 HYBRID TENSORWISE current scaling"
+        )
     granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
     fmt = Format.E4M3 if recipe == "blockwise" else Format.HYBRID
     turbo_layers.FP8_CONFIG = Float8QuantConfig(format=fmt, granularity=granularity)
+    turbo_layers.FP8_GROUPED_CONFIG = turbo_layers.FP8_CONFIG
     return f"turbo linears/experts run FP8 GEMMs: {fmt.value} {granularity.value} current scaling"

@@ -173,7 +173,7 @@ def test_spec_provider_switches_per_feature(megatron_world):
     assert experts is TEGroupedMLP and subs.linear_fc1 is tl.TurboColumnParallelGroupedLinear
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "delayed"])
 def test_fp8_recipe_drives_turbo_linears_and_experts(megatron_world, recipe):
     """The plugin-owned FP8 recipe: the registry entry sets the config, the turbo layers run FP8 GEMMs."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -189,7 +189,10 @@ def test_fp8_recipe_drives_turbo_linears_and_experts(megatron_world, recipe):
     assert _fp8_probe(ctx) is None
     _fp8(ctx)
     fp8_config = tl.FP8_CONFIG
-    assert fp8_config.granularity.value == recipe.upper()
+    if recipe == "delayed":  # linears: delayed tensorwise; experts: current tensorwise
+        assert fp8_config.strategy.name == "DELAYED" and tl.FP8_GROUPED_CONFIG.strategy.name == "CURRENT"
+    else:
+        assert fp8_config.granularity.value == recipe.upper() and tl.FP8_GROUPED_CONFIG is fp8_config
     try:
         config = _config()
         init = torch.nn.init.normal_
@@ -212,8 +215,12 @@ def test_fp8_recipe_drives_turbo_linears_and_experts(megatron_world, recipe):
         out, _ = experts(x, [32, 64])
         ref = torch.cat([x[:32] @ experts.weight0.t(), x[32:] @ experts.weight1.t()])
         assert_snr(out.detach(), ref.detach(), gate, "fp8 experts out")
+        if recipe == "delayed":
+            assert (
+                turbo.fp8_delayed_state is not None and stock.state_dict().keys() <= turbo.state_dict().keys()
+            )
     finally:
-        tl.FP8_CONFIG = None
+        tl.FP8_CONFIG = tl.FP8_GROUPED_CONFIG = None
 
 
 def test_fp8_without_turbo_is_refused(megatron_world):
@@ -224,5 +231,5 @@ def test_fp8_without_turbo_is_refused(megatron_world):
     cfg = OmegaConf.create({"fp8": {"enabled": True, "recipe": "tensorwise"}, "model": {"moe": None},
                             "turbo": {"enabled": False, "gemm": True, "grouped_gemm": True}})  # fmt: skip
     assert "needs turbo.enabled=true" in _fp8_probe(MegatronPatchContext(cfg=cfg, spec=None))
-    cfg.turbo.enabled, cfg.fp8.recipe = True, "delayed"
-    assert "fp8.recipe=delayed" in _fp8_probe(MegatronPatchContext(cfg=cfg, spec=None))
+    cfg.turbo.enabled, cfg.turbo.gemm, cfg.turbo.grouped_gemm = True, False, False
+    assert "needs turbo.gemm or turbo.grouped_gemm" in _fp8_probe(MegatronPatchContext(cfg=cfg, spec=None))
