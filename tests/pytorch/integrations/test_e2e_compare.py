@@ -148,3 +148,31 @@ def test_compare_runs_the_cpu_matrix_and_reports_every_configuration(tmp_path):
     stock, turbo = saved[0]["losses"], saved[2]["losses"]
     assert turbo[0] == pytest.approx(stock[0], rel=1e-2), "same model shape and data: same starting loss"
     assert (tmp_path / "runs" / "megatron_turbo_bf16.log").exists()
+
+
+def test_scaling_model_matches_hand_computed_deepseek_v3_numbers():
+    """docs/scaling.md's inputs: V3 MoE-layer FLOPs and the all-to-all bytes of an in-node EP8 layer."""
+    import scaling_model as sm
+
+    v3 = sm.DEEPSEEK_V3
+    # Forward per token: MLA projections 2*187.0M + causal core 2*83.9M + router/8 experts/shared 796.4M.
+    proj = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    core = 4096 * 128 * 320 * 0.5
+    moe = 2 * 7168 * 256 + 9 * 2 * 3 * 7168 * 2048
+    assert sm.moe_layer_forward_flops(v3) == pytest.approx(2 * proj + 2 * core + moe, rel=1e-9)
+    # EP8 in one node: 7/8 of 4096*8 rows leave the GPU; FP8 dispatch (1 + 4/128 B) + 3 bf16 all-to-alls.
+    layout = sm.Layout("t", 64, ep=8, pp=8, global_batch=1920)
+    row_bytes = 7168 * (1 + 4 / 128 + 6)
+    expected_ms = 4096 * 8 * 7 / 8 * row_bytes / 268e9 * 1e3
+    assert sm.a2a_ms_per_moe_layer(layout, v3, 268.0, 40.0) == pytest.approx(expected_ms, rel=1e-9)
+    assert layout.microbatches == 240
+    # Across 8 nodes the NIC bounds it; node-limited routing (4 nodes) caps the rows that cross.
+    wide = sm.Layout("t", 1024, ep=64, pp=16, global_batch=15360)
+    across = sm.a2a_ms_per_moe_layer(wide, v3, 268.0, 40.0)
+    assert across == pytest.approx(4096 * 8 * 56 / 64 * row_bytes / 40e9 * 1e3, rel=1e-9)
+    limited = sm.a2a_ms_per_moe_layer(wide, v3, 268.0, 40.0, max_nodes_per_token=4)
+    assert limited == pytest.approx(across * 4 / 8, rel=1e-9)
+    no_overlap = sm.project(wide, v3, 450.0, 268.0, 40.0, overlap=0.0)
+    hidden = sm.project(wide, v3, 450.0, 268.0, 40.0, overlap=1.0)
+    assert hidden["a2a_share"] == 0.0 and 0.3 < no_overlap["a2a_share"] < 0.7
+    assert no_overlap["step_s"] > hidden["step_s"]
