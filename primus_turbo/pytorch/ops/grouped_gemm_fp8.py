@@ -3,11 +3,11 @@
 Quantization (``config.granularity``; every operand quantized along its reduction axis):
 
 * forward  a: tensor / row along K / 1x128 along K;  b: tensor / row along K / 128x128 blocks.
-* dgrad    grad_out: same granularity along N;  b: TENSORWISE/ROWWISE with trans_b: a transposed
-           (K-major) fp8 copy made in the forward's quantization pass (ROWWISE: one scale per K
-           column shared by the experts, see ``_quant_weight_with_dgrad_copy``); BLOCKWISE: the
-           forward's copy (128x128 scales are symmetric); otherwise requantized along N (ROWWISE)
-           or the forward's copy (TENSORWISE).
+* dgrad    grad_out: same granularity along N;  b (with trans_b; BLOCKWISE also needs N % 128 == 0):
+           a transposed (K-major) fp8 copy made in the forward's quantization pass (ROWWISE: one
+           scale per K column shared by the experts, see ``_quant_weight_with_dgrad_copy``);
+           otherwise the forward's copy (TENSORWISE; BLOCKWISE: 128x128 scales are symmetric) or
+           requantized along N (ROWWISE).
 * wgrad    the reduction axis is the per-expert token range. TENSORWISE: one scale per tensor;
            ROWWISE and BLOCKWISE: one scale per column of a and of grad_out over all tokens (it
            factors out of every expert's sum, so no scale straddles an expert boundary). The fp8
@@ -103,19 +103,28 @@ def _quant_act_and_wgrad(x, dtype, mode):
 
 
 def _quant_weight_with_dgrad_copy(b, dtype, mode):
-    """TENSORWISE / ROWWISE b [G, N, K]: the forward copy (scaled along K) and the dgrad copy in
-    one fused pass over b (``quantize_fp8_with_transpose`` of b as [G*N, K]).
+    """b [G, N, K]: the forward copy (scaled along K) and the dgrad copy in one fused pass over b
+    (``quantize_fp8_with_transpose`` of b as [G*N, K]).
 
     The dgrad copy is the [K, G*N] transpose: reduction axis N contiguous, the K-major operand
     layout Hopper FP8 MMAs need (the forward copy read as [G, N, K] is MN-major). TENSORWISE: the
-    same single scale. ROWWISE: scaled along G*N, one scale per k shared by all experts; it is
-    along the dgrad output axis (dA[:, k] = sum_n dC[:, n] * W_g[n, k]), so it factors out of every
-    expert's sum exactly and only costs precision if experts' weight magnitudes in one column
-    differ by orders of magnitude. This replaces (ROWWISE) a bf16 transpose copy of b plus a
-    second quantization pass in every backward.
+    same single scale; BLOCKWISE: the transposed 128x128 blocks (needs N % 128 == 0). ROWWISE:
+    scaled along G*N, one scale per k shared by all experts; it is along the dgrad output axis
+    (dA[:, k] = sum_n dC[:, n] * W_g[n, k]), so it factors out of every expert's sum exactly and
+    only costs precision if experts' weight magnitudes in one column differ by orders of
+    magnitude. This replaces (ROWWISE) a bf16 transpose copy of b plus a second quantization pass
+    in every backward.
     Returns (qw [G, N, K], sw, (dgrad b_view [G, N, K] strided view, dgrad scale)).
     """
     g, n, k = b.shape
+    if mode == SCALE_BLOCKWISE:  # 128x128 blocks of [G*N, K] (N % 128 == 0) and of its transpose
+        q, s, q_t, s_t = quantize_fp8_with_transpose(
+            b.reshape(g * n, k), dtype, ScalingGranularity.BLOCKWISE, block_size=(128, 128)
+        )
+        nb = n // 128
+        sw = s.reshape(g, nb, s.shape[-1])  # [G, N/128, K/128]
+        dgrad_scale = s_t.reshape(s_t.shape[0], g, nb).permute(1, 2, 0)  # [G, N/128, K/128]
+        return q.view(g, n, k), sw, (q_t.view(k, g, n).permute(1, 2, 0), dgrad_scale)
     gran = ScalingGranularity.TENSORWISE if mode == SCALE_TENSORWISE else ScalingGranularity.ROWWISE
     q, s, q_t, s_t = quantize_fp8_with_transpose(b.reshape(g * n, k), dtype, gran)
     dgrad_view = q_t.view(k, g, n).permute(1, 2, 0)  # [G, N(reduce), K(out)], N contiguous
@@ -135,7 +144,8 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             (qa, sa), (qa_t, sa_t) = _quant_act_and_wgrad(a, fwd_dtype, mode)
         else:
             (qa, sa), qa_t, sa_t = _quant_act(a, fwd_dtype, mode), None, None
-        if mode != SCALE_BLOCKWISE and trans_b and ctx.needs_input_grad[0]:
+        blocks_fit = mode != SCALE_BLOCKWISE or b.shape[1] % 128 == 0  # no block straddles experts
+        if trans_b and blocks_fit and ctx.needs_input_grad[0]:
             qw, sw, saved_w = _quant_weight_with_dgrad_copy(b, fwd_dtype, mode)
         else:
             qw, sw = _quant_weight(w_nk, fwd_dtype, mode)
@@ -169,7 +179,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 w_kn = b.transpose(1, 2).contiguous() if trans_b else b
                 qw_kn, sw_kn = _quant_weight(w_kn, config.format.fwd_dtype, mode)
                 b_view, b_scale = qw_kn.transpose(1, 2), sw_kn
-            else:  # [G, reduce=N, out=K]: TENSORWISE the K-major copy, BLOCKWISE qw (symmetric scales)
+            else:  # [G, reduce=N, out=K]: the K-major copy, or qw itself (symmetric 128x128 scales)
                 b_view, sw = saved_w
                 b_scale = sw.expand(groups) if mode == SCALE_TENSORWISE else sw
             grad_a = grouped_gemm_fp8_impl(qg, b_view, sg, b_scale, group_lens, mode, ctx.a_dtype)

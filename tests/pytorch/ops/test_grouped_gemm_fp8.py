@@ -57,6 +57,12 @@ def test_grouped_gemm_fp8_triton_b_not_transposed(granularity, device):
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_grouped_gemm_fp8_n_multiple_of_128(granularity, device):
+    """N % 128 == 0: every granularity takes its dgrad weight from the forward's transposed copy."""
+    _check("TRITON", 3, 96, 128, 256, "skewed", True, Float8QuantConfig(granularity=granularity), device)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_grouped_gemm_fp8_torch_reference(granularity, device):
     _check("TORCH", 3, 96, 128, 64, "skewed", True, Float8QuantConfig(granularity=granularity), device)
 
