@@ -16,7 +16,10 @@ Options (key=value; every other key=value is passed to train.py as a Hydra overr
   out=DIR                default benchmark/results/<gpu>/e2e/<recipe>_<nproc>gpu[_parity]
   parity=true            turbo on, bf16 vs fp8 on the shipped text sample (data.kind=text unless given), same
                          seed and data order; the report adds the final-loss gap (target: fp8 within 1%)
-  stock_fp8=true         also run the stock Megatron fp8 row (it stops at start-up: no FP8 without TE)
+  stock_fp8=true         also run the stock fp8 rows (they stop at start-up: Megatron-Core has no FP8
+                         without Transformer Engine, stock TorchTitan FP8 needs torchao)
+  reuse=true             keep a configuration whose DIR/runs/<config>.jsonl already holds all `steps` rows
+                         (split a long matrix over several invocations into one report)
   dry_run=true           print the commands, run nothing
 
 Writes DIR/report.md (table + failures with their log tails), DIR/results.json, DIR/report.png (when
@@ -47,16 +50,19 @@ REPO = Path(__file__).resolve().parents[2]
 OPTIONS = {
     "recipe": "tiny_moe", "frameworks": "megatron", "nproc": "1", "precisions": "bf16,fp8", "turbo": "off,on",
     "steps": None, "warmup": "10", "timeout": "1800", "out": None, "parity": "false", "stock_fp8": "false",
-    "dry_run": "false",
+    "dry_run": "false", "reuse": "false",
 }  # fmt: skip
 TRUE = ("1", "true", "yes", "on")
-NO_STOCK_FP8 = "stock Megatron-Core without Transformer Engine has no FP8 path (stock_fp8=true runs it)"
+NO_STOCK_FP8 = {
+    "megatron": "stock Megatron-Core without Transformer Engine has no FP8 path (stock_fp8=true runs it)",
+    "torchtitan": "stock TorchTitan FP8 needs torchao, not a dependency (stock_fp8=true runs it)",
+}
 ERROR_LINE = re.compile(r"(^|\]: |: )[\w.]*(Error|Exception)\b|configuration error|^train\.py: ")
 
 
 def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     """Split ``key=value`` arguments into compare options and train.py overrides."""
-    opts, overrides = dict(OPTIONS), []
+    opts, overrides, given = dict(OPTIONS), [], set()
     for arg in argv:
         if arg in ("-h", "--help"):
             print(__doc__)
@@ -66,6 +72,7 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
             raise SystemExit(f"compare.py: argument {arg!r} is not key=value (see --help)")
         if key in OPTIONS:
             opts[key] = value
+            given.add(key)
         else:
             overrides.append(arg)
     opts["parity"] = opts["parity"].lower() in TRUE
@@ -79,8 +86,9 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     bad = [v for v in opts["precisions"] if v not in ("bf16", "fp8")]
     if bad:
         raise SystemExit(f"compare.py: precisions={','.join(bad)}: expected bf16, fp8 or bf16,fp8")
-    if opts["parity"]:
-        opts["turbo"], opts["precisions"] = ["on"], ["bf16", "fp8"]
+    if opts["parity"]:  # turbo bf16 vs turbo fp8, unless the user narrowed it (e.g. one per invocation)
+        opts["turbo"] = opts["turbo"] if "turbo" in given else ["on"]
+        opts["precisions"] = opts["precisions"] if "precisions" in given else ["bf16", "fp8"]
         if not any(o.startswith("data.kind=") for o in overrides):
             overrides += ["data.kind=text", "data.path=data/sample.txt"]
     return opts, overrides
@@ -132,9 +140,9 @@ def matrix(opts: dict) -> list[RunResult]:
         for turbo in opts["turbo"]:
             for precision in opts["precisions"]:
                 run = RunResult(framework=framework, turbo=turbo == "on", precision=precision)
-                stock_fp8 = framework == "megatron" and not run.turbo and precision == "fp8"
+                stock_fp8 = not run.turbo and precision == "fp8" and framework in NO_STOCK_FP8
                 if stock_fp8 and opts["stock_fp8"].lower() not in TRUE:
-                    run.status, run.error = "skipped", NO_STOCK_FP8
+                    run.status, run.error = "skipped", NO_STOCK_FP8[framework]
                 runs.append(run)
     return runs
 
@@ -198,11 +206,24 @@ def execute(run: RunResult, cmd: list[str], timeout: float) -> None:
     run.error_tail = "\n".join(text.splitlines()[-40:])
 
 
+def reuse_previous(run: RunResult, steps: int) -> bool:
+    """A finished earlier run of this configuration in the same out dir (reuse=true)."""
+    rows = load_metrics(run.metrics_path)
+    if len(rows) != steps or rows[-1]["step"] != steps:
+        return False
+    run.status, run.rows, run.reused = "ok", rows, True
+    log = Path(run.log_path).read_text(errors="replace") if Path(run.log_path).exists() else ""
+    backends = re.search(r"turbo report: op backends in step \d+: (.*)", log)
+    run.backends = backends.group(1).strip() if backends else ""
+    return True
+
+
 def progress(i: int, n: int, run: RunResult, warmup: int) -> str:
     head = f"[{i}/{n}] {run.label:<26}"
     if run.status == "ok":
         s = summarize(run.rows, warmup)
-        return (f"{head} ok      {run.seconds:6.0f} s | {s['step_time_ms']:.1f} ms/step | "
+        state = "reused " if run.reused else "ok     "
+        return (f"{head} {state} {run.seconds:6.0f} s | {s['step_time_ms']:.1f} ms/step | "
                 f"loss {s['final_loss']:.4f}")  # fmt: skip
     return f"{head} {run.status.upper():<7} {run.seconds:6.0f} s | {run.error}"
 
@@ -225,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         if opts["dry_run"].lower() in TRUE:
             print(f"[{i}/{len(runs)}] {run.label}: {shlex.join(cmd)}")
             continue
-        if run.status == "pending":
+        if run.status == "pending" and opts["reuse"].lower() in TRUE and reuse_previous(run, opts["steps"]):
+            pass
+        elif run.status == "pending":
             print(f"[{i}/{len(runs)}] {run.label} ...", flush=True)
             execute(run, cmd, timeout)
         print(progress(i, len(runs), run, opts["warmup"]), flush=True)

@@ -32,6 +32,7 @@ class RunResult:
     error: str = ""  # one line for the table
     error_tail: str = ""  # last lines of the log, for the failures section
     backends: str = ""  # "turbo report: op backends in step 1: ..." from the log
+    reused: bool = False  # compare.py reuse=true kept an earlier finished run
     rows: list[dict] = dataclasses.field(default_factory=list)
 
     @property
@@ -121,8 +122,9 @@ def table_rows(results: list[RunResult], warmup: int) -> list[list[str]]:
             lines.append([r.label, f"{r.status.upper()}: {reason}"] + ["n/a"] * (len(TABLE_COLUMNS) - 2))
             continue
         s = summarize(r.rows, warmup)
+        status = "ok (reused)" if r.reused else "ok"
         lines.append([
-            r.label, "ok", _fmt(s["step_time_ms"]), _fmt(s["tokens_per_s_per_gpu"], ".0f"),
+            r.label, status, _fmt(s["step_time_ms"]), _fmt(s["tokens_per_s_per_gpu"], ".0f"),
             _fmt(s["tflops_per_gpu"], ".2f"), _fmt(s["mfu"], ".1f", 100) + ("%" if s["mfu"] else ""),
             _fmt(s["max_mem_gb"], ".2f"), _fmt(s["final_loss"], ".4f"),
             _fmt(speedup[r.label], ".2f") + ("x" if speedup[r.label] else ""),

@@ -40,7 +40,9 @@ def _results() -> list[report.RunResult]:
         "torchtitan", True, "bf16", status="failed", returncode=1, command="torchrun .. framework=torchtitan",
         error="RuntimeError: CUDA out of memory", error_tail="line a\nRuntimeError: CUDA out of memory",
     )  # fmt: skip
-    skipped = report.RunResult("megatron", False, "fp8", status="skipped", error=compare.NO_STOCK_FP8)
+    skipped = report.RunResult(
+        "megatron", False, "fp8", status="skipped", error=compare.NO_STOCK_FP8["megatron"]
+    )
     return [stock, skipped, turbo, fp8, failed]
 
 
@@ -176,3 +178,22 @@ def test_scaling_model_matches_hand_computed_deepseek_v3_numbers():
     hidden = sm.project(wide, v3, 450.0, 268.0, 40.0, overlap=1.0)
     assert hidden["a2a_share"] == 0.0 and 0.3 < no_overlap["a2a_share"] < 0.7
     assert no_overlap["step_s"] > hidden["step_s"]
+
+
+def test_reuse_keeps_finished_runs_and_reports_them_without_launching(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    rows = _rows(500.0, 0.0, steps=3)
+    (runs / "megatron_turbo_bf16.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (runs / "megatron_turbo_bf16.log").write_text("turbo report: op backends in step 1: Gemm=TRITON\n")
+    (runs / "megatron_stock_bf16.jsonl").write_text(json.dumps(rows[0]) + "\n")  # unfinished: would rerun
+    # Only the finished configuration is in this matrix, so nothing is launched.
+    argv = ["turbo=on", "precisions=bf16", "steps=3", "warmup=1", "reuse=true", f"out={tmp_path}"]
+    assert compare.main(argv) == 0
+    assert "[1/1] megatron turbo bf16        reused" in capsys.readouterr().out
+    table = _table((tmp_path / "report.md").read_text())
+    assert table["megatron turbo bf16"][:2] == ["ok (reused)", "501.0"]
+    assert "Gemm=TRITON" in (tmp_path / "report.md").read_text()
+    run = report.RunResult("megatron", False, "bf16")
+    run.metrics_path, run.log_path = str(runs / "megatron_stock_bf16.jsonl"), str(runs / "none.log")
+    assert not compare.reuse_previous(run, steps=3)
