@@ -61,7 +61,7 @@ def _deepseek_args(cfg: DictConfig):
 
     m, mla = cfg.model, cfg.model.mla
     first_dense = moe_layer_pattern(m).count(0)
-    return DeepSeekV3ModelArgs(
+    args = DeepSeekV3ModelArgs(
         max_seq_len=m.seq_length, vocab_size=m.vocab_size, dim=m.hidden_size, inter_dim=m.ffn_hidden_size,
         moe_inter_dim=m.moe.ffn_hidden_size if m.moe is not None else m.ffn_hidden_size,
         n_layers=m.num_layers, n_dense_layers=first_dense, n_heads=m.num_attention_heads, norm_eps=m.norm_eps,
@@ -70,6 +70,8 @@ def _deepseek_args(cfg: DictConfig):
         qk_rope_head_dim=mla.qk_pos_emb_head_dim, v_head_dim=mla.v_head_dim, attn_type="sdpa",
         original_seq_len=m.seq_length, rope_theta=float(m.rotary_base),
     )  # fmt: skip
+    args.moe_impl = "standard"  # update_from_config sets it from the job; the default for direct builds
+    return args
 
 
 def _qwen3_args(cfg: DictConfig):

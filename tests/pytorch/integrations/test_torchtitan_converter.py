@@ -1,0 +1,217 @@
+"""The "primus_turbo" TorchTitan converter on CPU: what it swaps, that parameter names/shapes are unchanged,
+forward/backward numerics vs the stock TorchTitan model, fail-closed rules, and recipe -> TorchTitan errors.
+
+Models are TorchTitan's own (deepseek_v3 MLA+MoE, qwen3 GQA MoE, llama3 dense) at tiny sizes from the
+recipes; the reference is the same model unconverted with the same weights (fp32 on CPU, tolerances from
+test_utils). The converted model runs the turbo ops' TORCH backends here; GPU kernels are covered by the
+op tests and the GPU training runs.
+"""
+
+import os
+
+import pytest
+import torch
+from test_utils import assert_close
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("hydra")
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from primus_turbo.integrations.common.config import ConfigError  # noqa: E402
+from primus_turbo.integrations.common.patch_registry import FALLBACK, PatchError  # noqa: E402
+from primus_turbo.integrations.torchtitan import converter as conv  # noqa: E402
+from primus_turbo.integrations.torchtitan import turbo_modules as tm  # noqa: E402
+from primus_turbo.integrations.torchtitan.job_config import (  # noqa: E402
+    build_job_config,
+    build_model_args,
+    check_expressible,
+)
+
+RECIPES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "recipes"))
+TINY_MLA = [
+    "recipe=deepseek_moe_bf16", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
+    "model.num_attention_heads=2", "model.vocab_size=128", "model.seq_length=32", "model.mla.kv_lora_rank=32",
+    "model.mla.qk_head_dim=32", "model.mla.qk_pos_emb_head_dim=16", "model.mla.v_head_dim=32",
+    "model.moe.num_experts=8", "model.moe.topk=4", "model.moe.num_groups=4", "model.moe.group_topk=2",
+    "model.moe.ffn_hidden_size=32", "model.moe.shared_expert_ffn_hidden_size=64",
+]  # fmt: skip
+TINY_GQA_MOE = ["recipe=tiny_moe", "model.seq_length=32", "model.vocab_size=128"]
+TINY_DENSE = ["recipe=tiny_dense", "model.seq_length=32"]
+
+
+@pytest.fixture(autouse=True)
+def _histc_on_cpu(monkeypatch):
+    """The stock router calls torch.histc on int64 indices, which has no CPU kernel (see cpu_shims)."""
+    from primus_turbo.integrations.torchtitan.cpu_shims import _histc_accepting_integers
+
+    monkeypatch.setattr(torch, "histc", _histc_accepting_integers(torch.histc))
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        return compose(config_name="config", overrides=["framework=torchtitan", *overrides])
+
+
+def _build(cfg, seed=0):
+    import torchtitan.protocols.train_spec as ts
+
+    family, args = build_model_args(cfg)
+    args.update_from_config(build_job_config(cfg, family, cfg.recipe_name))
+    model_cls = ts.get_train_spec(family).model_cls
+    with torch.device("meta"):
+        model = model_cls(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return family, model
+
+
+def _options(cfg, **overrides):
+    options = conv.options_from_cfg(cfg)
+    options.ep = 1  # in-process: no expert-parallel world
+    for key, value in overrides.items():
+        setattr(options, key, value)
+    return options
+
+
+def _shapes(model):
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _fwd_bwd(model, tokens):
+    logits = model(tokens)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+    loss.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "overrides, family, expected",
+    [
+        (TINY_MLA, "deepseek_v3", {tm.TitanLinear: 15, tm.TitanInnerAttention: 2, tm.TitanRMSNorm: 7,
+                                   tm.TurboGroupedExperts: 1, tm.TurboTopKRouter: 1}),
+        (TINY_GQA_MOE, "qwen3", {tm.TitanLinear: 15, tm.TitanInnerAttention: 2, tm.TitanRMSNorm: 5,
+                                 tm.TurboGroupedExperts: 2, tm.TurboTopKRouter: 2}),
+        (TINY_DENSE, "llama3", {tm.TitanLinear: 15, tm.TitanInnerAttention: 2, tm.TitanRMSNorm: 5}),
+    ],
+    ids=["deepseek_v3_mla_moe", "qwen3_gqa_moe", "llama3_dense"],
+)  # fmt: skip
+def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family, expected):
+    cfg = _cfg(*overrides)
+    built_family, stock = _build(cfg)
+    assert built_family == family
+    _, turbo = _build(cfg)
+    turbo.load_state_dict(stock.state_dict())
+    names_before = _shapes(turbo)
+    rows = conv.convert_model(turbo, _options(cfg))
+    assert _shapes(turbo) == names_before  # checkpoints load either way
+    counts = {cls: sum(type(m) is cls for m in turbo.modules()) for cls in expected}
+    assert counts == expected
+    stock_linears = [n for n, m in turbo.named_modules() if type(m) is torch.nn.Linear]
+    assert all(n.endswith("router.gate") for n in stock_linears), stock_linears
+    assert {r.name: r.status for r in rows}["turbo.gemm"] == "active"
+
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen)
+    ref_logits, ref_grads = _fwd_bwd(stock, tokens)
+    out_logits, out_grads = _fwd_bwd(turbo, tokens)
+    assert_close(out_logits, ref_logits, msg="logits")
+    assert out_grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        assert_close(out_grads[name], grad, msg=name)
+
+
+def test_fp8_recipe_swaps_float8_linears_and_fp8_experts_keeping_head_bf16():
+    cfg = _cfg(*TINY_MLA)
+    _, model = _build(cfg)
+    rows = conv.convert_model(model, _options(cfg, fp8_recipe="rowwise"))
+    status = {r.name: r.status for r in rows}
+    assert status["turbo.fp8"] == "active" and status["turbo.grouped_gemm"] == "active"
+    assert type(model.output) is tm.TitanLinear  # LM head stays bf16
+    assert sum(type(m) is tm.TitanFloat8Linear for m in model.modules()) == 14
+    assert tm.EXPERTS_FP8_CONFIG is not None and tm.EXPERTS_FP8_CONFIG.granularity.name == "ROWWISE"
+    conv.convert_model(torch.nn.Sequential(), _options(cfg))  # resets the expert FP8 config
+    assert tm.EXPERTS_FP8_CONFIG is None
+
+
+def test_strict_stops_on_a_feature_that_cannot_serve_and_non_strict_falls_back():
+    cfg = _cfg(*TINY_GQA_MOE)
+    _, model = _build(cfg)
+    with pytest.raises(PatchError, match=r"turbo\.dispatch cannot serve this run.*turbo\.strict=false"):
+        conv.convert_model(model, _options(cfg, dispatch=True, ep=2))
+    _, model = _build(cfg)
+    rows = conv.convert_model(model, _options(cfg, dispatch=True, ep=2, strict=False))
+    assert {r.name: r.status for r in rows}["turbo.dispatch"] == FALLBACK
+
+
+def test_router_with_semantics_the_fused_kernel_lacks_is_refused_under_strict():
+    cfg = _cfg(*TINY_GQA_MOE)
+    _, model = _build(cfg)
+    for module in model.modules():
+        if hasattr(module, "route_norm"):
+            module.route_norm = True  # softmax + renormalisation: not what fused_topk_routing computes
+    with pytest.raises(PatchError, match=r"turbo\.router.*route_norm"):
+        conv.convert_model(model, _options(cfg))
+
+
+def test_turbo_disabled_converts_nothing():
+    cfg = _cfg(*TINY_DENSE)
+    _, model = _build(cfg)
+    rows = conv.convert_model(model, _options(cfg, enabled=False))
+    assert all(r.status in ("off", "n/a") for r in rows)
+    assert not any(type(m).__module__.endswith("turbo_modules") for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["recipe=tiny_dense", "parallel.tp=2"], "sequence_parallel=true"),
+        (["model.moe.dispatcher=flex"], "dispatcher=flex"),
+        (["recipe=deepseek_moe_bf16", "precision=fp8", "turbo.enabled=false"], "torchao"),
+        (["model.moe.first_k_dense=1"], "first_k_dense=1"),
+        (["parallel.pp=2"], "no pipelining"),
+        (["parallel.ep=2", "turbo.dispatch=true", "turbo.grouped_gemm=false"], "conflicting converter flags"),
+    ],
+    ids=["tp_without_sp", "flex_dispatcher", "fp8_stock", "qwen3_first_dense", "qwen3_pp", "flag_conflict"],
+)
+def test_recipes_torchtitan_cannot_express_fail_before_any_work(overrides, message):
+    cfg = _cfg(*overrides)
+    with pytest.raises(ConfigError, match=message):
+        check_expressible(cfg)
+        build_model_args(cfg)
+
+
+def test_shared_experts_must_be_whole_experts():
+    with pytest.raises(ConfigError, match="shared_expert_ffn_hidden_size=96"):
+        build_model_args(_cfg("model.moe.shared_expert_ffn_hidden_size=96"))
+
+
+@pytest.mark.parametrize(
+    "recipe, family", [("deepseek_moe_fp8", "deepseek_v3"), ("deepseek_moe_bf16", "deepseek_v3"),
+                       ("llama3_8b_fp8", "llama3"), ("tiny_moe", "qwen3")],
+)  # fmt: skip
+def test_recipes_translate_to_torchtitan_flavors_and_job_config(recipe, family):
+    cfg = _cfg(f"recipe={recipe}")
+    check_expressible(cfg)
+    got_family, args = build_model_args(cfg)
+    assert got_family == family
+    if recipe == "llama3_8b_fp8":
+        from torchtitan.models.llama3.model.model import FeedForward
+
+        assert args.n_kv_heads == 8 and args.rope_theta == 500000.0
+        with torch.device("meta"):
+            ffn = FeedForward(args.dim, 4 * args.dim, args.multiple_of, args.ffn_dim_multiplier)
+        assert ffn.w1.out_features == 14336
+    if family == "deepseek_v3":
+        assert (args.n_dense_layers, args.moe_args.num_shared_experts, args.moe_args.top_k) == (1, 2, 6)
+        assert (args.moe_args.num_expert_groups, args.moe_args.num_limited_groups) == (8, 3)
+        assert args.qk_nope_head_dim + args.qk_rope_head_dim == 192 and args.v_head_dim == 128
+    job = build_job_config(cfg, f"primus_turbo_{family}", recipe)
+    assert job.model.converters == ["primus_turbo"]
+    assert job.training.seq_len == cfg.model.seq_length and job.training.steps == cfg.train.steps
+    assert job.training.global_batch_size == cfg.data.global_batch_size
+    assert job.parallelism.expert_parallel_degree == cfg.parallel.ep
+    assert job.lr_scheduler.decay_type == "cosine" and job.optimizer.lr == cfg.train.lr
+    off = build_job_config(_cfg(f"recipe={recipe}", "turbo.enabled=false"), "x", recipe)
+    assert off.model.converters == []
