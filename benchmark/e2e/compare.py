@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         print(progress(i, len(runs), run, opts["warmup"]), flush=True)
     if opts["dry_run"].lower() in TRUE:
         return 0
-    path, note = write_plot(out, runs, opts["warmup"])
+    path, note = write_plot(out, runs, opts["warmup"], parity=opts["parity"])
     meta = run_metadata(opts, overrides, device)
     report = write_report(out, runs, opts["warmup"], meta, parity=opts["parity"], plot_note=note)
     print(report.read_text().split("\n## ")[0])

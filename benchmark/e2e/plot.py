@@ -8,11 +8,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from report import RunResult, summarize
+from report import FP8_PARITY_TARGET, RunResult, summarize
 
 
-def write_plot(out_dir: str | Path, results: list[RunResult], warmup: int) -> tuple[Path | None, str]:
-    """Draw report.png; returns (path, "") or (None, why no plot was drawn)."""
+def _parity_gap(results: list[RunResult]) -> tuple[list[int], list[float]] | None:
+    """Per-step (fp8 - bf16) / bf16 loss in %, rolling mean over 5% of the steps; None without a pair."""
+    ok = {(r.framework, r.precision): r for r in results if r.status == "ok" and r.turbo}
+    pair = next(((b, ok[(f, "fp8")]) for (f, p), b in ok.items() if p == "bf16" and (f, "fp8") in ok), None)
+    if pair is None:
+        return None
+    bf16 = {row["step"]: row["loss"] for row in pair[0].rows}
+    steps = [row["step"] for row in pair[1].rows if row["step"] in bf16]
+    gap = [100 * (row["loss"] - bf16[row["step"]]) / bf16[row["step"]] for row in pair[1].rows
+           if row["step"] in bf16]  # fmt: skip
+    window = max(1, len(gap) // 20)
+    smooth = [sum(gap[max(0, i - window + 1) : i + 1]) / len(gap[max(0, i - window + 1) : i + 1])
+              for i in range(len(gap))]  # fmt: skip
+    return steps, smooth
+
+
+def write_plot(
+    out_dir: str | Path, results: list[RunResult], warmup: int, parity: bool = False
+) -> tuple[Path | None, str]:
+    """Draw report.png (parity: plus the fp8-vs-bf16 loss gap); returns (path, "") or (None, why not)."""
     try:
         import matplotlib
 
@@ -23,7 +41,9 @@ def write_plot(out_dir: str | Path, results: list[RunResult], warmup: int) -> tu
     ok = [r for r in results if r.status == "ok" and r.rows]
     if not ok:
         return None, "no successful configuration to plot"
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(13, 4.8))
+    gap = _parity_gap(results) if parity else None
+    fig, axes = plt.subplots(1, 3 if gap else 2, figsize=(19 if gap else 13, 4.8))
+    bars, curves = axes[0], axes[1]
     labels = [r.label for r in ok]
     times = [summarize(r.rows, warmup)["step_time_ms"] for r in ok]
     colors = [("tab:orange" if r.precision == "fp8" else "tab:blue") if r.turbo else "tab:gray" for r in ok]
@@ -40,6 +60,14 @@ def write_plot(out_dir: str | Path, results: list[RunResult], warmup: int) -> tu
     curves.set_ylabel("loss")
     curves.set_title("training loss")
     curves.legend(fontsize=8)
+    if gap:
+        axes[2].plot(*gap, color="tab:orange")
+        axes[2].axhline(100 * FP8_PARITY_TARGET, color="tab:red", linestyle="--", label="target")
+        axes[2].axhline(0, color="gray", linewidth=0.5)
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("(fp8 - bf16) / bf16 loss (%)")
+        axes[2].set_title("FP8 convergence gap (rolling mean)")
+        axes[2].legend(fontsize=8)
     fig.tight_layout()
     path = Path(out_dir) / "report.png"
     fig.savefig(path, dpi=110)

@@ -197,3 +197,17 @@ def test_reuse_keeps_finished_runs_and_reports_them_without_launching(tmp_path, 
     run = report.RunResult("megatron", False, "bf16")
     run.metrics_path, run.log_path = str(runs / "megatron_stock_bf16.jsonl"), str(runs / "none.log")
     assert not compare.reuse_previous(run, steps=3)
+
+
+def test_plot_is_drawn_with_matplotlib_and_explained_without(tmp_path):
+    import importlib.util
+
+    import plot
+
+    path, note = plot.write_plot(tmp_path, _results(), warmup=1, parity=True)
+    if importlib.util.find_spec("matplotlib") is None:
+        assert path is None and "matplotlib is not installed" in note
+    else:
+        assert note == "" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    failed_only = [r for r in _results() if r.status != "ok"]
+    assert plot.write_plot(tmp_path, failed_only, warmup=1)[0] is None
