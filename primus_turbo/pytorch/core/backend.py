@@ -340,7 +340,8 @@ class AutoKernelDispatcher:
     @classmethod
     def dispatch(cls, **kwargs: Any) -> Any:
         backend = cls.resolve(**kwargs)
-        cls.last_backend = backend
+        if not torch.compiler.is_compiling():  # dynamo cannot trace a class-attribute write
+            cls.last_backend = backend
         return cls.backends[backend].execute(**kwargs)
 
     @classmethod

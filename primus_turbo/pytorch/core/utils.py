@@ -25,3 +25,11 @@ def is_hopper(device: torch.device | None = None) -> bool:
 
 def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+ENV_DEBUG_CHECKS = "PRIMUS_TURBO_DEBUG_CHECKS"
+
+
+def debug_checks_enabled() -> bool:
+    """PRIMUS_TURBO_DEBUG_CHECKS=1 turns on value checks that need a host sync on CUDA tensors."""
+    return os.environ.get(ENV_DEBUG_CHECKS, "0").strip().lower() in ("1", "true", "on", "yes")

@@ -82,6 +82,7 @@ def permute_ref(tokens, routing_map, probs=None, pad_multiple=0, capacity=None):
     """Expert-major permutation (Megatron order) in fp64, with zero padding rows.
 
     Returns (out [N, H], out_probs [N] or None, tokens_per_expert [E], src [N] token id or -1)."""
+    routing_map = routing_map.cpu()  # the reference runs on the host whatever the inputs' device
     t, e = routing_map.shape
     rows, prow, srcs, tpe = [], [], [], []
     for ex in range(e):

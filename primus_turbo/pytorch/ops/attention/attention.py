@@ -142,7 +142,8 @@ def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, wi
         deterministic=bool(deterministic), return_lse=bool(return_lse),
     )  # fmt: skip
     backend = AttentionDispatcher.resolve(**kw)
-    AttentionDispatcher.last_backend = backend
+    if not torch.compiler.is_compiling():  # torch 2.11's dynamo cannot trace a class-attribute write
+        AttentionDispatcher.last_backend = backend
     if backend in SDPA_BACKENDS:
         out, lse = AttentionDispatcher.backends[backend].execute(**kw)
     else:

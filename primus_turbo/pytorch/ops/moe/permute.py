@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.moe.permute_impl import (
     build_row_id_map,
     moe_permute_fp8_rowwise,
@@ -52,7 +53,11 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
     elif routing.dtype in (torch.int32, torch.int64):
         if num_experts is None or num_experts < 1:
             raise ValueError(f"{name}: num_experts (>= 1) is required with indices, got {num_experts}")
-        if routing.numel() and not torch.compiler.is_compiling() and routing.device.type == "cpu":
+        # The range check needs the values on the host: free on CPU, one sync on CUDA, so there it
+        # runs only with PRIMUS_TURBO_DEBUG_CHECKS=1. Without it, out-of-range indices on CUDA are
+        # treated as dropped routes (-1): never an out-of-bounds write or a device assert.
+        check = routing.device.type == "cpu" or debug_checks_enabled()
+        if routing.numel() and not torch.compiler.is_compiling() and check:
             lo, hi = int(routing.min()), int(routing.max())
             if lo < -1 or hi >= num_experts:
                 raise ValueError(f"{name}: indices must be in [-1, {num_experts}), got range [{lo}, {hi}]")
@@ -71,6 +76,14 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
     if num_out_tokens is not None and num_out_tokens < 0:
         raise ValueError(f"{name}: num_out_tokens={num_out_tokens} must be >= 0")
     return num_experts
+
+
+def _safe_routing(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Indices on CUDA are not range-checked without PRIMUS_TURBO_DEBUG_CHECKS=1 (that needs a
+    sync): out-of-range values become dropped routes (-1), never an out-of-bounds write."""
+    if routing.dtype == torch.bool or routing.device.type == "cpu" or not routing.numel():
+        return routing
+    return torch.where((routing < -1) | (routing >= num_experts), -1, routing)
 
 
 class _Permute(torch.autograd.Function):
@@ -141,6 +154,7 @@ def token_permute(
     num_experts = _validate(
         tokens, routing, probs, num_experts, num_out_tokens, pad_multiple, capacity, "token_permute"
     )
+    routing = _safe_routing(routing, num_experts)
     tokens = tokens.contiguous()
     row_id_map, tokens_per_expert, num_rows = build_row_id_map(
         routing, num_experts, num_out_tokens, pad_multiple, capacity
@@ -197,6 +211,7 @@ def token_permute_fp8(
     num_experts = _validate(
         tokens, routing, None, num_experts, num_out_tokens, pad_multiple, capacity, "token_permute_fp8"
     )
+    routing = _safe_routing(routing, num_experts)
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"token_permute_fp8: fp8_dtype {fp8_dtype}; accepted float8_e4m3fn, float8_e5m2")
     row_id_map, tokens_per_expert, num_rows = build_row_id_map(
