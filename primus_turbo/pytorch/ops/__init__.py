@@ -2,7 +2,11 @@
 # One import line per op module; keep sorted.
 from primus_turbo.pytorch.ops.activation import geglu, geglu_with_probs, swiglu, swiglu_with_probs  # noqa: F401
 from primus_turbo.pytorch.ops.async_tp import fused_all_gather_matmul, fused_matmul_reduce_scatter  # noqa: F401
-from primus_turbo.pytorch.ops.attention import flash_attn_func, flash_attn_varlen_func  # noqa: F401
+from primus_turbo.pytorch.ops.attention import (  # noqa: F401
+    flash_attn_func,
+    flash_attn_usp_func,
+    flash_attn_varlen_func,
+)
 from primus_turbo.pytorch.ops.gemm import gemm  # noqa: F401
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8  # noqa: F401
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm  # noqa: F401
