@@ -136,8 +136,9 @@ def register_train_spec(cfg: DictConfig) -> tuple[str, str]:
         _SPECS[name] = dataclasses.replace(
             stock, model_args={}, build_dataloader_fn=_build_dataloader, build_tokenizer_fn=None,
             build_validator_fn=None, build_metrics_processor_fn=_build_metrics_processor,
-            # expert-bias load balancing (aux-loss-free) for every MoE family, as deepseek_v3 does
-            build_optimizers_fn=build_optimizers_with_moe_load_balancing,
+            # expert-bias load balancing (aux-loss-free) for both MoE families, as deepseek_v3 does
+            build_optimizers_fn=stock.build_optimizers_fn if family == "llama3"
+            else build_optimizers_with_moe_load_balancing,
         )  # fmt: skip
         ts.register_train_spec(name, _SPECS[name])
     _SPECS[name].model_args[cfg.recipe_name] = model_args
