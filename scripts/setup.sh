@@ -7,5 +7,5 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0 triton==3.7.1
-.venv/bin/python -m pip install -q --no-build-isolation -e ".[test,train,megatron]"
+.venv/bin/python -m pip install -q --no-build-isolation -e ".[test,train,megatron,torchtitan]"
 echo "setup: $(.venv/bin/python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
