@@ -165,12 +165,26 @@ def command(run: RunResult, opts: dict, overrides: list[str], runs_dir: Path) ->
     ]  # fmt: skip
 
 
+def _error_index(lines: list[str]) -> int | None:
+    hits = [i for i, line in enumerate(lines) if ERROR_LINE.search(line) and "ChildFailedError" not in line]
+    return hits[-1] if hits else None
+
+
 def error_line(log: str) -> str:
     """The most telling error line of a failed run's log (not torchrun's ChildFailedError wrapper)."""
     lines = [line.strip() for line in log.splitlines() if line.strip()]
-    hits = [line for line in lines if ERROR_LINE.search(line) and "ChildFailedError" not in line]
-    line = hits[-1] if hits else (lines[-1] if lines else "no output")
+    index = _error_index(lines)
+    line = lines[index] if index is not None else (lines[-1] if lines else "no output")
     return line if len(line) <= 200 else line[:197] + "..."
+
+
+def error_tail(log: str, context: int = 30) -> str:
+    """The traceback up to the error line (torchrun's long wrapper summary after it is cut), else the tail."""
+    lines = log.rstrip().splitlines()
+    index = _error_index(lines)
+    if index is None:
+        return "\n".join(lines[-40:])
+    return "\n".join(lines[max(0, index - context) : index + 1])
 
 
 def execute(run: RunResult, cmd: list[str], timeout: float) -> None:
@@ -203,7 +217,7 @@ def execute(run: RunResult, cmd: list[str], timeout: float) -> None:
     run.error = f"killed after {timeout:.0f} s" if timed_out else error_line(text)
     if run.returncode == 0:
         run.error = "exited 0 but wrote no metrics rows"
-    run.error_tail = "\n".join(text.splitlines()[-40:])
+    run.error_tail = error_tail(text)
 
 
 def reuse_previous(run: RunResult, steps: int) -> bool:

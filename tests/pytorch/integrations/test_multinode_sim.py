@@ -58,7 +58,8 @@ def _agent(node_rank: int | None, port: int, entry: str, out_dir: str, metrics: 
            f"train.steps={STEPS}", "train.progress=false", f"train.metrics_file={metrics}"]  # fmt: skip
     # conftest sets TRITON_INTERPRET=1 for kernel tests; a training run uses the ops' torch CPU backends.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(SIM_OUT=out_dir, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    # CPU path on every machine: the launch path is under test, not the GPU kernels.
+    env.update(SIM_OUT=out_dir, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     name = "single_node" if node_rank is None else f"node{node_rank}"
     log = open(os.path.join(out_dir, f"{name}.log"), "w")
     # Own process group: a hung rendezvous is cleaned up with its worker, not just the agent.
