@@ -123,10 +123,11 @@ def _fp8_probe(ctx) -> str | None:
     o = ctx.options
     if not (o.gemm or o.grouped_gemm):
         return "precision=fp8 needs turbo.gemm or turbo.grouped_gemm"
-    if o.fp8_recipe == "delayed" and o.grouped_gemm and ctx.modules_of(GroupedExperts, exact=False):
+    if o.fp8_recipe == "delayed":
         return (
-            "fp8.recipe=delayed: turbo grouped_gemm_fp8 supports current scaling only "
-            "(tensorwise|rowwise|blockwise)"
+            "fp8.recipe=delayed: TorchTitan builds the model on the meta device and its init_weights does "
+            "not initialise amax histories (and grouped_gemm_fp8 is current-scaling only): use "
+            "tensorwise|rowwise|blockwise"
         )
     return _needs("ops.gemm_fp8", "ops.grouped_gemm_fp8")(ctx)
 
@@ -135,21 +136,13 @@ def _fp8_probe(ctx) -> str | None:
                    condition=lambda ctx: None if ctx.options.fp8_recipe else "precision=bf16",
                    probe=_fp8_probe)  # fmt: skip
 def _fp8(ctx) -> str:
-    from primus_turbo.pytorch.core.low_precision import (
-        Float8QuantConfig,
-        Format,
-        ScalingGranularity,
-        ScalingStrategy,
-    )
+    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
 
     recipe = ctx.options.fp8_recipe
-    if recipe == "delayed":
-        ctx.fp8_config = Float8QuantConfig(format=Format.HYBRID, strategy=ScalingStrategy.DELAYED)
-    else:
-        granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
-        fmt = Format.E4M3 if recipe == "blockwise" else Format.HYBRID
-        ctx.fp8_config = Float8QuantConfig(format=fmt, granularity=granularity)
-    return f"turbo linears/experts run FP8 GEMMs: {recipe}"
+    granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
+    fmt = Format.E4M3 if recipe == "blockwise" else Format.HYBRID
+    ctx.fp8_config = Float8QuantConfig(format=fmt, granularity=granularity)
+    return f"turbo linears/experts run FP8 GEMMs: {fmt.value} {granularity.value} current scaling"
 
 
 # ---- module swaps ----------------------------------------------------------------------------------------

@@ -155,6 +155,12 @@ def check_expressible(cfg: DictConfig) -> None:
             "precision=fp8 with turbo.enabled=false: stock TorchTitan FP8 needs torchao (not a dependency "
             "here); use turbo.enabled=true for turbo FP8, or precision=bf16 for the stock baseline"
         )
+    folder = os.path.join(cfg.train.ckpt_dir or "", "checkpoint")
+    if cfg.train.ckpt_dir and not cfg.resume and os.path.isdir(folder) and os.listdir(folder):
+        raise ConfigError(
+            f"train.ckpt_dir={cfg.train.ckpt_dir} already holds TorchTitan checkpoints ({folder}), which its "
+            "Trainer would load: pass resume=true to continue from them, or use an empty train.ckpt_dir"
+        )
     if cfg.turbo.enabled and cfg.turbo.dispatch and not cfg.turbo.grouped_gemm and p.ep > 1:
         raise ConfigError("turbo.dispatch=true needs turbo.grouped_gemm=true (conflicting converter flags)")
 
@@ -190,7 +196,6 @@ def build_job_config(cfg: DictConfig, model_name: str, flavor: str):
     par.tensor_parallel_degree, par.pipeline_parallel_degree = p.tp, p.pp
     par.context_parallel_degree, par.expert_parallel_degree = p.cp, p.ep
     par.data_parallel_shard_degree, par.expert_tensor_parallel_degree = -1, 1
-    par.enable_async_tensor_parallel = bool(fw.get("async_tp_stock", False)) and p.tp > 1
     job.activation_checkpoint.mode = "full" if t.activation_recompute else "none"
     job.compile.enable = bool(fw.get("compile", False))
     job.metrics.log_freq = t.log_interval

@@ -184,7 +184,7 @@ def train(cfg: DictConfig) -> dict:
             trainer.close()
     losses = trainer.metrics_processor.losses
     if losses:
-        log0(f"done: {trainer.step} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        log0(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

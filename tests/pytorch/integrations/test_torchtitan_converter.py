@@ -135,6 +135,13 @@ def test_fp8_recipe_swaps_float8_linears_and_fp8_experts_keeping_head_bf16():
     assert tm.EXPERTS_FP8_CONFIG is None
 
 
+def test_fp8_delayed_is_refused_under_strict():
+    cfg = _cfg(*TINY_DENSE)
+    _, model = _build(cfg)
+    with pytest.raises(PatchError, match="fp8.recipe=delayed"):
+        conv.convert_model(model, _options(cfg, fp8_recipe="delayed"))
+
+
 def test_strict_stops_on_a_feature_that_cannot_serve_and_non_strict_falls_back():
     cfg = _cfg(*TINY_GQA_MOE)
     _, model = _build(cfg)
