@@ -20,6 +20,8 @@ Options (key=value; every other key=value is passed to train.py as a Hydra overr
                          without Transformer Engine, stock TorchTitan FP8 needs torchao)
   reuse=true             keep a configuration whose DIR/runs/<config>.jsonl already holds all `steps` rows
                          (split a long matrix over several invocations into one report)
+  profile=true           run train.py under torch.profiler for 3 steps after warm-up (benchmark/e2e/
+                         profile_entry.py); the report adds each run's top ops by self GPU time
   dry_run=true           print the commands, run nothing
 
 Writes DIR/report.md (table + failures with their log tails), DIR/results.json, DIR/report.png (when
@@ -30,6 +32,7 @@ succeeded, 1 if not.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -50,7 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 OPTIONS = {
     "recipe": "tiny_moe", "frameworks": "megatron", "nproc": "1", "precisions": "bf16,fp8", "turbo": "off,on",
     "steps": None, "warmup": "10", "timeout": "1800", "out": None, "parity": "false", "stock_fp8": "false",
-    "dry_run": "false", "reuse": "false",
+    "dry_run": "false", "reuse": "false", "profile": "false",
 }  # fmt: skip
 TRUE = ("1", "true", "yes", "on")
 NO_STOCK_FP8 = {
@@ -156,9 +159,12 @@ def free_port() -> int:
 def command(run: RunResult, opts: dict, overrides: list[str], runs_dir: Path) -> list[str]:
     run.metrics_path = str(runs_dir / f"{run.slug}.jsonl")
     run.log_path = str(runs_dir / f"{run.slug}.log")
+    entry = "train.py"
+    if opts["profile"].lower() in TRUE:
+        entry, run.profile_path = "benchmark/e2e/profile_entry.py", str(runs_dir / f"{run.slug}.profile.json")
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={opts['nproc']}",
-        f"--master_port={free_port()}", "train.py", f"recipe={opts['recipe']}", f"framework={run.framework}",
+        f"--master_port={free_port()}", entry, f"recipe={opts['recipe']}", f"framework={run.framework}",
         f"precision={run.precision}", f"turbo.enabled={str(run.turbo).lower()}",
         f"train.steps={opts['steps']}", "train.log_interval=1", "train.progress=false",
         f"train.metrics_file={run.metrics_path}", *overrides,
@@ -187,13 +193,19 @@ def error_tail(log: str, context: int = 30) -> str:
     return "\n".join(lines[max(0, index - context) : index + 1])
 
 
-def execute(run: RunResult, cmd: list[str], timeout: float) -> None:
+def execute(run: RunResult, cmd: list[str], timeout: float, warmup: int) -> None:
     """Run one configuration as its own process group; fill status, rows and error fields of ``run``."""
     Path(run.metrics_path).unlink(missing_ok=True)  # StepMetrics appends
     run.command = shlex.join(cmd)
+    env = dict(os.environ)
+    if run.profile_path:
+        Path(run.profile_path).unlink(missing_ok=True)
+        env.update(E2E_PROFILE_OUT=run.profile_path, E2E_PROFILE_WAIT=str(warmup))
     start, timed_out = time.perf_counter(), False
     with open(run.log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             run.returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -208,6 +220,8 @@ def execute(run: RunResult, cmd: list[str], timeout: float) -> None:
     run.seconds = time.perf_counter() - start
     text = Path(run.log_path).read_text(errors="replace")
     run.rows = load_metrics(run.metrics_path)
+    if run.profile_path and Path(run.profile_path).exists():
+        run.profile = json.loads(Path(run.profile_path).read_text())
     backends = re.search(r"turbo report: op backends in step \d+: (.*)", text)
     run.backends = backends.group(1).strip() if backends else ""
     if run.returncode == 0 and run.rows:
@@ -264,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         elif run.status == "pending":
             print(f"[{i}/{len(runs)}] {run.label} ...", flush=True)
-            execute(run, cmd, timeout)
+            execute(run, cmd, timeout, opts["warmup"])
         print(progress(i, len(runs), run, opts["warmup"]), flush=True)
     if opts["dry_run"].lower() in TRUE:
         return 0

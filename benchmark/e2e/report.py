@@ -33,6 +33,8 @@ class RunResult:
     error_tail: str = ""  # last lines of the log, for the failures section
     backends: str = ""  # "turbo report: op backends in step 1: ..." from the log
     reused: bool = False  # compare.py reuse=true kept an earlier finished run
+    profile_path: str = ""
+    profile: dict | None = None  # profile_entry.py summary: top ops by self time per step
     rows: list[dict] = dataclasses.field(default_factory=list)
 
     @property
@@ -178,6 +180,26 @@ def _parity_section(parity: dict | None) -> list[str]:
     ]
 
 
+def _profile_section(results: list[RunResult], top: int = 10) -> list[str]:
+    profiled = [r for r in results if r.profile]
+    if not profiled:
+        return []
+    lines = ["## Where the time goes (torch.profiler)", ""]
+    for r in profiled:
+        p = r.profile
+        if "error" in p:
+            lines += [f"### {r.label}", "", p["error"], ""]
+            continue
+        lines += [
+            f"### {r.label}: {p['clock']}, {p['total_ms_per_step']:.1f} ms per step over {p['steps']} steps "
+            f"from step {p['first_step']}", "",
+        ]  # fmt: skip
+        rows = [[op["op"][:90], f"{op['ms_per_step']:.2f}", f"{100 * op['share']:.1f}%",
+                 f"{op['calls_per_step']:.0f}"] for op in p["top"][:top]]  # fmt: skip
+        lines += [markdown_table(["op", "ms/step", "share", "calls/step"], rows), ""]
+    return lines
+
+
 def write_report(
     out_dir: str | Path, results: list[RunResult], warmup: int, meta: dict, parity: bool = False,
     plot_note: str = "",
@@ -197,6 +219,7 @@ def write_report(
     if parity:
         lines += _parity_section(parity_summary(results))
     lines += ["![step time and loss](report.png)" if not plot_note else f"Plot: {plot_note}", ""]
+    lines += _profile_section(results)
     backends = [r for r in results if r.backends]
     if backends:
         lines += ["## Op backends (turbo runs, step 1)", ""]
