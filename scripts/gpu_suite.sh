@@ -13,6 +13,9 @@ setup() {
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
   fi
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  # Run from the source tree without installing: expose integrations/ as primus_turbo.integrations
+  # the way setup.py's package_dir does (this copy of the tree is throwaway).
+  [ -e primus_turbo/integrations ] || ln -s ../integrations primus_turbo/integrations
   local t0=$SECONDS
   GPU_ARCHS=${GPU_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace \
     > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; echo "csrc build FAILED"; }

@@ -9,21 +9,16 @@ OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 bash scripts/gpu_suite.sh setup > "$OUT/setup.log" 2>&1; tail -3 "$OUT/setup.log"
 export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 step() { local t=$1 name=$2; shift 2; local t0=$SECONDS; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? $((SECONDS - t0)) s"; }
-step 130 tests python3 -m pytest -n 8 -q --timeout=120 -p no:cacheprovider -m "not multigpu" \
-  tests/pytorch/ops/test_moe_permute.py tests/pytorch/ops/test_attention.py tests/pytorch/ops/test_rmsnorm.py \
-  tests/pytorch/modules/test_rmsnorm_module.py tests/pytorch/ops/test_grouped_gemm.py \
-  tests/pytorch/ops/test_grouped_gemm_fp8.py tests/pytorch/modules/test_grouped_linear.py \
-  tests/pytorch/modules/test_parallel_linear.py tests/pytorch/dist/test_async_tp.py tests/pytorch/ops/test_gemm.py
+TESTS=${TESTS:-tests/pytorch/ops/test_moe_permute.py tests/pytorch/ops/test_grouped_gemm.py tests/pytorch/modules/test_grouped_linear.py}
+step "${TEST_TIMEOUT:-90}" tests python3 -m pytest -n 8 -q --timeout=80 -p no:cacheprovider -m "not multigpu" $TESTS
 grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -30
-for cfg in "bf16_on recipe=deepseek_moe_bf16" "bf16_off recipe=deepseek_moe_bf16 turbo.enabled=false" \
-           "fp8_on recipe=deepseek_moe_fp8"; do
+CFGS=("bf16_on recipe=deepseek_moe_bf16" "bf16_off recipe=deepseek_moe_bf16 turbo.enabled=false")
+for cfg in "${CFGS[@]}"; do
   set -- $cfg; name=$1; shift
-  step 65 "train_$name" torchrun --nproc_per_node=1 train.py "$@" train.steps=12 "train.metrics_file=$OUT/$name.jsonl"
-  grep -E "step 12/|Error|error" "$OUT/train_$name.log" | tail -2
+  step 55 "train_$name" torchrun --nproc_per_node=1 train.py "$@" train.steps=8 "train.metrics_file=$OUT/$name.jsonl"
+  grep -E "step [0-9]+/|Error"  "$OUT/train_$name.log" | tail -2
 done
-for b in bench_attention bench_linear_fp8; do
+for b in ${BENCHES:-}; do
   step 60 "$b" python3 "benchmark/ops/$b.py" --quick --out "$OUT"; tail -12 "$OUT/$b.log"
 done
-step 60 bench_moe_dispatch torchrun --nproc_per_node=2 benchmark/ops/bench_moe_dispatch.py --quick --out "$OUT"
-tail -12 "$OUT/bench_moe_dispatch.log"
 cd "$OUT" && tar czf /tmp/r.tgz --exclude=results.tgz . && rm -rf ./* && mv /tmp/r.tgz results.tgz
