@@ -76,6 +76,21 @@ def test_recipe_torchtitan_cannot_express_stops_with_a_config_error():
     assert "configuration error" in out and "sequence_parallel=true" in out
 
 
+def test_checkpoint_resume_continues_and_a_used_ckpt_dir_needs_resume(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "resumed.jsonl"
+    rc, out, _ = torchrun("train.steps=2", f"train.ckpt_dir={ckpt}", "train.save_interval=2")
+    assert rc == 0, out[-4000:]
+    assert (ckpt / "checkpoint" / "step-2").is_dir()
+    rc, out, _ = torchrun("train.steps=4", f"train.ckpt_dir={ckpt}")
+    assert rc != 0 and "pass resume=true" in out, out[-4000:]
+    rc, out, _ = torchrun(
+        "train.steps=3", f"train.ckpt_dir={ckpt}", "resume=true", f"train.metrics_file={metrics}"
+    )
+    assert rc == 0, out[-4000:]
+    assert "Training starts at step 3" in out
+    assert sorted(_losses(metrics)) == [3]
+
+
 def _median_step_ms(path, first=5):
     with open(path) as f:
         times = sorted(row["step_time_ms"] for row in map(json.loads, f) if row["step"] > first)
@@ -112,3 +127,15 @@ def test_deepseek_moe_fp8_trains_with_turbo_fp8_on_gpu(tmp_path):
     # Synthetic tokens are uniform over the vocabulary: a healthy run settles near ln(vocab) = 11.54.
     assert all(math.isfinite(v) for v in losses.values()), losses
     assert abs(losses[20] - math.log(102400)) < 0.5 and losses[20] <= losses[1] + 0.05, losses
+
+
+@pytest.mark.multigpu
+def test_deepseek_moe_bf16_expert_parallel_on_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    path = tmp_path / "ep2.jsonl"
+    overrides = ["recipe=deepseek_moe_bf16", "parallel.ep=2", "train.steps=10", f"train.metrics_file={path}"]
+    rc, out, _ = torchrun(*overrides, nproc=2, timeout=600, gpu=True)
+    assert rc == 0, out[-4000:]
+    losses = _losses(path)
+    assert all(math.isfinite(v) for v in losses.values()) and losses[10] <= losses[1] + 0.05, losses
