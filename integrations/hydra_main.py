@@ -13,7 +13,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 RECIPES_DIR = os.environ.get("PRIMUS_TURBO_RECIPES", os.path.join(_REPO_ROOT, "recipes"))
 
 

@@ -43,7 +43,8 @@ def assert_close(
     """allclose with the project tolerances of ``dtype`` (default: out's dtype); NaN never passes."""
     assert not torch.isnan(out).any(), f"{msg}: output has NaN"
     tol = get_tolerances(dtype or out.dtype)
-    torch.testing.assert_close(out.float(), ref.float(), **tol, msg=lambda m: f"{msg}: {m}")
+    # compared on the host: references are often computed there (fp64 on CPU)
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), **tol, msg=lambda m: f"{msg}: {m}")
 
 
 def assert_snr(out: torch.Tensor, ref: torch.Tensor, min_db: float, msg: str = "") -> float:
