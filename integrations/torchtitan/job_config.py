@@ -155,6 +155,11 @@ def check_expressible(cfg: DictConfig) -> None:
             "precision=fp8 with turbo.enabled=false: stock TorchTitan FP8 needs torchao (not a dependency "
             "here); use turbo.enabled=true for turbo FP8, or precision=bf16 for the stock baseline"
         )
+    if cfg.fp8.enabled and cfg.turbo.enabled and not (cfg.turbo.gemm or cfg.turbo.grouped_gemm):
+        raise ConfigError(
+            "precision=fp8 with turbo.gemm=false and turbo.grouped_gemm=false: no GEMM would run in FP8 "
+            "(conflicting flags); enable one of them or use precision=bf16"
+        )
     folder = os.path.join(cfg.train.ckpt_dir or "", "checkpoint")
     if cfg.train.ckpt_dir and not cfg.resume and os.path.isdir(folder) and os.listdir(folder):
         raise ConfigError(

@@ -179,8 +179,17 @@ def test_turbo_disabled_converts_nothing():
         (["model.moe.first_k_dense=1"], "first_k_dense=1"),
         (["parallel.pp=2"], "no pipelining"),
         (["parallel.ep=2", "turbo.dispatch=true", "turbo.grouped_gemm=false"], "conflicting converter flags"),
+        (["precision=fp8", "turbo.gemm=false", "turbo.grouped_gemm=false"], "no GEMM would run in FP8"),
     ],
-    ids=["tp_without_sp", "flex_dispatcher", "fp8_stock", "qwen3_first_dense", "qwen3_pp", "flag_conflict"],
+    ids=[
+        "tp_without_sp",
+        "flex_dispatcher",
+        "fp8_stock",
+        "qwen3_first_dense",
+        "qwen3_pp",
+        "flag_conflict",
+        "fp8_nothing",
+    ],
 )
 def test_recipes_torchtitan_cannot_express_fail_before_any_work(overrides, message):
     cfg = _cfg(*overrides)
