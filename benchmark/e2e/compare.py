@@ -32,6 +32,7 @@ succeeded, 1 if not.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -117,6 +118,13 @@ def gpu_slug(name: str | None) -> str:
     return name.lower().replace(" ", "_")
 
 
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def run_metadata(opts: dict, overrides: list[str], device: str | None) -> dict:
     import torch
 
@@ -132,6 +140,7 @@ def run_metadata(opts: dict, overrides: list[str], device: str | None) -> dict:
         "overrides": " ".join(overrides) or "none",
         "torch": torch.__version__,
         "python": platform.python_version(),
+        **{name: _version(name) for name in ("triton", "megatron-core", "torchtitan")},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": commit or os.environ.get("PRIMUS_TURBO_COMMIT", "unknown"),
     }
