@@ -14,6 +14,8 @@ import statistics
 from pathlib import Path
 
 FP8_PARITY_TARGET = 0.01  # FP8 final loss within 1% of bf16 (issue 10)
+SPEEDUP_TARGET = 1.8  # turbo fp8 vs stock bf16 step time (issue 10, deepseek_moe_fp8 on 1 GPU)
+MFU_TARGET = 0.40
 
 
 @dataclasses.dataclass
@@ -162,6 +164,31 @@ def parity_summary(results: list[RunResult]) -> dict | None:
     return None
 
 
+def targets_section(results: list[RunResult], warmup: int) -> list[str]:
+    """Turbo fp8 vs the speedup and MFU targets; when one is missed, the profile's top op says why."""
+    speedup = speedups(results, warmup)
+    lines = []
+    for r in results:
+        if r.status != "ok" or not r.turbo or r.precision != "fp8":
+            continue
+        s, got = summarize(r.rows, warmup), speedup[r.label]
+        checks = [
+            f"speedup {_fmt(got, '.2f')}x vs stock bf16 (target >= {SPEEDUP_TARGET}x): "
+            + ("n/a" if got is None else "PASS" if got >= SPEEDUP_TARGET else "BELOW"),
+            f"MFU {_fmt(s['mfu'], '.1f', 100)}% (target >= {100 * MFU_TARGET:.0f}%): "
+            + ("n/a" if s["mfu"] is None else "PASS" if s["mfu"] >= MFU_TARGET else "BELOW"),
+        ]
+        line = f"- {r.label}: " + "; ".join(checks)
+        missed = any(c.endswith("BELOW") for c in checks)
+        if missed and r.profile and r.profile.get("top"):
+            top = r.profile["top"][0]
+            line += f". Dominant op ({r.profile['clock']}): {top['op'][:80]} at {100 * top['share']:.0f}%"
+        elif missed:
+            line += ". Rerun with profile=true to see which op dominates"
+        lines.append(line)
+    return ["## Targets", "", *lines, ""] if lines else []
+
+
 def _parity_section(parity: dict | None) -> list[str]:
     if parity is None:
         return ["## FP8 convergence parity", "", "No successful turbo bf16 + fp8 pair: no gap to report.", ""]
@@ -216,6 +243,7 @@ def write_report(
         markdown_table(TABLE_COLUMNS, table_rows(results, warmup)),
         "",
     ]
+    lines += targets_section(results, warmup)
     if parity:
         lines += _parity_section(parity_summary(results))
     lines += ["![step time and loss](report.png)" if not plot_note else f"Plot: {plot_note}", ""]
