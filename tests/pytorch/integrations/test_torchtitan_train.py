@@ -139,3 +139,21 @@ def test_deepseek_moe_bf16_expert_parallel_on_two_gpus(tmp_path):
     assert rc == 0, out[-4000:]
     losses = _losses(path)
     assert all(math.isfinite(v) for v in losses.values()) and losses[10] <= losses[1] + 0.05, losses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "overrides",
+    [["recipe=llama3_8b_fp8"], ["recipe=deepseek_moe_bf16", "framework.compile=true"]],
+    ids=["llama3_8b_fp8", "deepseek_bf16_turbo_compiled"],
+)
+def test_recipe_smoke_on_gpu(tmp_path, overrides):
+    """llama3 with turbo FP8 linears; turbo modules inside TorchTitan's per-block torch.compile(fullgraph)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    path = tmp_path / "smoke.jsonl"
+    rc, out, _ = torchrun(*overrides, "train.steps=5", f"train.metrics_file={path}", nproc=1, timeout=600,
+                          gpu=True)  # fmt: skip
+    assert rc == 0, out[-4000:]
+    losses = _losses(path)
+    assert sorted(losses) == [1, 2, 3, 4, 5] and all(math.isfinite(v) for v in losses.values()), losses
