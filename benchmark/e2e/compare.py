@@ -273,15 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     default_out = REPO / "benchmark" / "results" / gpu_slug(device) / "e2e" / name
     out = Path(opts["out"]).resolve() if opts["out"] else Path(f"{default_out}{suffix}")
     runs_dir = out / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
+    dry_run = opts["dry_run"].lower() in TRUE
+    if not dry_run:
+        runs_dir.mkdir(parents=True, exist_ok=True)
     runs, timeout = matrix(opts), float(opts["timeout"])
     print(f"compare: {len(runs)} configurations of recipe={opts['recipe']} on "
           f"{device or 'cpu'} x{opts['nproc']}, {opts['steps']} steps (warm-up {opts['warmup']}) -> {out}",
           flush=True)  # fmt: skip
     for i, run in enumerate(runs, 1):
         cmd = command(run, opts, overrides, runs_dir)
-        if opts["dry_run"].lower() in TRUE:
-            print(f"[{i}/{len(runs)}] {run.label}: {shlex.join(cmd)}")
+        if dry_run:
+            shown = shlex.join(cmd) if run.status == "pending" else f"{run.status.upper()}: {run.error}"
+            print(f"[{i}/{len(runs)}] {run.label}: {shown}")
             continue
         if run.status == "pending" and opts["reuse"].lower() in TRUE and reuse_previous(run, opts["steps"]):
             pass
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i}/{len(runs)}] {run.label} ...", flush=True)
             execute(run, cmd, timeout, opts["warmup"])
         print(progress(i, len(runs), run, opts["warmup"]), flush=True)
-    if opts["dry_run"].lower() in TRUE:
+    if dry_run:
         return 0
     path, note = write_plot(out, runs, opts["warmup"], parity=opts["parity"])
     meta = run_metadata(opts, overrides, device)

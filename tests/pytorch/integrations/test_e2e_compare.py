@@ -248,3 +248,16 @@ def test_targets_section_names_the_dominant_op_when_a_target_is_missed(tmp_path)
     assert lines[2].endswith("Dominant op (self device time): _grouped_gemm_kernel at 43%")
     slow_fp8.profile = None
     assert report.targets_section([results[0], slow_fp8], warmup=1)[2].endswith("see which op dominates")
+
+
+def test_dry_run_prints_one_torchrun_per_configuration_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "never"
+    argv = ["recipe=deepseek_moe_fp8", "nproc=2", "parallel.ep=2", "dry_run=true", f"out={out}"]
+    assert compare.main(argv) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if "torch.distributed.run" in line]
+    assert len(commands) == 3  # stock bf16, turbo bf16, turbo fp8 (stock fp8 is skipped)
+    for line, (turbo, precision) in zip(commands, [("false", "bf16"), ("true", "bf16"), ("true", "fp8")]):
+        assert "--nproc_per_node=2" in line and "train.py recipe=deepseek_moe_fp8" in line
+        assert f"turbo.enabled={turbo}" in line and f"precision={precision}" in line
+        assert line.endswith("parallel.ep=2") and f"train.metrics_file={out}/runs/" in line
+    assert not out.exists()
