@@ -92,7 +92,14 @@ def _reference(q, k, v):
     from torch.nn.attention import SDPBackend
 
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    out = _sdpa_fn(SDPBackend.EFFICIENT_ATTENTION)(*leaves)
+    # The fused SDPA kernels of torch 2.11 take no GQA in fp32: repeat the kv heads (autograd sums
+    # their gradients back); fall back to the math kernel where mem-efficient does not serve the dims.
+    rep = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(rep, dim=2) for t in leaves[1:])
+    try:
+        out = _sdpa_fn(SDPBackend.EFFICIENT_ATTENTION)(leaves[0], kk, vv)
+    except RuntimeError:
+        out = _sdpa_fn(SDPBackend.MATH)(leaves[0], kk, vv)
     return out, leaves
 
 
