@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PRIMUS_TURBO_COMMIT=${PRIMUS_TURBO_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export PRIMUS_TURBO_COMMIT=${PRIMUS_TURBO_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
 
 setup() {
   if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then

@@ -59,7 +59,7 @@ def gpu_slug() -> str:
 def run_metadata() -> dict:
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
+            ["git", "rev-parse", "--verify", "-q", "HEAD"],
             capture_output=True,
             text=True,
             cwd=Path(__file__).parent,
@@ -75,7 +75,7 @@ def run_metadata() -> dict:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit or os.environ.get("PRIMUS_TURBO_COMMIT", "unknown"),
+        "commit": os.environ.get("PRIMUS_TURBO_COMMIT") or commit or "unknown",
     }
 
 
