@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     cutlass_offsets,
     grouped_gemm_impl,
@@ -13,12 +12,6 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
 )
 
 __all__ = ["grouped_gemm", "validate_grouped_gemm_args", "debug_checks_enabled"]
-
-ENV_DEBUG_CHECKS = "PRIMUS_TURBO_DEBUG_CHECKS"
-
-
-def debug_checks_enabled() -> bool:
-    return os.environ.get(ENV_DEBUG_CHECKS, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def validate_grouped_gemm_args(
