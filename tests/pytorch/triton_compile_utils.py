@@ -48,3 +48,29 @@ def compile_for_sm90(
         f"{fn.__name__}: {shared} B of shared memory > {HOPPER_SMEM_BYTES} B available on sm_90"
     )
     return compiled
+
+
+def run_compile_check(test_file: str, *args: str, timeout_s: int = 900) -> None:
+    """Run ``python <test_file> [args]`` (its ``__main__`` calls compile_for_sm90) in a fresh process
+    with TRITON_INTERPRET unset. In an interpreter process Triton's own @jit helpers (``tl.max``'s
+    combine function, ...) are interpreter wrappers that the code generator cannot compile, so the
+    compile checks of every slice run this way. ``test_file``: a path, or a module name under
+    tests/pytorch/ops."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    path = Path(test_file)
+    if not path.suffix:
+        path = here / "ops" / f"{test_file}.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(path.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(path), *args], env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+    assert proc.returncode == 0, (
+        f"sm_90 compile check {path.name} {' '.join(args)} failed:\n"
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )

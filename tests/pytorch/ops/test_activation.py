@@ -1,9 +1,8 @@
 import pytest
 import torch
 from ref.activation_ref import glu_ref
-from ref.moe_compile_check import run_compile_check
 from test_utils import assert_close
-from triton_compile_utils import compile_for_sm90
+from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.ops.activation import geglu, geglu_with_probs, swiglu, swiglu_with_probs
 from primus_turbo.triton.activation.activation_kernel import glu_bwd_kernel, glu_fwd_kernel

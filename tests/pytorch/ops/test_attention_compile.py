@@ -6,12 +6,8 @@ Catches GPU-only compile errors and shared-memory overflow (> 227 KB) that the i
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-from triton_compile_utils import compile_for_sm90
+from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.kernels.attention.attention_triton_impl import (
     block_dim,
@@ -109,10 +105,7 @@ def _compile_all() -> None:
 def test_attention_kernels_compile_for_sm90():
     """In a fresh process without TRITON_INTERPRET: in an interpreter process even the @jit helpers
     are interpreter wrappers that cannot be compiled."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_compile_check(__file__)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,8 @@ main_grad accumulation, torch.compile, backend pinning, and sm_90 compilation of
 import pytest
 import torch
 from ref.gemm_ref import gemm_grads_ref, gemm_ref
-from ref.moe_compile_check import run_compile_check
 from test_utils import assert_close
-from triton_compile_utils import compile_for_sm90
+from triton_compile_utils import compile_for_sm90, run_compile_check
 
 import primus_turbo.pytorch as turbo
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager

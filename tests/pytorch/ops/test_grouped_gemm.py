@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from ref.grouped_gemm_ref import grouped_gemm_grads_ref, grouped_gemm_ref, make_group_lens
-from ref.moe_compile_check import run_compile_check
 from test_utils import assert_close
-from triton_compile_utils import compile_for_sm90
+from triton_compile_utils import compile_for_sm90, run_compile_check
 
 import primus_turbo.pytorch as turbo
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager

@@ -1,9 +1,8 @@
 import pytest
 import torch
-from ref.moe_compile_check import run_compile_check
 from ref.moe_ref import indices_to_map, permute_ref, unpermute_ref
 from test_utils import assert_close, assert_snr, fp8_snr_gate
-from triton_compile_utils import compile_for_sm90
+from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.core.low_precision import Format
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_permute_fp8, token_unpermute

@@ -1,9 +1,8 @@
 import pytest
 import torch
-from ref.moe_compile_check import run_compile_check
 from ref.moe_ref import seq_aux_loss_ref, switch_aux_loss_ref, topk_routing_ref, z_loss_ref
 from test_utils import assert_close
-from triton_compile_utils import compile_for_sm90
+from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.ops.moe.router import (
     fused_seq_aux_loss,

@@ -4,10 +4,9 @@ tracing, sm_90 compilation of the Triton kernels; GPU: TURBO (csrc) at training 
 
 import pytest
 import torch
-from ref.moe_compile_check import run_compile_check
 from ref.rmsnorm_ref import rmsnorm_grads_ref, rmsnorm_ref
 from test_utils import assert_close, get_tolerances
-from triton_compile_utils import compile_for_sm90
+from triton_compile_utils import compile_for_sm90, run_compile_check
 
 import primus_turbo.pytorch as turbo
 from primus_turbo.pytorch.core.backend import BackendType
