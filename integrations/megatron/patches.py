@@ -107,6 +107,29 @@ def _fix_mla_have_te(ctx) -> str:
     return "multi_latent_attention.HAVE_TE = False (TE not importable)"
 
 
+def _needs_stock_mla_attention(ctx) -> str | None:
+    if ctx.cfg.model.mla is None:
+        return "no MLA"
+    turbo = ctx.cfg.turbo
+    if turbo.enabled and turbo.get("attention", False):
+        return "turbo.attention serves MLA (TurboCoreAttention)"
+    return None
+
+
+@REGISTRY.register("fix.mla_core_attention",
+                   "megatron.core.transformer.dot_product_attention.DotProductAttention", TESTED,
+                   condition=_needs_stock_mla_attention)  # fmt: skip
+def _fix_mla_core_attention(ctx) -> str:
+    """MLASelfAttention builds its core attention with k_channels/v_channels (qk 192 / v 128), which only TE's
+    DotProductAttention accepts: the local spec fails at model build. Use the stock-PyTorch SDPA subclass."""
+    from primus_turbo.integrations.megatron.stock_attention import MLADotProductAttention
+
+    ctx.spec.stock_core_attention = MLADotProductAttention
+    mla = ctx.cfg.model.mla
+    qk = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    return f"DotProductAttention -> MLADotProductAttention (stock torch SDPA, qk {qk} / v {mla.v_head_dim})"
+
+
 def apply_megatron_patches(cfg: DictConfig, spec) -> list:
     """Run the registry for ``cfg`` with ``spec`` (a TurboSpecProvider); returns the report rows."""
     from primus_turbo.integrations.megatron import (

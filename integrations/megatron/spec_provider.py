@@ -26,6 +26,7 @@ class TurboSpecProvider(LocalSpecProvider):
         self.attention = False
         self.norm = False
         self.grouped_mlp = False
+        self.stock_core_attention = None  # a stock replacement set by a gap fix (fix.mla_core_attention)
         self.fp8_recipe = None  # a primus_turbo Float8QuantConfig when precision=fp8 is owned by turbo
         self.fp8_autocast = None
 
@@ -57,6 +58,8 @@ class TurboSpecProvider(LocalSpecProvider):
             from primus_turbo.integrations.megatron.turbo_layers import TurboCoreAttention
 
             return TurboCoreAttention
+        if self.stock_core_attention is not None:
+            return self.stock_core_attention
         return super().core_attention()
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):

@@ -131,6 +131,79 @@ def test_core_attention_matches_reference(megatron_world, heads, groups, d_qk, d
         assert_close(got, want.float(), torch.float32, msg=f"attention d{name}")
 
 
+@pytest.mark.parametrize("heads, groups, d_qk, d_v", [(4, 4, 24, 16), (4, 2, 24, 16), (2, 2, 16, 16)])
+def test_stock_mla_attention_matches_reference(megatron_world, heads, groups, d_qk, d_v):
+    """fix.mla_core_attention's MLADotProductAttention (torch SDPA): k_channels != v_channels, GQA, causal."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from primus_turbo.integrations.megatron.stock_attention import MLADotProductAttention
+
+    config = _config(num_attention_heads=heads, num_query_groups=groups)  # kv_channels 64/heads: unused
+    scale = 0.7 * d_qk**-0.5  # MLA passes its own (mscale) softmax_scale
+    attention = MLADotProductAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=scale,
+                                       k_channels=d_qk, v_channels=d_v)  # fmt: skip
+    q, k, v = (
+        torch.randn(12, 2, heads, d_qk),
+        torch.randn(12, 2, groups, d_qk),
+        torch.randn(12, 2, groups, d_v),
+    )
+    out, grads = _forward_backward(
+        lambda *t: attention(*t, None, attn_mask_type=AttnMaskType.causal), q, k, v
+    )
+    qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    ref = _reference_causal_attention(qr, kr, vr, scale)
+    ref.backward(torch.linspace(-1, 1, ref.numel()).view_as(ref).double())
+    assert out.shape == (12, 2, heads * d_v)
+    assert_close(out, ref.float(), torch.float32, msg="stock MLA attention out")
+    for got, want, name in zip(grads, (qr.grad, kr.grad, vr.grad), "qkv"):
+        assert_close(got, want.float(), torch.float32, msg=f"stock MLA attention d{name}")
+    # An explicit Megatron mask (bool, True = masked out) gives the same causal result.
+    causal_mask = torch.ones(12, 12, dtype=torch.bool).triu(1).view(1, 1, 12, 12)
+    assert_close(attention(q, k, v, causal_mask), out, torch.float32, msg="explicit mask")
+
+
+def test_stock_mla_attention_matches_megatron_when_head_dims_agree(megatron_world):
+    """With k_channels == v_channels == kv_channels it is a drop-in for Megatron's own DotProductAttention."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from primus_turbo.integrations.megatron.stock_attention import MLADotProductAttention
+
+    config = _config(num_attention_heads=4, num_query_groups=2)
+    stock = DotProductAttention(config, 1, AttnMaskType.causal, "self")
+    sdpa = MLADotProductAttention(config, 1, AttnMaskType.causal, "self", k_channels=16, v_channels=16)
+    q, k, v = torch.randn(10, 2, 4, 16), torch.randn(10, 2, 2, 16), torch.randn(10, 2, 2, 16)
+    out_s, grads_s = _forward_backward(lambda *t: stock(*t, None), q, k, v)
+    out_t, grads_t = _forward_backward(lambda *t: sdpa(*t, None), q, k, v)
+    assert_close(out_t, out_s, torch.float32, msg="vs DotProductAttention out")
+    for got, want, name in zip(grads_t, grads_s, "qkv"):
+        assert_close(got, want, torch.float32, msg=f"vs DotProductAttention d{name}")
+
+
+@pytest.mark.parametrize("enabled, attention, expected", [(False, True, "active"), (True, False, "active"),
+                                                         (True, True, "n/a")])  # fmt: skip
+def test_mla_core_attention_fix_applies_only_with_the_stock_attention(enabled, attention, expected):
+    from omegaconf import OmegaConf
+    from primus_turbo.integrations.megatron.patches import REGISTRY, MegatronPatchContext
+    from primus_turbo.integrations.megatron.spec_provider import TurboSpecProvider
+    from primus_turbo.integrations.megatron.stock_attention import MLADotProductAttention
+
+    mla = {"qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128}
+    cfg = OmegaConf.create({"model": {"moe": None, "mla": mla},
+                            "turbo": {"enabled": enabled, "attention": attention}})  # fmt: skip
+    spec = TurboSpecProvider(cfg)
+    ctx = MegatronPatchContext(cfg=cfg, spec=spec)
+    (patch,) = [p for p in REGISTRY.patches if p.name == "fix.mla_core_attention"]
+    assert patch.feature is None and "0.16.1" in patch.tested_versions
+    reason = patch.condition(ctx)
+    assert ("active" if reason is None else "n/a") == expected, reason
+    if reason is None:
+        assert "qk 192 / v 128" in patch.apply(ctx)
+        assert spec.core_attention() is MLADotProductAttention
+        spec.attention = True  # a turbo attention always wins over the stock replacement
+        assert spec.core_attention() is not MLADotProductAttention
+    cfg.model.mla = None
+    assert patch.condition(ctx) == "no MLA"
+
+
 def test_grouped_linear_matches_per_expert_matmul(megatron_world):
     from primus_turbo.integrations.megatron.turbo_layers import TurboColumnParallelGroupedLinear
 
