@@ -218,16 +218,20 @@ def test_plot_is_drawn_with_matplotlib_and_explained_without(tmp_path):
 
 @pytest.mark.slow
 def test_profile_mode_reports_the_top_ops_of_the_profiled_steps(tmp_path):
-    cmd = [sys.executable, "benchmark/e2e/compare.py", "recipe=tiny_moe", "nproc=2", "steps=4", "warmup=1",
-           "turbo=on", "precisions=bf16", "profile=true", f"out={tmp_path}"]  # fmt: skip
+    # One process (EP=1) keeps this cheap: the profile plumbing is under test, not the all-to-all.
+    cmd = [sys.executable, "benchmark/e2e/compare.py", "recipe=tiny_moe", "nproc=1", "parallel.ep=1",
+           "steps=4", "warmup=1", "turbo=on", "precisions=bf16", "profile=true",
+           f"out={tmp_path}"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, out
     profile = json.loads((tmp_path / "runs" / "megatron_turbo_bf16.profile.json").read_text())
-    assert profile["steps"] == 2 and profile["first_step"] == 3 and profile["clock"] == "self CPU time"
+    assert profile.get("steps") == 2 and profile["first_step"] == 3, (profile, out)
+    assert profile["clock"] == "self CPU time"
     ops = {op["op"]: op for op in profile["top"]}
-    assert "aten::mm" in ops and ops["aten::mm"]["calls_per_step"] >= 10  # the layers' GEMMs ran
+    assert "aten::mm" in ops and ops["aten::mm"]["calls_per_step"] >= 10, profile  # the layers' GEMMs ran
     assert sum(op["share"] for op in profile["top"]) <= 1.0 + 1e-9
     section = (tmp_path / "report.md").read_text().split("## Where the time goes (torch.profiler)")[1]
     assert "megatron turbo bf16: self CPU time" in section and "| aten::mm |" in section
