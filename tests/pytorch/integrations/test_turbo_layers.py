@@ -48,7 +48,7 @@ def _forward_backward(module, *inputs):
     inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
     out = module(*inputs)
     out = out[0] if isinstance(out, tuple) else out
-    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    out.backward(torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(out.dtype))
     return out.detach(), [x.grad for x in inputs]
 
 
@@ -202,6 +202,42 @@ def test_mla_core_attention_fix_applies_only_with_the_stock_attention(enabled, a
         assert spec.core_attention() is not MLADotProductAttention
     cfg.model.mla = None
     assert patch.condition(ctx) == "no MLA"
+
+
+@pytest.mark.gpu
+def test_stock_mla_attention_runs_memory_efficient_sdpa_at_deepseek_shape(monkeypatch):
+    """On GPU, MLA's 192/128 head dims must run SDPA's memory-efficient kernel (flash refuses d_qk != d_v; a
+    silent math fallback would materialize s x s scores): pin that backend alone and check bf16 accuracy."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from primus_turbo.integrations.megatron import stock_attention
+    from test_utils import SNR_ATTENTION_BF16_DB, assert_snr
+    from torch.nn.attention import SDPBackend
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setattr(stock_attention, "_SDPA_BACKENDS", [SDPBackend.EFFICIENT_ATTENTION])
+    config = TransformerConfig(num_layers=1, hidden_size=2048, num_attention_heads=16, bf16=True,
+                               params_dtype=torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
+                               masked_softmax_fusion=False)  # fmt: skip
+    single_rank = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
+    attention = stock_attention.MLADotProductAttention(
+        config, 1, AttnMaskType.causal, "self", softmax_scale=192**-0.5, k_channels=192, v_channels=128,
+        pg_collection=single_rank,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    s, b, h = 4096, 1, 16
+    q, k, v = (torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16) for d in (192, 192, 128))
+    out, grads = _forward_backward(lambda *t: attention(*t, None), q, k, v)
+    qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    ref = _reference_causal_attention(qr, kr, vr, 192**-0.5)
+    ref.backward(torch.linspace(-1, 1, ref.numel(), device="cuda").view_as(ref).bfloat16().double())
+    assert out.shape == (s, b, h * 128)
+    assert_snr(out, ref, SNR_ATTENTION_BF16_DB, "stock MLA attention out")
+    for got, want, name in zip(grads, (qr.grad, kr.grad, vr.grad), "qkv"):
+        assert_snr(got, want, SNR_ATTENTION_BF16_DB, f"stock MLA attention d{name}")
 
 
 def test_grouped_linear_matches_per_expert_matmul(megatron_world):
