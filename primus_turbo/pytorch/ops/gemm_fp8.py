@@ -30,15 +30,18 @@ from primus_turbo.pytorch.core.float8_tensor import Float8Tensor
 from primus_turbo.pytorch.core.fp8_autocast import AmaxHistory, DelayedScalingState
 from primus_turbo.pytorch.core.low_precision import (
     Float8QuantConfig,
+    Format,
     ScalingGranularity,
     ScalingStrategy,
 )
 from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_impl
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     finite_amax,
+    quantize_fp8_impl,
     quantize_fp8_tensorwise_static_impl,
+    quantize_fp8_with_transpose_impl,
 )
-from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_transpose
+from primus_turbo.pytorch.ops.quantization import normalize_spec, quantize_fp8, quantize_fp8_with_transpose
 
 __all__ = ["gemm_fp8"]
 
@@ -64,10 +67,18 @@ def _quantize_physical(p, dtype, config, block, need_t, history: AmaxHistory | N
             history.update(amax)
             return (q, s), ((qt, s) if need_t else None)
         history.update(finite_amax(p))
+    if torch.compiler.is_compiling():  # the public ops trace as opaque custom ops
+        if need_t:
+            q, s, qt, st = quantize_fp8_with_transpose(p, dtype, g, **kw)
+            return (q, s), (qt, st)
+        return quantize_fp8(p, dtype, g, **kw), None
+    # eager: straight to the kernels (no custom-op layer, no defensive scale clone)
+    name, axis, br, bc = normalize_spec(2, g, block, None)
+    pow2 = config.power_of_two_scales
     if need_t:
-        q, s, qt, st = quantize_fp8_with_transpose(p, dtype, g, **kw)
+        q, s, qt, st = quantize_fp8_with_transpose_impl(p, dtype, name, br, bc, pow2)
         return (q, s), (qt, st)
-    return quantize_fp8(p, dtype, g, **kw), None
+    return quantize_fp8_impl(p, dtype, name, axis, br, bc, pow2), None
 
 
 def _prepare(x, phys_is_x, dtype, config, block, need_fwd_only, history=None) -> _Operand:
@@ -141,6 +152,10 @@ class _GemmFP8Function(torch.autograd.Function):
             wmode = _mode(config.granularity, g_blk)
             if ctx.trans_b:  # dB^T[N, K] = dC^T[N, M] @ A^T[K, M]^T
                 grad_b = gemm_fp8_impl(*g.bwd, a_t, a_t_s, wmode, bs or 0, ctx.grad_dtypes[1])
+            elif config.format is Format.HYBRID and wmode != 0:
+                # dB^T = dC^T @ A^T^T with the E5M2 gradient first: cuBLAS's scaled kernels take an
+                # E5M2 first operand only (dB = A^T @ dC would fall back to Triton)
+                grad_b = gemm_fp8_impl(*g.bwd, a_t, a_t_s, wmode, bs or 0, ctx.grad_dtypes[1]).t()
             else:  # dB[K, N] = A^T[K, M] @ dC^T[N, M]^T
                 grad_b = gemm_fp8_impl(a_t, a_t_s, *g.bwd, wmode, bs or 0, ctx.grad_dtypes[1])
         return grad_a, grad_b, None, None, None, None, None, None, None
