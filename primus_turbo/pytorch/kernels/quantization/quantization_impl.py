@@ -46,7 +46,10 @@ def finite_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tenso
 
 def scale_from_amax(amax: torch.Tensor, out_dtype: torch.dtype, pow2: bool) -> torch.Tensor:
     amax = amax.float()
-    scale = torch.where(amax > 0, fp8_max(out_dtype) / amax, torch.ones_like(amax)).clamp(max=_FLT_MAX)
+    # tensor / tensor is IEEE division; `float / tensor` is reciprocal() * float (two roundings),
+    # which the Triton kernels (div_rn) would not match bit for bit
+    scale = torch.full_like(amax, fp8_max(out_dtype)) / amax
+    scale = torch.where(amax > 0, scale, torch.ones_like(amax)).clamp(max=_FLT_MAX)
     if pow2:
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
     return scale
