@@ -174,12 +174,17 @@ def tensorwise_cast_transpose_kernel(
     cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if STATIC_SCALE:
+        # Per-row amaxes (BLOCK_R per program, reduced by the caller), taken before the transposed
+        # store: a row reduction needs no shared memory, so it cannot share scratch with the
+        # layout conversion of that store (the delayed-scaling dgrad read a corrupted q^T on H200
+        # when a whole-tile reduction followed it).
+        row_amax = tl.max(_finite_abs(x), axis=1)
+        tile = pid_r * tl.num_programs(1) + pid_c
+        tl.store(amax_out_ptr + tile.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R), row_amax)
     q = _cast_fp8(x, scale, FP8_MAX, OUT_DTYPE)
     tl.store(q_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
     tl.store(qt_ptr + cols[None, :] * R + rows[:, None], q, mask=mask)
-    if STATIC_SCALE:
-        amax = tl.max(tl.max(_finite_abs(x), axis=1), axis=0)
-        tl.store(amax_out_ptr + pid_r * tl.num_programs(1) + pid_c, amax)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -143,6 +143,21 @@ def test_tensorwise_backends_bit_identical(backend, device):
     assert torch.equal(qt.float(), qr.float().t()) and torch.equal(st, sr)
 
 
+@pytest.mark.parametrize("with_t", [True, False])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_static_scale_triton_matches_torch(dtype, with_t, device):
+    # delayed scaling's cast: given scale, q (and q^T) bit-identical, amax of the whole tensor
+    x = torch.randn(130, 200, device=device) * 2
+    x[77, 150] = -9.5  # the amax sits in a partial tile
+    scale = torch.tensor(FP8_MAX[dtype] / 12.0, device=device)
+    q, s, qt, amax = impl.quantize_fp8_tensorwise_static_impl(x, scale, dtype, with_t, "triton")
+    qr, sr, qtr, amaxr = impl.quantize_fp8_tensorwise_static_impl(x, scale, dtype, with_t, "torch")
+    assert torch.equal(q.float(), qr.float()) and torch.equal(s, sr)
+    assert amax.item() == 9.5 and amaxr.item() == 9.5
+    if with_t:
+        assert torch.equal(qt.float(), qtr.float())
+
+
 def test_public_api_shapes_and_dequantize_roundtrip():
     x = torch.randn(4, 40, 96)
     for g, bs, axis, shape in [

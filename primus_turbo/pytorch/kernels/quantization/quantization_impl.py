@@ -109,7 +109,8 @@ def _tensorwise_triton(x, out_dtype, pow2, with_t, static_scale=None):
         rows, cols = x.shape
         br, bc = 64, 64
         grid = (ceil_div(rows, br), ceil_div(cols, bc))
-        amax_out = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev) if static else scale_inv
+        n_amax = grid[0] * grid[1] * br  # per-row amaxes of every tile (static scale only)
+        amax_out = torch.empty(n_amax, dtype=torch.float32, device=dev) if static else scale_inv
         qk.tensorwise_cast_transpose_kernel[grid](
             x,
             q,
