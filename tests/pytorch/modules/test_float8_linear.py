@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from test_utils import assert_snr, fp8_snr_gate
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from primus_turbo.pytorch.core.fp8_autocast import fp8_autocast
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingStrategy
@@ -152,3 +155,92 @@ def test_torch_compile_fullgraph(gran):
     y.sum().backward()
     torch.testing.assert_close(y, layer(x), rtol=0, atol=0)
     assert x.grad is not None and layer.weight.grad is not None
+
+
+_SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten ops and fails on host-syncing ones (would stall the GPU every step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        assert name not in _SYNC_OPS, f"host sync in the Float8Linear step: aten::{name}"
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_passes(monkeypatch):
+    """Wrap the quantizers and the GEMM entry of gemm_fp8: every call is one pass over its input."""
+    # the ops package re-exports functions under the module names: take the modules themselves
+    gemm_mod = importlib.import_module("primus_turbo.pytorch.ops.gemm_fp8")
+    quant_mod = importlib.import_module("primus_turbo.pytorch.ops.quantization")
+
+    calls: dict[str, int] = {}
+
+    def wrap(module, name, label):
+        fn = getattr(module, name)
+
+        def counted(*a, **k):
+            calls[label] = calls.get(label, 0) + 1
+            return fn(*a, **k)
+
+        monkeypatch.setattr(module, name, counted)
+
+    wrap(gemm_mod, "quantize_fp8_with_transpose_impl", "quantize")
+    wrap(gemm_mod, "quantize_fp8_impl", "quantize")
+    wrap(gemm_mod, "gemm_fp8_impl", "gemm")
+    wrap(quant_mod, "quantize_fp8_with_transpose_op", "weight_quantize")  # Float8Tensor.from_tensor
+    return calls
+
+
+@pytest.mark.parametrize("gran", list(G), ids=lambda g: g.name)
+def test_step_op_budget(gran, monkeypatch, device):
+    # Issue 4: a Float8Linear step must be 1 activation + 1 gradient quantization and 3 GEMMs, the
+    # weight quantized only when it changed, no host syncs, no custom-op layer in eager, and no
+    # copies of activation-sized tensors besides the FP8 casts.
+    cfg = Float8QuantConfig(format=Format.HYBRID, granularity=gran)
+    layer = Float8Linear(256, 128, bias=False, config=cfg, device=device, dtype=torch.bfloat16)
+    x = torch.randn(192, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(192, 128, device=device, dtype=torch.bfloat16)
+    layer(x).backward(grad)  # warm-up: weight cache, one-time backend probes
+    calls = _count_passes(monkeypatch)
+    with _OpCounter() as fwd_ops:
+        y = layer(x)
+    assert calls == {"quantize": 1, "gemm": 1}, calls
+    with _OpCounter() as bwd_ops:
+        y.backward(grad)
+    assert calls == {"quantize": 2, "gemm": 3}, calls
+    for ops in (fwd_ops.ops, bwd_ops.ops):
+        assert not any(name.startswith(("quantize_fp8", "gemm_fp8")) for name in ops), ops  # no custom op
+        if x.is_cuda:  # the CPU reference quantizer transposes with a copy; the Triton kernels do not
+            assert ops.get("clone", 0) == 0 and ops.get("contiguous", 0) == 0, ops
+    with torch.no_grad():
+        layer.weight.mul_(0.5)  # an optimizer step (bumps weight._version): re-quantize once
+    layer(x)
+    layer(x)
+    assert calls["weight_quantize"] == 1, calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gran", list(G), ids=lambda g: g.name)
+def test_step_has_no_host_sync_gpu(gran):
+    # A sync per step serializes host overhead with GPU work (issue 4): CUDA's sync debug mode
+    # raises on any, incl. .item() inside torch ops. Warm-up first (autotune and backend probes sync once).
+    cfg = Float8QuantConfig(format=Format.HYBRID, granularity=gran)
+    layer = Float8Linear(4096, 4096, bias=False, config=cfg, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    layer(x).backward(grad)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer._weight_cache = None  # the weight re-quantization too
+        layer(x).backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
