@@ -2,16 +2,19 @@
 
     python benchmark/ops/bench_linear_fp8.py --quick   # 1 shape
     python benchmark/ops/bench_linear_fp8.py           # M=8192, (N, K) in the 4 issue shapes
+    python benchmark/ops/bench_linear_fp8.py --quick --profile   # + each label's kernels by GPU time
 
 The weight is re-quantized every iteration (its cache is dropped), so the timing is the
 no-gradient-accumulation worst case; "cached W" is the microbatch case (one weight quantization
 per optimizer step). Recipes: HYBRID (E4M3 fwd / E5M2 grads) tensorwise/rowwise/blockwise, default
-backends (dispatcher). Target (H200): >= 1.6x bf16 at every shape.
+backends (dispatcher). Target (H200): >= 1.6x bf16 at every shape. "host fwd+bwd" is the host time
+to issue one step: when it is close to "fwd+bwd", the step is bound by Python/launch overhead.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,7 +25,7 @@ from bench_utils import GEMM_COLUMNS, bench_ms, bench_parser, out_dir, print_tab
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity  # noqa: E402
 from primus_turbo.pytorch.modules.float8_linear import Float8Linear  # noqa: E402
 
-COLUMNS = GEMM_COLUMNS + ["fwd+bwd (ms)", "speedup vs bf16", "cached W speedup"]
+COLUMNS = GEMM_COLUMNS + ["fwd+bwd (ms)", "speedup vs bf16", "cached W speedup", "host fwd+bwd (ms)"]
 M = 8192
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (2048, 7168)]
 
@@ -34,18 +37,36 @@ def snr_db(ref, out) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / err.clamp_min(1e-30)))
 
 
-def _step_ms(layer, x, grad, drop_cache: bool) -> tuple[float, float, float]:
+def _step_ms(layer, x, grad, drop_cache: bool) -> tuple[float, float, float, float]:
+    """(fwd ms, fwd+bwd ms, its stddev, host ms per step). x.grad is reset every step (in a model
+    dx flows on; accumulating it would add an activation-sized add to every label)."""
+
     def fwd():
         if drop_cache:
             layer._weight_cache = None
         return layer(x)
 
     def step():
+        x.grad = None
         fwd().backward(grad)
 
     fwd_ms, _ = bench_ms(fwd)
     total_ms, sd = bench_ms(step)
-    return fwd_ms, total_ms, sd
+    return fwd_ms, total_ms, sd, _host_ms(step)
+
+
+def _host_ms(step, n: int = 10) -> float:
+    """Host time to issue one step (no sync inside): when it reaches the GPU time, the step is
+    host bound and do_bench's number is Python overhead, not kernels."""
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    host = (time.perf_counter() - start) * 1e3 / n
+    sync()
+    return host
 
 
 def run_shape(n: int, k: int) -> list[dict]:
@@ -54,34 +75,40 @@ def run_shape(n: int, k: int) -> list[dict]:
     y = hp(x)
     grad = torch.randn_like(y)
     ref = x.detach().float() @ hp.weight.detach().float().t()
-    hp_fwd, hp_total, _ = _step_ms(hp, x, grad, False)
+    hp_fwd, hp_total, hp_sd, hp_host = _step_ms(hp, x, grad, False)
     flop = 2.0 * M * n * k
-    rows = [_row("bf16 nn.Linear", n, k, flop, hp_fwd, hp_total, 0.0, hp_total, hp_total, None)]
+    rows = [_row("bf16 nn.Linear", n, k, flop, (hp_fwd, hp_total, hp_sd, hp_host), hp_total, hp_total, None)]
     for gran in ScalingGranularity:
         cfg = Float8QuantConfig(format=Format.HYBRID, granularity=gran)
         layer = Float8Linear.from_float(hp, config=cfg)
-        fwd_ms, total_ms, sd = _step_ms(layer, x, grad, True)
-        _, cached_ms, _ = _step_ms(layer, x, grad, False)
+        timings = _step_ms(layer, x, grad, True)
+        _, cached_ms, _, _ = _step_ms(layer, x, grad, False)
         out_snr = snr_db(ref, layer(x))
-        rows.append(
-            _row(
-                f"Float8Linear {gran.name.lower()}",
-                n,
-                k,
-                flop,
-                fwd_ms,
-                total_ms,
-                sd,
-                hp_total,
-                cached_ms,
-                out_snr,
-            )
-        )
+        label = f"Float8Linear {gran.name.lower()}"
+        rows.append(_row(label, n, k, flop, timings, hp_total, cached_ms, out_snr))
+        if PROFILE:
+            _profile(label, layer, x, grad)
         print_table(rows[-1:], COLUMNS)
     return rows
 
 
-def _row(label, n, k, flop, fwd_ms, total_ms, sd, hp_total, cached_ms, out_snr) -> dict:
+def _profile(label, layer, x, grad) -> None:
+    """--profile: the kernels of 3 steps (weight re-quantized), by GPU time, and the host-side ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            layer._weight_cache = None
+            x.grad = None
+            layer(x).backward(grad)
+    sort = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
+    print(f"--- {label}: 3 steps ---")
+    print(prof.key_averages().table(sort_by=sort, row_limit=15))
+
+
+def _row(label, n, k, flop, timings, hp_total, cached_ms, out_snr) -> dict:
+    fwd_ms, total_ms, sd, host_ms = timings
     bwd_ms = total_ms - fwd_ms
     return {
         "label": label,
@@ -99,17 +126,23 @@ def _row(label, n, k, flop, fwd_ms, total_ms, sd, hp_total, cached_ms, out_snr) 
         "fwd+bwd (ms)": total_ms,
         "speedup vs bf16": hp_total / total_ms,
         "cached W speedup": hp_total / cached_ms,
+        "host fwd+bwd (ms)": host_ms,
     }
 
 
+PROFILE = False
+
+
 def main() -> None:
-    args = bench_parser(__doc__).parse_args()
+    global PROFILE
+    parser = bench_parser(__doc__)
+    parser.add_argument("--profile", action="store_true", help="print each FP8 label's kernels (profiler)")
+    args = parser.parse_args()
+    PROFILE = args.profile
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows = [r for n, k in shapes for r in run_shape(n, k)]
     write_csv(out_dir(args) / "linear_fp8.csv", rows, COLUMNS)
-    print_table(
-        rows, ["label", "M", "N", "K", "Check", "fwd+bwd (ms)", "speedup vs bf16", "cached W speedup"]
-    )
+    print_table(rows, ["label", "M", "N", "K", "Check", *COLUMNS[-4:]])
 
 
 if __name__ == "__main__":
