@@ -7,7 +7,9 @@ of the active ``turbo.fp8_autocast``, else the default (E4M3 tensorwise, current
 
 Weight quantization is cached: the FP8 weight (both K-major copies, one fused pass) is rebuilt
 only when the weight changes (``weight._version`` / storage), so gradient-accumulation microbatches
-reuse one quantization per optimizer step. DELAYED scaling owns a ``DelayedScalingState``
+reuse one quantization per optimizer step. In-place updates through ``weight.data`` (or another
+tensor sharing its storage without being a view of it) do not bump ``weight._version``: after such
+an update set ``layer._weight_cache = None``. DELAYED scaling owns a ``DelayedScalingState``
 (amax histories for input, weight and output gradient; non-persistent buffers, so state dicts stay
 nn.Linear-compatible) and quantizes the weight every call from its history.
 """
