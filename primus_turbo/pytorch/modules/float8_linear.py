@@ -5,11 +5,13 @@ Same parameters, shapes, initialisation and state dict as ``torch.nn.Linear`` (i
 of the active ``turbo.fp8_autocast``, else the default (E4M3 tensorwise, current scaling). Inside
 ``turbo.fp8_autocast(enabled=False)`` it runs the high-precision GEMM.
 
-Weight quantization is cached: the FP8 weight (both K-major copies, one fused pass) is rebuilt
-only when the weight changes (``weight._version`` / storage), so gradient-accumulation microbatches
-reuse one quantization per optimizer step. In-place updates through ``weight.data`` (or another
-tensor sharing its storage without being a view of it) do not bump ``weight._version``: after such
-an update set ``layer._weight_cache = None``. DELAYED scaling owns a ``DelayedScalingState``
+Weight quantization cache (``cache_weight=True``, off by default): the FP8 weight (both K-major
+copies, one fused pass) is rebuilt only when the weight changes (``weight._version`` / storage), so
+gradient-accumulation microbatches reuse one quantization per optimizer step. It is opt-in because
+writes that do not bump ``weight._version`` (``weight.data.copy_``, FSDP all-gathers into a reused
+unsharded buffer, optimizers that update a tensor sharing the storage) would otherwise leave a stale
+FP8 weight silently in use; with the cache on, call ``layer.invalidate_weight_cache()`` after such
+a write. DELAYED scaling owns a ``DelayedScalingState``
 (amax histories for input, weight and output gradient; non-persistent buffers, so state dicts stay
 nn.Linear-compatible) and quantizes the weight every call from its history.
 """
@@ -37,6 +39,7 @@ class Float8Linear(Linear):
         config: Float8QuantConfig | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        cache_weight: bool = False,
     ) -> None:
         if config is not None and not isinstance(config, Float8QuantConfig):
             raise TypeError(
@@ -44,6 +47,7 @@ class Float8Linear(Linear):
             )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = config
+        self.cache_weight = bool(cache_weight)
         self._weight_cache: tuple[tuple, Float8Tensor] | None = None
         self.delayed_state: DelayedScalingState | None = None
         if config is not None and config.strategy is ScalingStrategy.DELAYED:
@@ -84,8 +88,13 @@ class Float8Linear(Linear):
             block,
             power_of_two_scales=config.power_of_two_scales,
         )
-        self._weight_cache = (key, w8)
+        if self.cache_weight:
+            self._weight_cache = (key, w8)
         return w8
+
+    def invalidate_weight_cache(self) -> None:
+        """Drop the cached FP8 weight (after a write that does not bump ``weight._version``)."""
+        self._weight_cache = None
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         config = resolve_fp8_config(self.config, fp8_by_default=True)

@@ -62,8 +62,19 @@ def test_state_dict_and_from_float_compat():
         Float8Linear.from_float(torch.nn.Conv1d(3, 3, 1))
 
 
-def test_weight_quantized_once_per_step():
+def test_no_weight_cache_by_default_sees_untracked_writes():
     layer = Float8Linear(64, 32, bias=False)
+    x = torch.randn(8, 64)
+    y1 = layer(x)
+    with torch.no_grad():
+        layer.weight.data.mul_(2.0)  # does not bump weight._version
+    y2 = layer(x)
+    assert layer._weight_cache is None
+    torch.testing.assert_close(y2, 2 * y1, rtol=0.07, atol=1e-3)
+
+
+def test_weight_quantized_once_per_step():
+    layer = Float8Linear(64, 32, bias=False, cache_weight=True)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     x = torch.randn(8, 64)
     layer(x).sum().backward()
@@ -76,7 +87,7 @@ def test_weight_quantized_once_per_step():
 
 
 def test_fp8_autocast_controls_modules():
-    layer = Float8Linear(64, 32)
+    layer = Float8Linear(64, 32, cache_weight=True)
     hp = torch.nn.Linear(64, 32)
     hp.load_state_dict(layer.state_dict())
     x = torch.randn(8, 64)
@@ -204,7 +215,9 @@ def test_step_op_budget(gran, monkeypatch, device):
     # weight quantized only when it changed, no host syncs, no custom-op layer in eager, and no
     # copies of activation-sized tensors besides the FP8 casts.
     cfg = Float8QuantConfig(format=Format.HYBRID, granularity=gran)
-    layer = Float8Linear(256, 128, bias=False, config=cfg, device=device, dtype=torch.bfloat16)
+    layer = Float8Linear(
+        256, 128, bias=False, config=cfg, device=device, dtype=torch.bfloat16, cache_weight=True
+    )
     x = torch.randn(192, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(192, 128, device=device, dtype=torch.bfloat16)
     layer(x).backward(grad)  # warm-up: weight cache, one-time backend probes
