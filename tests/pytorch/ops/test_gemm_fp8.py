@@ -8,7 +8,7 @@ import pytest
 import torch
 from ref.gemm_fp8_ref import gemm_ref
 from test_utils import assert_snr, fp8_snr_gate
-from triton_compile_utils import compile_for_sm90
+from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
 from primus_turbo.pytorch.core.float8_tensor import Float8Tensor
@@ -246,18 +246,7 @@ def _compile_gemm_kernels():
 
 
 def test_kernels_compile_for_sm90():
-    # A process without TRITON_INTERPRET: in an interpreter process triton's own @jit helpers are
-    # interpreter wrappers that the code generator cannot compile.
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, __file__, "--compile-sm90"], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_compile_check(__file__, "--compile-sm90")
 
 
 if __name__ == "__main__":

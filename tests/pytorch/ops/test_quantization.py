@@ -6,7 +6,7 @@ import pytest
 import torch
 from ref.quantization_ref import FP8_MAX, ref_quantize_groups
 from test_utils import SNR_E4M3_DB, SNR_E5M2_DB, compute_snr
-from triton_compile_utils import compile_for_sm90
+from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity as G
 from primus_turbo.pytorch.kernels.quantization import quantization_impl as impl
@@ -349,24 +349,8 @@ def _compile_quant_kernels():
         )
 
 
-def run_uninterpreted(test_file: str, flag: str) -> None:
-    """Run ``python <test_file> <flag>`` without TRITON_INTERPRET: in an interpreter process even
-    triton's own @jit helpers (tl.max's combine fn) are interpreter wrappers that cannot compile."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, test_file, flag], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-
-
 def test_kernels_compile_for_sm90():
-    run_uninterpreted(__file__, "--compile-sm90")
+    run_compile_check(__file__, "--compile-sm90")
 
 
 if __name__ == "__main__":
