@@ -12,6 +12,10 @@ step() { local t=$1 name=$2; shift 2; local t0=$SECONDS; timeout "$t" "$@" > "$O
 TESTS=${TESTS:-tests/pytorch/ops/test_moe_permute.py tests/pytorch/ops/test_grouped_gemm.py tests/pytorch/modules/test_grouped_linear.py}
 step "${TEST_TIMEOUT:-90}" tests python3 -m pytest -n 8 -q --timeout=80 -p no:cacheprovider -m "not multigpu" $TESTS
 grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -30
+if [ -n "${DIST_TESTS:-}" ]; then
+  step "${DIST_TIMEOUT:-120}" dist python3 -m pytest --dist-only -q --timeout=100 -p no:cacheprovider $DIST_TESTS
+  grep -E "FAILED|ERROR|passed|failed" "$OUT/dist.log" | tail -20
+fi
 CFGS=("bf16_on recipe=deepseek_moe_bf16" "bf16_off recipe=deepseek_moe_bf16 turbo.enabled=false")
 for cfg in "${CFGS[@]}"; do
   set -- $cfg; name=$1; shift
