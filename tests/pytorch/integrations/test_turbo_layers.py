@@ -104,7 +104,7 @@ def _reference_causal_attention(q, k, v, scale):
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scale
-    mask = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+    mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
     out = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v  # [b, h, s, dv]
     return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)
 
