@@ -173,7 +173,9 @@ def _forward_step_func(run: Run, step: int):
 def train_step(run: Run, step: int) -> tuple[float, object]:
     """One optimizer step over ``num_microbatches``; returns (mean loss over DP ranks, grad norm)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from primus_turbo.integrations.megatron import turbo_layers
 
+    turbo_layers.new_weight_step()  # FP8 linears: one weight quantization per optimizer step
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
     losses = get_forward_backward_func()(

@@ -31,6 +31,24 @@ from primus_turbo.integrations.megatron import turbo_ops
 FP8_CONFIG = None
 FP8_GROUPED_CONFIG = None
 
+# FP8 weight cache for gradient accumulation: a linear quantizes its weight once per optimizer step and
+# the other microbatches reuse that FP8 copy (Transformer Engine's is_first_microbatch). On only while a
+# training loop announces its steps (``new_weight_step`` before each step's first microbatch, as our
+# trainer does); the key also holds the weight's storage and version, so an in-place write between
+# microbatches requantizes. A loop that never calls ``new_weight_step`` quantizes every call.
+_WEIGHT_STEP: int | None = None
+
+
+def new_weight_step() -> None:
+    """Start an optimizer step: FP8 weights are requantized once, then reused by its microbatches."""
+    global _WEIGHT_STEP
+    _WEIGHT_STEP = 0 if _WEIGHT_STEP is None else _WEIGHT_STEP + 1
+
+
+def disable_weight_cache() -> None:
+    global _WEIGHT_STEP
+    _WEIGHT_STEP = None
+
 
 def _delayed_state(config):
     """A per-module amax history when the linears use DELAYED scaling (fp8.recipe=delayed), else None."""
@@ -40,10 +58,25 @@ def _delayed_state(config):
     return turbo_ops.get("core.fp8_autocast.DelayedScalingState")(FP8_CONFIG, device=device)
 
 
-def _linear_2d(x2d: torch.Tensor, weight: torch.Tensor, fp8_config, delayed_state=None) -> torch.Tensor:
+def _cached_fp8_weight(owner, weight: torch.Tensor, fp8_config):
+    """The FP8 weight of ``owner`` for this optimizer step (see ``new_weight_step``), or None: no cache."""
+    if _WEIGHT_STEP is None or owner is None:
+        return None
+    key = (_WEIGHT_STEP, weight.data_ptr(), weight._version, fp8_config)
+    cached = getattr(owner, "_fp8_weight_cache", None)
+    if cached is None or cached[0] != key:
+        cached = (key, turbo_ops.get("modules.float8_linear.quantize_weight")(weight, fp8_config))
+        owner._fp8_weight_cache = cached
+    return cached[1]
+
+
+def _linear_2d(x2d, weight, fp8_config, delayed_state=None, cache_owner=None) -> torch.Tensor:
     accumulate = weight.requires_grad and isinstance(getattr(weight, "main_grad", None), torch.Tensor)
     if fp8_config is not None:
         gemm_fp8 = turbo_ops.get("ops.gemm_fp8")
+        w8 = None if delayed_state is not None else _cached_fp8_weight(cache_owner, weight, fp8_config)
+        if w8 is not None:
+            return gemm_fp8(x2d, w8, trans_b=True, out_dtype=x2d.dtype, config=fp8_config)
         return gemm_fp8(x2d, weight, trans_b=True, config=fp8_config, delayed_state=delayed_state)
     return turbo_ops.get("ops.gemm")(x2d, weight, trans_b=True, accumulate_into_main_grad=accumulate)
 
@@ -51,14 +84,14 @@ def _linear_2d(x2d: torch.Tensor, weight: torch.Tensor, fp8_config, delayed_stat
 def turbo_linear_forward_impl(
     input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
     grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, fp8_config=None, delayed_state=None,
-    **_unused,
+    cache_owner=None, **_unused,
 ):  # fmt: skip
     """Drop-in for ``linear_with_grad_accumulation_and_async_allreduce`` (same arguments)."""
     if sequence_parallel:
         input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
     elif allreduce_dgrad:
         input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-    out = _linear_2d(input.reshape(-1, input.shape[-1]), weight, fp8_config, delayed_state)
+    out = _linear_2d(input.reshape(-1, input.shape[-1]), weight, fp8_config, delayed_state, cache_owner)
     out = out.view(*input.shape[:-1], weight.shape[0])
     return out + bias if bias is not None else out
 
@@ -72,8 +105,9 @@ class TurboColumnParallelLinear(ColumnParallelLinear):
         if not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
         return turbo_linear_forward_impl(
-            input, weight, *args, fp8_config=FP8_CONFIG, delayed_state=self.fp8_delayed_state, **kwargs
-        )
+            input, weight, *args, fp8_config=FP8_CONFIG, delayed_state=self.fp8_delayed_state,
+            cache_owner=self, **kwargs,
+        )  # fmt: skip
 
 
 class TurboRowParallelLinear(RowParallelLinear):
@@ -85,8 +119,9 @@ class TurboRowParallelLinear(RowParallelLinear):
         if not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
         return turbo_linear_forward_impl(
-            input, weight, *args, fp8_config=FP8_CONFIG, delayed_state=self.fp8_delayed_state, **kwargs
-        )
+            input, weight, *args, fp8_config=FP8_CONFIG, delayed_state=self.fp8_delayed_state,
+            cache_owner=self, **kwargs,
+        )  # fmt: skip
 
 
 class TurboRMSNorm(torch.nn.Module):

@@ -27,7 +27,22 @@ from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGr
 from primus_turbo.pytorch.modules.linear import Linear
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
 
-__all__ = ["Float8Linear"]
+__all__ = ["Float8Linear", "quantize_weight"]
+
+
+def quantize_weight(weight: torch.Tensor, config: Float8QuantConfig) -> Float8Tensor:
+    """A [out, in] weight as ``gemm_fp8(x, w8, trans_b=True)`` reads it: both K-major copies in one
+    fused pass (128x128 tiles for BLOCKWISE); gradients flow back to ``weight``."""
+    block = (
+        (config.block_size, config.block_size) if config.granularity is ScalingGranularity.BLOCKWISE else None
+    )
+    return Float8Tensor.from_tensor(
+        weight,
+        config.format.fwd_dtype,
+        config.granularity,
+        block,
+        power_of_two_scales=config.power_of_two_scales,
+    )
 
 
 class Float8Linear(Linear):
@@ -76,18 +91,7 @@ class Float8Linear(Linear):
         key = (w.data_ptr(), w._version, w.dtype, w.device, config)
         if self._weight_cache is not None and self._weight_cache[0] == key:
             return self._weight_cache[1]
-        block = (
-            (config.block_size, config.block_size)
-            if config.granularity is ScalingGranularity.BLOCKWISE
-            else None
-        )
-        w8 = Float8Tensor.from_tensor(
-            w,
-            config.format.fwd_dtype,
-            config.granularity,
-            block,
-            power_of_two_scales=config.power_of_two_scales,
-        )
+        w8 = quantize_weight(w, config)
         if self.cache_weight:
             self._weight_cache = (key, w8)
         return w8

@@ -342,3 +342,42 @@ def test_fp8_without_turbo_is_refused(megatron_world):
     assert "needs turbo.enabled=true" in _fp8_probe(MegatronPatchContext(cfg=cfg, spec=None))
     cfg.turbo.enabled, cfg.turbo.gemm, cfg.turbo.grouped_gemm = True, False, False
     assert "needs turbo.gemm or turbo.grouped_gemm" in _fp8_probe(MegatronPatchContext(cfg=cfg, spec=None))
+
+
+def test_fp8_weight_cache_quantizes_once_per_step(megatron_world, monkeypatch):
+    """Microbatches of one optimizer step reuse one FP8 weight; a new step or an in-place write requantizes,
+    and without announced steps (a loop that is not our trainer) every call quantizes."""
+    from primus_turbo.integrations.megatron import turbo_layers as tl
+
+    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
+    from primus_turbo.pytorch.modules import float8_linear
+
+    calls = []
+    real = float8_linear.quantize_weight
+    monkeypatch.setattr(float8_linear, "quantize_weight", lambda w, c: calls.append(1) or real(w, c))
+    tl.FP8_CONFIG = Float8QuantConfig()
+    try:
+        turbo = tl.TurboColumnParallelLinear(64, 96, config=_config(), init_method=torch.nn.init.normal_,
+                                             bias=False, gather_output=False)  # fmt: skip
+        x = torch.randn(32, 1, 64)
+        tl.disable_weight_cache()
+        out_ref, (dx_ref,) = _forward_backward(turbo, x)
+        wgrad_ref = turbo.weight.grad.clone()
+        turbo.weight.grad = None
+        assert calls == []  # uncached: gemm_fp8 quantizes the weight itself
+        tl.new_weight_step()
+        for microbatch in range(2):
+            out, (dx,) = _forward_backward(turbo, x)
+            assert torch.equal(out, out_ref) and torch.equal(dx, dx_ref)
+            assert_close(turbo.weight.grad, wgrad_ref * (microbatch + 1), torch.float32, "accumulated wgrad")
+        assert len(calls) == 1
+        with torch.no_grad():
+            turbo.weight.mul_(0.5)  # bumps weight._version
+        out_half, _ = _forward_backward(turbo, x)
+        assert len(calls) == 2 and not torch.equal(out_half, out_ref)
+        tl.new_weight_step()
+        _forward_backward(turbo, x)
+        assert len(calls) == 3
+    finally:
+        tl.FP8_CONFIG = None
+        tl.disable_weight_cache()
