@@ -128,11 +128,12 @@ def _version(package: str) -> str:
 def run_metadata(opts: dict, overrides: list[str], device: str | None) -> dict:
     import torch
 
+    commit = os.environ.get("PRIMUS_TURBO_COMMIT", "")  # copies of the tree without (or with a stale) .git
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                                timeout=10).stdout.strip()  # fmt: skip
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                          cwd=REPO, timeout=10).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
-        commit = ""
+        pass
     return {
         "recipe": opts["recipe"],
         "device": f"{opts['nproc']}x {device}" if device else f"cpu ({opts['nproc']} ranks)",
@@ -142,7 +143,7 @@ def run_metadata(opts: dict, overrides: list[str], device: str | None) -> dict:
         "python": platform.python_version(),
         **{name: _version(name) for name in ("triton", "megatron-core", "torchtitan")},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit or os.environ.get("PRIMUS_TURBO_COMMIT", "unknown"),
+        "commit": commit or "unknown",
     }
 
 
