@@ -18,6 +18,10 @@ Labels (impl):
   turbo TRITON             turbo.ops.grouped_gemm pinned to the persistent Triton kernels
   torch._scaled_grouped_mm FP8 rowwise forward on pre-quantized operands (kernel only, no bwd)
   turbo fp8 <GRAN>         turbo.ops.grouped_gemm_fp8 TRITON (rowwise/tensorwise: auto), quantization included
+  turbo fp8 rowwise cutlass-wgrad
+                           E4M3 rowwise, auto, with GroupedGemmFP8VariableKDispatcher.
+                           group_lens_multiple_of_16 set: the wgrad may take torch._scaled_grouped_mm
+                           (suffix: the wgrad backend); only where every expert has a multiple of 16 rows
 Check: out/da/db SNR vs the torch._grouped_mm bf16 results (bf16 rounding alone: ~50 dB): bf16 >= 40 dB,
 FP8 >= 25 dB.
 Targets (H200): turbo auto fwd+bwd >= 1.15x torch._grouped_mm geomean, never < 1.0x; FP8 fwd+bwd
@@ -37,7 +41,14 @@ from bench_utils import GEMM_COLUMNS, bench_ms, bench_parser, out_dir, print_tab
 
 import primus_turbo.pytorch as turbo  # noqa: E402
 from primus_turbo.pytorch.core.backend import GlobalBackendManager  # noqa: E402
-from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity  # noqa: E402
+from primus_turbo.pytorch.core.low_precision import (  # noqa: E402
+    Float8QuantConfig,
+    Format,
+    ScalingGranularity,
+)
+from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (  # noqa: E402
+    GroupedGemmFP8VariableKDispatcher,
+)
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (  # noqa: E402
     GroupedGemmDispatcher,
     cutlass_offsets,
@@ -47,6 +58,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (  # noq
 from primus_turbo.pytorch.ops.quantization import quantize_fp8  # noqa: E402
 
 COLUMNS = GEMM_COLUMNS + ["impl", "dist", "Dgrad TFLOPS", "Wgrad TFLOPS", "fwd+bwd speedup vs _grouped_mm"]
+CUTLASS_WGRAD = "turbo fp8 rowwise cutlass-wgrad"
 MODELS = {  # name: (hidden, expert dim, experts, top-k)
     "dsv2lite": (2048, 1408, 64, 6),
     "dsv3": (7168, 2048, 32, 8),
@@ -214,12 +226,23 @@ def run_shape(shape, dist, quick, device):
     for g in grans:
         backend = "TRITON" if g is ScalingGranularity.BLOCKWISE else None  # auto: CUTLASS fwd
         impls.append((f"turbo fp8 {g.name.lower()}", backend, Float8QuantConfig(granularity=g)))
+    # the CUTLASS wgrad device-asserts unless every expert has a multiple of 16 tokens (skewed: not)
+    if bool((lens % 16 == 0).all()):
+        rowwise_e4m3 = Float8QuantConfig(format=Format.E4M3, granularity=ScalingGranularity.ROWWISE)
+        impls.append((CUTLASS_WGRAD, None, rowwise_e4m3))
+    wgrad_dispatcher = GroupedGemmFP8VariableKDispatcher
     for name, backend, cfg in impls:
+        wgrad_dispatcher.group_lens_multiple_of_16 = name == CUTLASS_WGRAD
+        wgrad_dispatcher.clear_cache()  # autotune picks cached without the promise: re-tune
         fns = turbo_impls(x, w, lens, grad, backend, cfg)
         row, _ = measure(name, dist, shape, fns, refs, 40.0 if cfg is None else 25.0, base_total)
         if name == "turbo auto":
             row["impl"] += f" ({GroupedGemmDispatcher.last_backend.name})"
+        if name == CUTLASS_WGRAD:
+            row["impl"] += f" ({wgrad_dispatcher.last_backend.name})"
         rows_out.append(row)
+    wgrad_dispatcher.group_lens_multiple_of_16 = False
+    wgrad_dispatcher.clear_cache()
     try:  # a baseline that the installed torch cannot run is reported, not fatal
         fns = (scaled_grouped_mm_fwd(x, w, lens), None, None, None)
         rows_out.append(measure("torch._scaled_grouped_mm", dist, shape, fns, refs, 25.0, None)[0])

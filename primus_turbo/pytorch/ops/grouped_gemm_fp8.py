@@ -219,7 +219,9 @@ def grouped_gemm_fp8(
     Sync-free like grouped_gemm (CUDA-graph capturable) except with the TORCH backend, the CPU
     default; PRIMUS_TURBO_DEBUG_CHECKS=1 enables the host-syncing value checks on group_lens.
     Backends (PRIMUS_TURBO_GROUPED_GEMM_BACKEND, precision key ``fp8``): CUTLASS
-    (torch._scaled_grouped_mm, ROWWISE E4M3 with bf16 output), TRITON (all), TORCH (reference).
+    (torch._scaled_grouped_mm, ROWWISE/TENSORWISE E4M3 with bf16 output, sm_90; the wgrad only when
+    ``GroupedGemmFP8VariableKDispatcher.group_lens_multiple_of_16`` promises every expert a
+    multiple of 16 tokens), TRITON (all), TORCH (reference).
     """
     config = Float8QuantConfig() if config is None else config
     if not isinstance(config, Float8QuantConfig):
