@@ -345,6 +345,24 @@ def test_triton_autotune_launch_path(monkeypatch):
         impl._tuned_kernel.cache_clear()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_qk,d_v", [(128, 128), (192, 128)])
+def test_torch_compile_fullgraph_gpu(d_qk, d_v):
+    """On a GPU the dispatcher consults SDPA's checkers (a pybind SDPAParams dynamo cannot build): the plan
+    must come from a trace-time constant, so fullgraph tracing works (it failed inside TorchTitan)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    q, k, v, _ = _inputs(2, 256, 256, 8, 2, d_qk, d_v, torch.bfloat16, "cuda")
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True,
+                             backend="aot_eager")  # fmt: skip
+    out = compiled(q, k, v)
+    dq = torch.autograd.grad(out.float().sum(), q)[0]
+    qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = attention_ref(qr, kr, vr, causal=True)
+    assert_snr(out, ref, SNR_ATTENTION_BF16_DB, "compiled out")
+    assert_snr(dq, torch.autograd.grad(ref.sum(), qr)[0], SNR_ATTENTION_BF16_DB, "compiled dq")
+
+
 def test_torch_compile_fullgraph():
     """Dispatcher + autograd.Function + custom ops trace with fullgraph=True (aot_eager on CPU)."""
     q, k, v, _ = _inputs(1, 16, 16, 2, 2, 16, 16, torch.float32, "cpu")

@@ -150,13 +150,6 @@ class TritonAttentionBackend(KernelBackend):
         return _custom_op_fwd(BackendType.TRITON, **kw)
 
 
-def _sdpa_params(kw: dict, v_override=None):
-    causal = kw["window_right"] == 0
-    q, k = kw["q"].transpose(1, 2), kw["k"].transpose(1, 2)
-    v = (v_override if v_override is not None else kw["v"]).transpose(1, 2)
-    return torch.backends.cuda.SDPAParams(q, k, v, None, kw["dropout_p"], causal, q.shape[1] != k.shape[1])
-
-
 def _sdpa_common_ok(kw: dict) -> bool:
     q, k = kw["q"], kw["k"]
     return (
@@ -173,30 +166,50 @@ def _sdpa_common_ok(kw: dict) -> bool:
     )
 
 
-# (checker name, shapes, dtype, causal, dropout>0) -> whether SDPA takes v zero-padded to d_qk
-_PAD_V_CACHE: dict[tuple, bool] = {}
-
-
 def _sdpa_plan(kw: dict, checker_name: str) -> str | None:
     """'native', 'pad_v' (d_v < d_qk: run with v zero-padded to d_qk, slice the output; this is how
     the MLA 192/128 shape reaches SDPA's fast kernels) or None when SDPA cannot serve the inputs."""
-    try:
-        if not _sdpa_common_ok(kw):
-            return None
-        checker = getattr(torch.backends.cuda, checker_name)
-        if checker(_sdpa_params(kw)):
-            return "native"
-        q, v = kw["q"], kw["v"]
-        if v.shape[-1] >= q.shape[-1]:
-            return None
-        key = (checker_name, tuple(q.shape), tuple(kw["k"].shape), tuple(v.shape), q.dtype,
-               kw["window_right"] == 0, kw["dropout_p"] > 0)  # fmt: skip
-        if key not in _PAD_V_CACHE:
-            padded = v.new_empty(v.shape[:-1] + (q.shape[-1],))
-            _PAD_V_CACHE[key] = bool(checker(_sdpa_params(kw, v_override=padded)))
-        return "pad_v" if _PAD_V_CACHE[key] else None
-    except Exception:  # can_handle never raises
+    if not _sdpa_common_ok(kw):
         return None
+    q, k, v = kw["q"], kw["k"], kw["v"]
+    layout = tuple((tuple(int(d) for d in t.shape), tuple(int(d) for d in t.stride())) for t in (q, k, v))
+    causal, dropout = kw["window_right"] == 0, float(kw["dropout_p"])
+    return _sdpa_plan_for(checker_name, layout, q.dtype, q.device.index, causal, dropout)
+
+
+# (checker, shapes/strides, dtype, device, causal, dropout) -> plan: SDPA's checks cost host time
+_SDPA_PLANS: dict[tuple, str | None] = {}
+
+
+@torch.compiler.assume_constant_result
+def _sdpa_plan_for(checker_name, layout, dtype, device_index, causal, dropout) -> str | None:
+    """The plan from python constants only: torch.compile evaluates it once at trace time (SDPA's checker
+    takes a pybind ``SDPAParams`` that dynamo cannot build), eager memoizes it. The checker sees
+    empty tensors with the real shapes, strides, dtype and device."""
+    key = (checker_name, layout, dtype, device_index, causal, dropout)
+    if key in _SDPA_PLANS:
+        return _SDPA_PLANS[key]
+    try:
+        device = torch.device("cuda", device_index)
+        q, k, v = (torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride in layout)
+        checker = getattr(torch.backends.cuda, checker_name)
+
+        def params(v_):
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v_.transpose(1, 2)
+            return torch.backends.cuda.SDPAParams(
+                qt, kt, vt, None, dropout, causal, qt.shape[1] != kt.shape[1]
+            )
+
+        if checker(params(v)):
+            plan = "native"
+        elif v.shape[-1] < q.shape[-1] and checker(params(v.new_empty(v.shape[:-1] + (q.shape[-1],)))):
+            plan = "pad_v"
+        else:
+            plan = None
+    except Exception:  # can_handle never raises
+        plan = None
+    _SDPA_PLANS[key] = plan
+    return plan
 
 
 def _sdpa_run(sdpa_backend, checker_name: str, **kw: Any):
