@@ -352,6 +352,7 @@ def test_torch_compile_fullgraph_gpu(d_qk, d_v):
     must come from a trace-time constant, so fullgraph tracing works (it failed inside TorchTitan)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    torch._dynamo.reset()  # a fresh trace per head-dim case (else a recompile makes the dims symbolic)
     q, k, v, _ = _inputs(2, 256, 256, 8, 2, d_qk, d_v, torch.bfloat16, "cuda")
     compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True,
                              backend="aot_eager")  # fmt: skip
@@ -361,6 +362,31 @@ def test_torch_compile_fullgraph_gpu(d_qk, d_v):
     ref, _ = attention_ref(qr, kr, vr, causal=True)
     assert_snr(out, ref, SNR_ATTENTION_BF16_DB, "compiled out")
     assert_snr(dq, torch.autograd.grad(ref.sum(), qr)[0], SNR_ATTENTION_BF16_DB, "compiled dq")
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_sdpa_plan_is_a_trace_time_constant(dynamic):
+    """The SDPA plan's inputs stay python constants under torch.compile, also when batch, sequence and
+    head dims turn symbolic (dynamic=True, or automatic dynamic after a recompile): head counts/dims are
+    specialized, batch/sequence judged at a representative length. The GPU path consults SDPA's checkers
+    here; on CPU the checker's CUDA tensors fail and the plan is None, which is what this returns."""
+    from primus_turbo.pytorch.kernels.attention import attention_impl as impl
+
+    def plan_gate(q, k, v):
+        layout = impl._plan_layout(q, k, v)
+        plan = impl._sdpa_plan_for("can_use_cudnn_attention", layout, q.dtype, q.device.index, True, 0.0)
+        return q * 2 if plan is None else q
+
+    torch._dynamo.reset()
+    compiled = torch.compile(plan_gate, fullgraph=True, backend="eager", dynamic=dynamic)
+    impl._SDPA_PLANS.clear()
+    for s, d in ((64, 16), (96, 16), (96, 24)):
+        q, k, v = torch.randn(2, s, 4, d), torch.randn(2, s, 2, d), torch.randn(2, s, 2, 8)
+        assert torch.equal(compiled(q, k, v), q * 2)
+    q_shapes = {
+        key[1][0][0] for key in impl._SDPA_PLANS
+    }  # (checker, layout, ...): layout[0] = q (shape, strides)
+    assert q_shapes == {(1, 128, 4, 16), (1, 128, 4, 24)}, q_shapes
 
 
 def test_torch_compile_fullgraph():

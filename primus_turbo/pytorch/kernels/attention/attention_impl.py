@@ -171,10 +171,43 @@ def _sdpa_plan(kw: dict, checker_name: str) -> str | None:
     the MLA 192/128 shape reaches SDPA's fast kernels) or None when SDPA cannot serve the inputs."""
     if not _sdpa_common_ok(kw):
         return None
-    q, k, v = kw["q"], kw["k"], kw["v"]
-    layout = tuple((tuple(int(d) for d in t.shape), tuple(int(d) for d in t.stride())) for t in (q, k, v))
+    q = kw["q"]
     causal, dropout = kw["window_right"] == 0, float(kw["dropout_p"])
+    layout = _plan_layout(q, kw["k"], kw["v"])
     return _sdpa_plan_for(checker_name, layout, q.dtype, q.device.index, causal, dropout)
+
+
+_REPRESENTATIVE_LEN = 128
+
+
+def _specialize(d) -> int:
+    """A head count or head dim as a python int. Under torch.compile a symbolic one (dynamic=True) is
+    specialized by a binary search of guarded comparisons (~12 guards, implying d == the result)."""
+    if not torch.compiler.is_compiling():
+        return int(d)
+    lo, hi = 1, 1 << 16
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if d <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _plan_layout(q, k, v) -> tuple:
+    """(shape, strides) of q, k, v [B, S, H, D] as python ints. Eager: the real ones. Under torch.compile
+    (where batch and sequence may be symbolic) the plan is judged on contiguous tensors of the real head
+    counts and dims at a representative batch 1 and length 128; should SDPA refuse the real tensors at
+    run time, its call under ``sdpa_kernel([backend])`` raises (no silent fallback)."""
+    if not torch.compiler.is_compiling():
+        return tuple((tuple(t.shape), tuple(t.stride())) for t in (q, k, v))
+    out = []
+    for t in (q, k, v):
+        h, d = _specialize(t.shape[2]), _specialize(t.shape[3])
+        shape = (1, _REPRESENTATIVE_LEN, h, d)
+        out.append((shape, (_REPRESENTATIVE_LEN * h * d, h * d, d, 1)))
+    return tuple(out)
 
 
 # (checker, shapes/strides, dtype, device, causal, dropout) -> plan: SDPA's checks cost host time
