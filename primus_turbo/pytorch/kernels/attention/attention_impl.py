@@ -249,10 +249,12 @@ def _sdpa_run(sdpa_backend, checker_name: str, **kw: Any):
     from torch.nn.attention import sdpa_kernel
 
     d_v = kw["v"].shape[-1]
-    v = kw["v"]
+    q, k, v = kw["q"], kw["k"], kw["v"]
+    if torch.compiler.is_compiling():  # the layout the compile-time plan was judged on (_plan_layout)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if _sdpa_plan(kw, checker_name) == "pad_v":
-        v = F.pad(v, (0, kw["q"].shape[-1] - d_v))
-    q, k, v = kw["q"].transpose(1, 2), kw["k"].transpose(1, 2), v.transpose(1, 2)
+        v = F.pad(v, (0, q.shape[-1] - d_v))
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     with sdpa_kernel([sdpa_backend]):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=kw["dropout_p"], is_causal=kw["window_right"] == 0,
