@@ -174,7 +174,8 @@ def _sdpa_plan(kw: dict, checker_name: str) -> str | None:
     q = kw["q"]
     causal, dropout = kw["window_right"] == 0, float(kw["dropout_p"])
     layout = _plan_layout(q, kw["k"], kw["v"])
-    return _sdpa_plan_for(checker_name, layout, q.dtype, q.device.index, causal, dropout)
+    grad = any(t.requires_grad for t in (q, kw["k"], kw["v"]))  # some SDPA checks differ for training
+    return _sdpa_plan_for(checker_name, layout, q.dtype, q.device.index, causal, dropout, grad)
 
 
 _REPRESENTATIVE_LEN = 128
@@ -210,21 +211,26 @@ def _plan_layout(q, k, v) -> tuple:
     return tuple(out)
 
 
-# (checker, shapes/strides, dtype, device, causal, dropout) -> plan: SDPA's checks cost host time
+# (checker, layout, dtype, device, causal, dropout, requires_grad) -> plan: SDPA's checks cost host time
 _SDPA_PLANS: dict[tuple, str | None] = {}
 
 
 @torch.compiler.assume_constant_result
-def _sdpa_plan_for(checker_name, layout, dtype, device_index, causal, dropout) -> str | None:
+def _sdpa_plan_for(
+    checker_name, layout, dtype, device_index, causal, dropout, requires_grad=False
+) -> str | None:
     """The plan from python constants only: torch.compile evaluates it once at trace time (SDPA's checker
     takes a pybind ``SDPAParams`` that dynamo cannot build), eager memoizes it. The checker sees
     empty tensors with the real shapes, strides, dtype and device."""
-    key = (checker_name, layout, dtype, device_index, causal, dropout)
+    key = (checker_name, layout, dtype, device_index, causal, dropout, requires_grad)
     if key in _SDPA_PLANS:
         return _SDPA_PLANS[key]
     try:
         device = torch.device("cuda", device_index)
-        q, k, v = (torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride in layout)
+        q, k, v = (
+            torch.empty_strided(shape, stride, dtype=dtype, device=device, requires_grad=requires_grad)
+            for shape, stride in layout
+        )
         checker = getattr(torch.backends.cuda, checker_name)
 
         def params(v_):
@@ -235,7 +241,9 @@ def _sdpa_plan_for(checker_name, layout, dtype, device_index, causal, dropout) -
 
         if checker(params(v)):
             plan = "native"
-        elif v.shape[-1] < q.shape[-1] and checker(params(v.new_empty(v.shape[:-1] + (q.shape[-1],)))):
+        elif v.shape[-1] < q.shape[-1] and checker(
+            params(v.new_empty(v.shape[:-1] + (q.shape[-1],)).requires_grad_(requires_grad))
+        ):
             plan = "pad_v"
         else:
             plan = None
