@@ -383,9 +383,8 @@ def test_sdpa_plan_is_a_trace_time_constant(dynamic):
     for s, d in ((64, 16), (96, 16), (96, 24)):
         q, k, v = torch.randn(2, s, 4, d), torch.randn(2, s, 2, d), torch.randn(2, s, 2, 8)
         assert torch.equal(compiled(q, k, v), q * 2)
-    q_shapes = {
-        key[1][0][0] for key in impl._SDPA_PLANS
-    }  # (checker, layout, ...): layout[0] = q (shape, strides)
+    # keys: ("compile", checker, layout, ...); layout[0] = q's (shape, strides)
+    q_shapes = {key[2][0][0] for key in impl._SDPA_PLANS}
     assert q_shapes == {(1, 128, 4, 16), (1, 128, 4, 24)}, q_shapes
 
 

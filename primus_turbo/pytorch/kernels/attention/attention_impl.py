@@ -168,14 +168,43 @@ def _sdpa_common_ok(kw: dict) -> bool:
 
 def _sdpa_plan(kw: dict, checker_name: str) -> str | None:
     """'native', 'pad_v' (d_v < d_qk: run with v zero-padded to d_qk, slice the output; this is how
-    the MLA 192/128 shape reaches SDPA's fast kernels) or None when SDPA cannot serve the inputs."""
+    the MLA 192/128 shape reaches SDPA's fast kernels) or None when SDPA cannot serve the inputs.
+    Memoized per layout: SDPA's checks cost host time on every call otherwise."""
     if not _sdpa_common_ok(kw):
         return None
-    q = kw["q"]
+    q, k, v = kw["q"], kw["k"], kw["v"]
     causal, dropout = kw["window_right"] == 0, float(kw["dropout_p"])
-    layout = _plan_layout(q, kw["k"], kw["v"])
-    grad = any(t.requires_grad for t in (q, kw["k"], kw["v"]))  # some SDPA checks differ for training
-    return _sdpa_plan_for(checker_name, layout, q.dtype, q.device.index, causal, dropout, grad)
+    grad = q.requires_grad or k.requires_grad or v.requires_grad  # some SDPA checks differ for training
+    if torch.compiler.is_compiling():
+        return _sdpa_plan_for(
+            checker_name, _plan_layout(q, k, v), q.dtype, q.device.index, causal, dropout, grad
+        )
+    layout = tuple((tuple(t.shape), tuple(t.stride())) for t in (q, k, v))
+    key = ("eager", checker_name, layout, q.dtype, q.device, causal, dropout, grad)
+    if key not in _SDPA_PLANS:
+        _remember(key, _sdpa_probe(checker_name, q, k, v, causal, dropout))
+    return _SDPA_PLANS[key]
+
+
+def _sdpa_probe(checker_name: str, q, k, v, causal: bool, dropout: float) -> str | None:
+    """Ask SDPA's checker about q, k, v [B, S, H, D] (only their metadata is read)."""
+    try:
+        checker = getattr(torch.backends.cuda, checker_name)
+
+        def params(v_):
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v_.transpose(1, 2)
+            return torch.backends.cuda.SDPAParams(
+                qt, kt, vt, None, dropout, causal, qt.shape[1] != kt.shape[1]
+            )
+
+        if checker(params(v)):
+            return "native"
+        if v.shape[-1] < q.shape[-1]:
+            padded = v.new_empty(v.shape[:-1] + (q.shape[-1],)).requires_grad_(v.requires_grad)
+            return "pad_v" if checker(params(padded)) else None
+        return None
+    except Exception:  # can_handle never raises
+        return None
 
 
 _REPRESENTATIVE_LEN = 128
@@ -197,60 +226,46 @@ def _specialize(d) -> int:
 
 
 def _plan_layout(q, k, v) -> tuple:
-    """(shape, strides) of q, k, v [B, S, H, D] as python ints. Eager: the real ones. Under torch.compile
-    (where batch and sequence may be symbolic) the plan is judged on contiguous tensors of the real head
-    counts and dims at a representative batch 1 and length 128; should SDPA refuse the real tensors at
-    run time, its call under ``sdpa_kernel([backend])`` raises (no silent fallback)."""
-    if not torch.compiler.is_compiling():
-        return tuple((tuple(t.shape), tuple(t.stride())) for t in (q, k, v))
+    """The layout torch.compile judges the plan on, as python ints (batch and sequence may be symbolic
+    there): contiguous tensors of the real head counts and dims at batch 1 and length 128. Should SDPA
+    refuse the real tensors at run time, its call under ``sdpa_kernel([backend])`` raises (no silent
+    fallback); ``_sdpa_run`` makes q, k, v contiguous under compile to match."""
     out = []
     for t in (q, k, v):
         h, d = _specialize(t.shape[2]), _specialize(t.shape[3])
-        shape = (1, _REPRESENTATIVE_LEN, h, d)
-        out.append((shape, (_REPRESENTATIVE_LEN * h * d, h * d, d, 1)))
+        out.append(((1, _REPRESENTATIVE_LEN, h, d), (_REPRESENTATIVE_LEN * h * d, h * d, d, 1)))
     return tuple(out)
 
 
-# (checker, layout, dtype, device, causal, dropout, requires_grad) -> plan: SDPA's checks cost host time
+# memoized plans (eager: per real layout; compile: per representative layout), bounded
 _SDPA_PLANS: dict[tuple, str | None] = {}
+_SDPA_PLANS_MAX = 1024
+
+
+def _remember(key: tuple, plan: str | None) -> None:
+    if len(_SDPA_PLANS) >= _SDPA_PLANS_MAX:
+        _SDPA_PLANS.clear()
+    _SDPA_PLANS[key] = plan
 
 
 @torch.compiler.assume_constant_result
-def _sdpa_plan_for(
-    checker_name, layout, dtype, device_index, causal, dropout, requires_grad=False
-) -> str | None:
+def _sdpa_plan_for(checker_name, layout, dtype, device_index, causal, dropout, requires_grad=False):
     """The plan from python constants only: torch.compile evaluates it once at trace time (SDPA's checker
-    takes a pybind ``SDPAParams`` that dynamo cannot build), eager memoizes it. The checker sees
-    empty tensors with the real shapes, strides, dtype and device."""
-    key = (checker_name, layout, dtype, device_index, causal, dropout, requires_grad)
-    if key in _SDPA_PLANS:
-        return _SDPA_PLANS[key]
-    try:
-        device = torch.device("cuda", device_index)
-        q, k, v = (
-            torch.empty_strided(shape, stride, dtype=dtype, device=device, requires_grad=requires_grad)
-            for shape, stride in layout
-        )
-        checker = getattr(torch.backends.cuda, checker_name)
-
-        def params(v_):
-            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v_.transpose(1, 2)
-            return torch.backends.cuda.SDPAParams(
-                qt, kt, vt, None, dropout, causal, qt.shape[1] != kt.shape[1]
+    takes a pybind ``SDPAParams`` that dynamo cannot build). The checker sees small empty tensors of
+    ``layout`` (``_plan_layout``) with the real dtype and device."""
+    key = ("compile", checker_name, layout, dtype, device_index, causal, dropout, requires_grad)
+    if key not in _SDPA_PLANS:
+        try:
+            device = torch.device("cuda", device_index)
+            q, k, v = (
+                torch.empty_strided(shape, stride, dtype=dtype, device=device, requires_grad=requires_grad)
+                for shape, stride in layout
             )
-
-        if checker(params(v)):
-            plan = "native"
-        elif v.shape[-1] < q.shape[-1] and checker(
-            params(v.new_empty(v.shape[:-1] + (q.shape[-1],)).requires_grad_(requires_grad))
-        ):
-            plan = "pad_v"
-        else:
+            plan = _sdpa_probe(checker_name, q, k, v, causal, dropout)
+        except Exception:  # no CUDA device: nothing SDPA-on-GPU can serve
             plan = None
-    except Exception:  # can_handle never raises
-        plan = None
-    _SDPA_PLANS[key] = plan
-    return plan
+        _remember(key, plan)
+    return _SDPA_PLANS[key]
 
 
 def _sdpa_run(sdpa_backend, checker_name: str, **kw: Any):
