@@ -96,7 +96,9 @@ def turbo_linear_forward_impl(
     return out + bias if bias is not None else out
 
 
-class TurboColumnParallelLinear(ColumnParallelLinear):
+class _TurboLinearMixin:
+    """Megatron's linear with ``_forward_impl`` through turbo GEMM (bf16) or turbo FP8 GEMM."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fp8_delayed_state = _delayed_state(self.config)
@@ -110,18 +112,12 @@ class TurboColumnParallelLinear(ColumnParallelLinear):
         )  # fmt: skip
 
 
-class TurboRowParallelLinear(RowParallelLinear):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.fp8_delayed_state = _delayed_state(self.config)
+class TurboColumnParallelLinear(_TurboLinearMixin, ColumnParallelLinear):
+    pass
 
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        if not weight.requires_grad:
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        return turbo_linear_forward_impl(
-            input, weight, *args, fp8_config=FP8_CONFIG, delayed_state=self.fp8_delayed_state,
-            cache_owner=self, **kwargs,
-        )  # fmt: skip
+
+class TurboRowParallelLinear(_TurboLinearMixin, RowParallelLinear):
+    pass
 
 
 class TurboRMSNorm(torch.nn.Module):
