@@ -8,6 +8,10 @@
 #   TRAIN="bf16_on bf16_off" (default)         Megatron deepseek_moe_bf16 8 steps turbo on / off; TRAIN=none skips
 #   E2E="recipe=deepseek_moe_fp8 turbo=on"     benchmark/e2e/compare.py with these options (E2E_TIMEOUT=120)
 #   BENCHES="bench_gemm bench_rmsnorm"         benchmark/ops/<name>.py --quick (async_tp/dispatch under torchrun -n 2)
+#   PARITY="recipe=deepseek_moe_fp8 steps=500" [PARITY_TIMEOUT=500]
+#                                              compare.py parity=true: bf16 on GPU 0 and fp8 on GPU 1 at once, in
+#                                              the background while the other steps run (loss only, so sharing the
+#                                              GPUs with tests is fine; do not combine with BENCHES), then one report
 # Pass PRIMUS_TURBO_COMMIT=<sha>: the device copy of the tree has no (or a stale) .git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +28,16 @@ step() {
 OUT=$WORK bash scripts/gpu_suite.sh setup > "$WORK/setup.log" 2>&1; tail -3 "$WORK/setup.log"; pack
 export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
+PARITY_PIDS=()
+if [ -n "${PARITY:-}" ]; then
+  gpu=0
+  for p in bf16 fp8; do
+    CUDA_VISIBLE_DEVICES=$gpu timeout "${PARITY_TIMEOUT:-500}" python3 benchmark/e2e/compare.py parity=true $PARITY \
+      precisions=$p "out=$WORK/parity" > "$WORK/parity_$p.log" 2>&1 &
+    PARITY_PIDS+=($!); gpu=$((gpu + 1))
+  done
+  echo "== parity started in the background (pids ${PARITY_PIDS[*]})"
+fi
 if [ -n "${TESTS:-}" ]; then
   step "${TEST_TIMEOUT:-90}" tests python3 -m pytest -n 8 -q --timeout=600 -p no:cacheprovider -m "not multigpu" $TESTS
   grep -E "FAILED|ERROR|passed|failed" "$WORK/tests.log" | tail -30
@@ -55,3 +69,8 @@ for b in ${BENCHES:-}; do
   esac
   grep -v "^ *$" "$WORK/$b.log" | tail -14
 done
+if [ ${#PARITY_PIDS[@]} -gt 0 ]; then
+  for pid in "${PARITY_PIDS[@]}"; do wait "$pid"; echo "== parity pid $pid rc=$? (call $((SECONDS - T0)) s)"; done
+  step 60 parity python3 benchmark/e2e/compare.py parity=true $PARITY reuse=true "out=$WORK/parity"
+  sed -n '/FP8 convergence parity/,$p' "$WORK/parity/report.md" 2>/dev/null | head -20
+fi
