@@ -3,7 +3,7 @@
 # timeout so a hang costs that step only. Logs go to a work folder that is re-packed into
 # $OUT/results.tgz after every step: a call cut off by the device's time limit still returns what ran.
 #
-#   TESTS="tests/..." [TEST_TIMEOUT=90]        pytest -m "not multigpu" on those paths (8 workers)
+#   TESTS="tests/..." [TEST_TIMEOUT=90]        pytest -m "not multigpu" on those paths (TEST_JOBS=8 workers)
 #   DIST_TESTS="tests/..." [DIST_TIMEOUT=120]  pytest --dist-only (2-GPU tests)
 #   TRAIN="bf16_on bf16_off" (default)         Megatron deepseek_moe_bf16 8 steps turbo on / off; TRAIN=none skips
 #   E2E="recipe=deepseek_moe_fp8 turbo=on"     benchmark/e2e/compare.py with these options (E2E_TIMEOUT=120)
@@ -39,7 +39,7 @@ if [ -n "${PARITY:-}" ]; then
   echo "== parity started in the background (pids ${PARITY_PIDS[*]})"
 fi
 if [ -n "${TESTS:-}" ]; then
-  step "${TEST_TIMEOUT:-90}" tests python3 -m pytest -n 8 -q --timeout=600 -p no:cacheprovider -m "not multigpu" $TESTS
+  step "${TEST_TIMEOUT:-90}" tests python3 -m pytest -n "${TEST_JOBS:-8}" -q --timeout=600 -p no:cacheprovider -m "not multigpu" $TESTS
   grep -E "FAILED|ERROR|passed|failed" "$WORK/tests.log" | tail -30
 fi
 if [ -n "${DIST_TESTS:-}" ]; then
