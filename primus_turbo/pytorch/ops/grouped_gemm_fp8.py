@@ -16,9 +16,16 @@ Quantization (``config.granularity``; every operand quantized along its reductio
 
 Gradients use ``config.format.bwd_dtype`` (E5M2 for HYBRID). Saved for backward: the fp8
 transposed a (not the bf16 a), and the fp8 weight copy (or b itself for ROWWISE).
+
+Pre-quantized weights: ``quantize_grouped_weight(b, config)`` makes the forward and dgrad copies
+once (a ``GroupedFloat8Weight``, the grouped analogue of ``Float8Tensor`` for ``gemm_fp8``); passed
+as ``b`` it replaces the per-call weight quantization, e.g. once per optimizer step under gradient
+accumulation. The gradient then flows to its ``source``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +40,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm, validate_grouped_gemm_args
 from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_transpose
 
-__all__ = ["grouped_gemm_fp8"]
+__all__ = ["grouped_gemm_fp8", "GroupedFloat8Weight", "quantize_grouped_weight"]
 
 _MODE = {
     ScalingGranularity.TENSORWISE: SCALE_TENSORWISE,
@@ -133,24 +140,71 @@ def _quant_weight_with_dgrad_copy(b, dtype, mode):
     return q.view(g, n, k), s.reshape(g, n), (dgrad_view, s_t.reshape(1, k).expand(g, k))
 
 
+def _quant_b(b, trans_b, dtype, mode, need_dgrad):
+    """b -> (qw [G, N, K] scaled along K, its scale, saved_w: what the dgrad reads)."""
+    blocks_fit = mode != SCALE_BLOCKWISE or b.shape[1] % 128 == 0  # no block straddles experts
+    if trans_b and blocks_fit and need_dgrad:
+        return _quant_weight_with_dgrad_copy(b, dtype, mode)
+    w_nk = b if trans_b else b.transpose(1, 2).contiguous()  # [G, N, K]: reduce along K
+    qw, sw = _quant_weight(w_nk, dtype, mode)
+    # ROWWISE dgrad requantizes b along N; the other modes reuse the forward's weight copy
+    return qw, sw, ((b,) if mode == SCALE_ROWWISE else (qw, sw))
+
+
+@dataclass
+class GroupedFloat8Weight:
+    """An expert weight b [G, N, K] (the ``trans_b=True`` layout) quantized once, e.g. per optimizer
+    step, for ``grouped_gemm_fp8``: what the op's forward would otherwise quantize on every call.
+
+    ``data`` [G, N, K] fp8 scaled along K with ``scale_inv`` (the forward operand), ``dgrad``: the
+    operands the dgrad reads (the fused K-major copy and its scales, or ``data``/``scale_inv``
+    themselves for BLOCKWISE with N % 128 != 0). Like ``Float8Tensor`` it is a plain container:
+    the weight gradient flows to ``source``, a high-precision [G, N, K] tensor of which the op uses
+    only the shape, dtype, device and autograd history, never the values (a caller may pass a
+    stand-in, e.g. ``dataclasses.replace(w8, source=...)`` per call); None: no weight gradient.
+    Make one with :func:`quantize_grouped_weight`.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    dgrad: tuple[torch.Tensor, ...]
+    granularity: ScalingGranularity
+    source: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+def quantize_grouped_weight(b: torch.Tensor, config: Float8QuantConfig | None = None) -> GroupedFloat8Weight:
+    """Quantize b [G, N, K] (bf16/fp16/fp32) as ``grouped_gemm_fp8(a, ., trans_b=True, config=config)``
+    reads it: the forward copy and the dgrad copy in one fused pass. ``source`` is b."""
+    config = _check_config(config)
+    if not isinstance(b, torch.Tensor) or b.dim() != 3 or b.dtype not in _OUT_DTYPES:
+        raise TypeError(
+            f"quantize_grouped_weight: b must be a 3-D [G, N, K] tensor of one of {_OUT_DTYPES}, got "
+            f"{getattr(b, 'dtype', type(b).__name__)} {tuple(getattr(b, 'shape', ()))}"
+        )
+    mode = _MODE[config.granularity]
+    qw, sw, dgrad = _quant_b(b.detach().contiguous(), True, config.format.fwd_dtype, mode, True)
+    return GroupedFloat8Weight(qw, sw, tuple(dgrad), config.granularity, source=b)
+
+
 class GroupedGemmFP8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group_lens, trans_b, config, out_dtype):
+    def forward(ctx, a, b, group_lens, trans_b, config, out_dtype, b_fp8):
+        # b_fp8: a GroupedFloat8Weight made from b (b is then only the gradient's destination)
         mode = _MODE[config.granularity]
         fwd_dtype = config.format.fwd_dtype
         groups = b.shape[0]
-        w_nk = b if trans_b else b.transpose(1, 2).contiguous()  # [G, N, K]: reduce along K
         if ctx.needs_input_grad[1]:
             (qa, sa), (qa_t, sa_t) = _quant_act_and_wgrad(a, fwd_dtype, mode)
         else:
             (qa, sa), qa_t, sa_t = _quant_act(a, fwd_dtype, mode), None, None
-        blocks_fit = mode != SCALE_BLOCKWISE or b.shape[1] % 128 == 0  # no block straddles experts
-        if trans_b and blocks_fit and ctx.needs_input_grad[0]:
-            qw, sw, saved_w = _quant_weight_with_dgrad_copy(b, fwd_dtype, mode)
+        if b_fp8 is not None:
+            qw, sw, saved_w = b_fp8.data, b_fp8.scale_inv, b_fp8.dgrad
         else:
-            qw, sw = _quant_weight(w_nk, fwd_dtype, mode)
-            # ROWWISE dgrad requantizes b along N; the other modes reuse the forward's weight copy
-            saved_w = (b,) if mode == SCALE_ROWWISE else (qw, sw)
+            qw, sw, saved_w = _quant_b(b, trans_b, fwd_dtype, mode, ctx.needs_input_grad[0])
         b_view, b_scale = _as_kernel_b(qw, sw, mode, groups)
         out = grouped_gemm_fp8_impl(qa, b_view, sa, b_scale, group_lens, mode, out_dtype)
         ctx.save_for_backward(group_lens, qa_t, sa_t, *saved_w)
@@ -197,12 +251,40 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 grad_b = grouped_gemm_fp8_variable_k_impl(
                     qa_t, qg_t, sx, sg_t, group_lens, wmode, ctx.b_dtype
                 )
-        return grad_a, grad_b, None, None, None, None
+        return grad_a, grad_b, None, None, None, None, None
+
+
+def _check_config(config) -> Float8QuantConfig:
+    config = Float8QuantConfig() if config is None else config
+    if not isinstance(config, Float8QuantConfig):
+        raise TypeError(f"grouped_gemm_fp8: config must be a Float8QuantConfig, got {type(config).__name__}")
+    if config.strategy is not ScalingStrategy.CURRENT:
+        raise ValueError(f"grouped_gemm_fp8: config.strategy must be CURRENT, got {config.strategy.name}")
+    if config.granularity is ScalingGranularity.BLOCKWISE and config.block_size != 128:
+        raise ValueError(f"grouped_gemm_fp8: BLOCKWISE supports block_size=128, got {config.block_size}")
+    return config
+
+
+def _check_prequantized(b: GroupedFloat8Weight, a: torch.Tensor, trans_b, config) -> torch.Tensor:
+    """A pre-quantized b must match config and trans_b; returns the tensor that stands for b."""
+    if not trans_b:
+        raise ValueError("grouped_gemm_fp8: a GroupedFloat8Weight b is [G, N, K]: it needs trans_b=True")
+    if b.granularity is not config.granularity or b.data.dtype != config.format.fwd_dtype:
+        raise ValueError(
+            f"grouped_gemm_fp8: b was quantized {b.granularity.name} {b.data.dtype}, config asks "
+            f"{config.granularity.name} {config.format.fwd_dtype}"
+        )
+    if b.source is None:  # no gradient: a zero-storage stand-in for the shape/dtype checks
+        dtype = a.dtype if isinstance(a, torch.Tensor) else torch.bfloat16
+        return torch.empty((), dtype=dtype, device=b.data.device).expand(b.shape)
+    if b.source.shape != b.shape:
+        raise ValueError(f"grouped_gemm_fp8: b.source is {tuple(b.source.shape)}, b.data {tuple(b.shape)}")
+    return b.source
 
 
 def grouped_gemm_fp8(
     a: torch.Tensor,
-    b: torch.Tensor,
+    b: torch.Tensor | GroupedFloat8Weight,
     group_lens: torch.Tensor,
     group_offs: torch.Tensor | None = None,
     trans_b: bool = True,
@@ -211,7 +293,9 @@ def grouped_gemm_fp8(
 ) -> torch.Tensor:
     """FP8 grouped GEMM with bf16/fp16/fp32 inputs quantized on the fly (see the module docstring).
 
-    Args as :func:`grouped_gemm` (``b`` [G, N, K] by default: ``trans_b=True``), plus
+    Args as :func:`grouped_gemm` (``b`` [G, N, K] by default: ``trans_b=True``; or a
+    :class:`GroupedFloat8Weight` from :func:`quantize_grouped_weight`, quantized once by the caller
+    with the same config, which skips the weight quantization), plus
         out_dtype: bf16/fp16/fp32 output (default: a's dtype);
         config: Float8QuantConfig (default E4M3 TENSORWISE); BLOCKWISE needs block_size 128;
             DELAYED scaling is not supported here (current scaling only).
@@ -223,19 +307,18 @@ def grouped_gemm_fp8(
     ``GroupedGemmFP8VariableKDispatcher.group_lens_multiple_of_16`` promises every expert a
     multiple of 16 tokens), TRITON (all), TORCH (reference).
     """
-    config = Float8QuantConfig() if config is None else config
-    if not isinstance(config, Float8QuantConfig):
-        raise TypeError(f"grouped_gemm_fp8: config must be a Float8QuantConfig, got {type(config).__name__}")
-    if config.strategy is not ScalingStrategy.CURRENT:
-        raise ValueError(f"grouped_gemm_fp8: config.strategy must be CURRENT, got {config.strategy.name}")
-    if config.granularity is ScalingGranularity.BLOCKWISE and config.block_size != 128:
-        raise ValueError(f"grouped_gemm_fp8: BLOCKWISE supports block_size=128, got {config.block_size}")
+    config = _check_config(config)
+    b_fp8 = b if isinstance(b, GroupedFloat8Weight) else None
+    if b_fp8 is not None:
+        b = _check_prequantized(b_fp8, a, trans_b, config)  # never read: no .contiguous() copy
     validate_grouped_gemm_args("grouped_gemm_fp8", a, b, group_lens, group_offs, trans_b, _OUT_DTYPES)
     out_dtype = a.dtype if out_dtype is None else out_dtype
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"grouped_gemm_fp8: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
     if a.shape[0] == 0 or a.shape[1] == 0:  # nothing to quantize: the exact (zero/empty) answer
+        # (b's values do not matter with no rows or K == 0; a stand-in b is materialized here)
         return grouped_gemm(a, b, group_lens, trans_b=trans_b).to(out_dtype)
     return GroupedGemmFP8Function.apply(
-        a.contiguous(), b.contiguous(), group_lens, bool(trans_b), config, out_dtype
-    )
+        a.contiguous(), b if b_fp8 is not None else b.contiguous(), group_lens, bool(trans_b), config,
+        out_dtype, b_fp8,
+    )  # fmt: skip
