@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.core.main_grad import check_main_grad, wgrad_placeholder
 from primus_turbo.pytorch.kernels.gemm.gemm_impl import SUPPORTED_DTYPES, gemm_accumulate_, gemm_forward
 
 __all__ = ["gemm"]
@@ -64,30 +65,6 @@ def _op_shape(t: torch.Tensor, trans: bool) -> list[int]:
     return list(t.shape[::-1]) if trans else list(t.shape)
 
 
-def _check_main_grad(b: torch.Tensor) -> None:
-    main_grad = getattr(b, "main_grad", None)
-    if not isinstance(main_grad, torch.Tensor):
-        raise ValueError(
-            "gemm: accumulate_into_main_grad=True needs b.main_grad (a tensor of b's shape, usually fp32) "
-            "allocated by the caller (e.g. Megatron DDP); b has none"
-        )
-    if main_grad.shape != b.shape or main_grad.device != b.device:
-        raise ValueError(
-            f"gemm: b.main_grad must match b: got {tuple(main_grad.shape)} on {main_grad.device}, "
-            f"b is {tuple(b.shape)} on {b.device}"
-        )
-
-
-def _wgrad_placeholder(b: torch.Tensor) -> torch.Tensor | None:
-    """What Megatron's gradient_accumulation_fusion returns for the weight after accumulating."""
-    if not hasattr(b, "grad_added_to_main_grad"):
-        return None
-    b.grad_added_to_main_grad = True
-    if getattr(b, "zero_out_wgrad", False):
-        return torch.zeros_like(b)
-    return torch.empty_like(b)
-
-
 class GemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad):
@@ -116,7 +93,7 @@ class GemmFunction(torch.autograd.Function):
             lhs, rhs, t_lhs, t_rhs = (grad, a, True, trans_a) if trans_b else (a, grad, not trans_a, False)
             if ctx.accumulate_into_main_grad:
                 gemm_accumulate_(ctx.weight.main_grad, lhs, rhs, t_lhs, t_rhs)
-                grad_b = _wgrad_placeholder(ctx.weight)
+                grad_b = wgrad_placeholder(ctx.weight)
             else:
                 grad_b = gemm_forward(lhs, rhs, t_lhs, t_rhs, b.dtype)
         return grad_a, grad_b, None, None, None, None
@@ -147,6 +124,6 @@ def gemm(
     """
     _validate(a, b, trans_a, trans_b, out_dtype)
     if accumulate_into_main_grad and b.requires_grad:
-        _check_main_grad(b)
+        check_main_grad(b, "gemm", "b")
     out_dtype = a.dtype if out_dtype is None else out_dtype
     return GemmFunction.apply(a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad)

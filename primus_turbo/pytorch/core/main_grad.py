@@ -1,0 +1,101 @@
+"""Megatron ``gradient_accumulation_fusion`` helpers: weight gradients added straight into ``main_grad``.
+
+Megatron's DDP gives every parameter an fp32 ``main_grad`` (a view into its gradient buffer) and, after
+each backward, adds ``param.grad`` into it unless ``param.grad_added_to_main_grad`` says the op already
+did. Ops that accumulate themselves (``ops.gemm(accumulate_into_main_grad=True)``, the Megatron turbo
+experts with :func:`accumulate_into_main_grads_`) check the buffer with :func:`check_main_grad` and
+return :func:`wgrad_placeholder` as the weight's gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.utils import triton_can_run_on
+
+__all__ = ["check_main_grad", "wgrad_placeholder", "wgrad_placeholders", "accumulate_into_main_grads_"]
+
+
+def check_main_grad(weight: torch.Tensor, op: str = "gemm", name: str = "b") -> None:
+    """Raise ValueError unless ``weight.main_grad`` is a tensor of weight's shape on its device."""
+    main_grad = getattr(weight, "main_grad", None)
+    if not isinstance(main_grad, torch.Tensor):
+        raise ValueError(
+            f"{op}: accumulate_into_main_grad=True needs {name}.main_grad (a tensor of {name}'s shape, "
+            f"usually fp32) allocated by the caller (e.g. Megatron DDP); {name} has none"
+        )
+    if main_grad.shape != weight.shape or main_grad.device != weight.device:
+        raise ValueError(
+            f"{op}: {name}.main_grad must match {name}: got {tuple(main_grad.shape)} on {main_grad.device}, "
+            f"{name} is {tuple(weight.shape)} on {weight.device}"
+        )
+
+
+def wgrad_placeholder(weight: torch.Tensor) -> torch.Tensor | None:
+    """What Megatron's gradient_accumulation_fusion returns for the weight after accumulating.
+
+    None when the weight has no ``grad_added_to_main_grad`` attribute (no Megatron DDP); otherwise
+    an uninitialised tensor (zeros when ``weight.zero_out_wgrad``), with ``grad_added_to_main_grad``
+    set so DDP's hook skips it: the gradient must still reach the parameter for that hook to fire.
+    """
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight)
+
+
+def wgrad_placeholders(weights) -> list[torch.Tensor | None]:
+    """:func:`wgrad_placeholder` for each of G same-shape weights, as slices of one allocation when
+    every weight gets an uninitialised one (64 ``empty_like`` calls cost ~0.2 ms of host time)."""
+    if not all(
+        hasattr(w, "grad_added_to_main_grad") and not getattr(w, "zero_out_wgrad", False) for w in weights
+    ):
+        return [wgrad_placeholder(w) for w in weights]
+    for w in weights:
+        w.grad_added_to_main_grad = True
+    first = weights[0]
+    return list(torch.empty((len(weights), *first.shape), dtype=first.dtype, device=first.device).unbind(0))
+
+
+def accumulate_into_main_grads_(weights, grad: torch.Tensor) -> None:
+    """``weights[g].main_grad += grad[g]`` for the G slices of a [G, *weight.shape] gradient.
+
+    Megatron's DDP lays consecutive parameters' main_grads out back to back (in reverse order), so the
+    G experts' buffers are one block with a constant, negative, expert stride: one vectorized Triton
+    launch adds the whole gradient (fp32 += bf16 read as 10 bytes per element). A layout that breaks
+    the spacing (a DDP bucket boundary among the experts) costs one launch per equally spaced run.
+    Where Triton cannot run (CPU without the interpreter): ``torch._foreach_add_``, the per-expert
+    adds of DDP's hook.
+    Measured alternatives (H200, G=64, 2816 x 2048, bf16 gradient into fp32, per call): per-expert
+    ``add_`` (DDP's hook) 64 launches 1.57 ms; ``_foreach_add_`` with mixed dtypes falls back to the
+    same; casting to fp32 first + ``_foreach_add_`` 19 launches 2.19 ms; one mixed-dtype ``add_`` over
+    the block (needs ascending order) 1.30 ms; this kernel 1 launch 0.87 ms.
+    """
+    main_grads = [w.main_grad for w in weights]
+    grad = grad.contiguous()
+    if not triton_can_run_on(grad, *main_grads) or not all(m.is_contiguous() for m in main_grads):
+        torch._foreach_add_(main_grads, list(grad.unbind(0)))
+        return
+    from primus_turbo.triton.main_grad.accumulate_kernel import launch_accumulate_grouped
+
+    for start, stop, stride in _equally_spaced_runs(main_grads):
+        launch_accumulate_grouped(main_grads[start], grad[start:stop], stride)
+
+
+def _equally_spaced_runs(buffers: list[torch.Tensor]):
+    """(start, stop, element stride) of maximal runs of same-dtype, non-overlapping contiguous buffers
+    that sit a constant distance apart, so each run is one strided block."""
+    start, stride = 0, 0
+    for g in range(1, len(buffers) + 1):
+        if g < len(buffers):
+            first, prev, cur = buffers[start], buffers[g - 1], buffers[g]
+            step, rem = divmod(cur.data_ptr() - prev.data_ptr(), cur.element_size())
+            spaced = rem == 0 and abs(step) >= cur.numel() and (g - 1 == start or step == stride)
+            fits = spaced and cur.dtype == first.dtype
+            if fits:
+                stride = step
+                continue
+        yield start, g, stride
+        start, stride = g, 0

@@ -1,0 +1,74 @@
+"""core.main_grad.accumulate_into_main_grads_: bitwise what Megatron DDP's per-parameter ``main_grad.add_``
+gives, for every layout of the G buffers (one launch per equally spaced run), and its torch fallback."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from primus_turbo.pytorch.core import main_grad as main_grad_module
+from primus_turbo.pytorch.core.main_grad import _equally_spaced_runs, accumulate_into_main_grads_
+
+
+def _layout(kind, groups, shape, dtype, device):
+    numel = shape[0] * shape[1]
+    if kind == "separate":
+        return [torch.randn(shape, device=device).to(dtype) for _ in range(groups)]
+    gap = 128 if kind == "gapped" else 0
+    buffer = torch.randn(groups * numel + gap, device=device).to(dtype)
+    if kind == "ascending":
+        starts = [g * numel for g in range(groups)]
+    else:  # DDP: parameters in reverse order; "gapped": a bucket boundary before weight0
+        starts = [(groups - 1 - g) * numel + (gap if g == 0 else 0) for g in range(groups)]
+    return [buffer[s : s + numel].view(shape) for s in starts]
+
+
+@pytest.mark.parametrize("kind, runs", [("ddp", 1), ("ascending", 1), ("gapped", 2), ("separate", None)])
+# bf16 buffers: GPU only (the CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest)
+@pytest.mark.parametrize("main_dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_accumulate_matches_per_parameter_add(kind, runs, main_dtype, device):
+    groups, shape = 5, (48, 40)
+    main_grads = _layout(kind, groups, shape, main_dtype, device)
+    if runs is not None:
+        assert len(list(_equally_spaced_runs(main_grads))) == runs
+    weights = [SimpleNamespace(main_grad=m) for m in main_grads]
+    grad = torch.randn(groups, *shape, device=device).bfloat16()
+    expected = [m.clone().add_(g) for m, g in zip(main_grads, grad)]
+    accumulate_into_main_grads_(weights, grad)
+    for g, (got, want) in enumerate(zip(main_grads, expected)):
+        assert torch.equal(got, want), f"{kind}: main_grad {g}"
+
+
+def test_accumulate_falls_back_to_foreach(device, monkeypatch):
+    """Non-contiguous buffers, or no Triton (CPU without the interpreter): torch._foreach_add_."""
+    main_grads = [torch.randn(40, 48, device=device).t() for _ in range(3)]  # transposed views
+    grad = torch.randn(3, 48, 40, device=device).bfloat16()
+    expected = [m.clone().add_(g) for m, g in zip(main_grads, grad)]
+    accumulate_into_main_grads_([SimpleNamespace(main_grad=m) for m in main_grads], grad)
+    assert all(torch.equal(m, e) for m, e in zip(main_grads, expected))
+    monkeypatch.setattr(main_grad_module, "triton_can_run_on", lambda *t: False)
+    main_grads = _layout("ddp", 3, (48, 40), torch.float32, device)
+    expected = [m.clone().add_(g) for m, g in zip(main_grads, grad)]
+    accumulate_into_main_grads_([SimpleNamespace(main_grad=m) for m in main_grads], grad)
+    assert all(torch.equal(m, e) for m, e in zip(main_grads, expected))
+
+
+def test_overlapping_buffers_are_never_one_run():
+    base = torch.zeros(100)
+    assert list(_equally_spaced_runs([base[0:40], base[20:60], base[40:80]])) == [
+        (0, 1, 0),
+        (1, 2, 0),
+        (2, 3, 0),
+    ]
+
+
+@pytest.mark.gpu
+def test_accumulate_at_deepseek_expert_shape(device):
+    """64 experts x [2816, 2048] (DeepSeek-V2-Lite fc1) in DDP's layout: one launch, bitwise exact."""
+    main_grads = _layout("ddp", 64, (2816, 2048), torch.float32, device)
+    grad = torch.randn(64, 2816, 2048, device=device, dtype=torch.bfloat16)
+    expected = [m.clone().add_(g) for m, g in zip(main_grads, grad)]
+    accumulate_into_main_grads_([SimpleNamespace(main_grad=m) for m in main_grads], grad)
+    assert all(torch.equal(m, e) for m, e in zip(main_grads, expected))
