@@ -13,6 +13,7 @@ parallel attributes as the stock modules they replace, compute through primus_tu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -26,21 +27,29 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from primus_turbo.integrations.megatron import turbo_ops
 
+from primus_turbo.pytorch.core.main_grad import (
+    accumulate_into_main_grads_,
+    check_main_grad,
+    wgrad_placeholders,
+)
+
 # Set by the registry's fp8 entry before the model is built (primus_turbo Float8QuantConfigs), else None:
 # FP8_CONFIG for the linears, FP8_GROUPED_CONFIG for the experts (grouped FP8 has no delayed scaling).
 FP8_CONFIG = None
 FP8_GROUPED_CONFIG = None
 
-# FP8 weight cache for gradient accumulation: a linear quantizes its weight once per optimizer step and
-# the other microbatches reuse that FP8 copy (Transformer Engine's is_first_microbatch). On only while a
-# training loop announces its steps (``new_weight_step`` before each step's first microbatch, as our
-# trainer does); the key also holds the weight's storage and version, so an in-place write between
-# microbatches requantizes. A loop that never calls ``new_weight_step`` quantizes every call.
+# Weight cache for gradient accumulation: a linear quantizes its weight once per optimizer step and
+# the other microbatches reuse that FP8 copy (Transformer Engine's is_first_microbatch); the grouped
+# experts likewise stack their G weights (and, under FP8, quantize the stack) once per step. On only
+# while a training loop announces its steps (``new_weight_step`` before each step's first microbatch,
+# as our trainer does); the key also holds the weights' storage and version, so an in-place write
+# between microbatches rebuilds. A loop that never calls ``new_weight_step`` rebuilds on every call.
 _WEIGHT_STEP: int | None = None
 
 
 def new_weight_step() -> None:
-    """Start an optimizer step: FP8 weights are requantized once, then reused by its microbatches."""
+    """Start an optimizer step: weights are requantized (experts restacked) once, then reused by its
+    microbatches."""
     global _WEIGHT_STEP
     _WEIGHT_STEP = 0 if _WEIGHT_STEP is None else _WEIGHT_STEP + 1
 
@@ -163,6 +172,87 @@ class TurboCoreAttention(MegatronModule):
         return out.transpose(0, 1).reshape(sq, b, -1)
 
 
+class _ExpertWeights(torch.autograd.Function):
+    """The G expert weights as the one [G, out, in] tensor the grouped GEMM reads, without a copy.
+
+    forward returns ``stacked`` (this step's cached stack, a fresh one, or a zero-storage stand-in when
+    the GEMM reads only a pre-quantized FP8 copy). backward hands each weight{i} its slice of the
+    [G, out, in] gradient like ``torch.stack``'s backward, or, under Megatron's main_grad fusion, adds
+    the whole gradient into the G ``main_grad`` buffers at once and returns the placeholders DDP expects
+    (every weight still receives a gradient on every microbatch, so DDP's per-parameter hooks fire).
+    """
+
+    @staticmethod
+    def forward(ctx, stacked, accumulate, *weights):
+        ctx.weights = weights if accumulate else None  # the Python objects carry main_grad
+        return stacked.view_as(stacked)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.weights is None:
+            return None, None, *grad.unbind(0)
+        accumulate_into_main_grads_(ctx.weights, grad)
+        return None, None, *wgrad_placeholders(ctx.weights)
+
+
+def _accumulates_into_main_grad(weights) -> bool:
+    """Megatron's gradient_accumulation_fusion for the experts: decided as ``_linear_2d`` decides it."""
+    return all(w.requires_grad and isinstance(getattr(w, "main_grad", None), torch.Tensor) for w in weights)
+
+
+@dataclasses.dataclass
+class _ExpertWeightCache:
+    key: tuple  # (step, fp8 config, every weight's (data_ptr, _version))
+    stacked: torch.Tensor | None  # [G, out, in] bf16 (None under FP8: only the quantized copies are kept)
+    fp8: object | None  # GroupedFloat8Weight without a source
+    main_grads_checked: bool = False  # check_main_grad x G costs ~120 us: once per step
+
+
+def _cached_expert_weights(owner, weights, fp8_config) -> _ExpertWeightCache | None:
+    """``owner``'s expert weights for this optimizer step (built on first use), or None: no cache."""
+    if _WEIGHT_STEP is None:
+        return None
+    key = (_WEIGHT_STEP, fp8_config, [(w.data_ptr(), w._version) for w in weights])  # ~20 us for G=64
+    cache = getattr(owner, "_expert_weight_cache", None)
+    if cache is None or cache.key != key:
+        owner._expert_weight_cache = None  # free the stale copy before building the new one
+        with torch.no_grad():
+            stacked = torch.stack(weights)
+        if fp8_config is not None:
+            quantize = turbo_ops.get("ops.grouped_gemm_fp8.quantize_grouped_weight")
+            cache = _ExpertWeightCache(
+                key, None, dataclasses.replace(quantize(stacked, fp8_config), source=None)
+            )
+        else:
+            cache = _ExpertWeightCache(key, stacked, None)
+        owner._expert_weight_cache = cache
+    return cache
+
+
+def _expert_weight_operand(owner, weights, fp8_config):
+    """The grouped GEMM's b for ``owner``'s experts: a [G, out, in] tensor, or a pre-quantized FP8 weight,
+    whose gradient reaches every weight{i} (or its main_grad)."""
+    accumulate = _accumulates_into_main_grad(weights)
+    cache = _cached_expert_weights(owner, weights, fp8_config)
+    if cache is None and not accumulate:
+        return torch.stack(weights)  # uncached, no fusion: exactly the plain path
+    if accumulate and not (cache is not None and cache.main_grads_checked):
+        for i, w in enumerate(weights):
+            check_main_grad(w, "grouped linear", f"weight{i}")
+        if cache is not None:
+            cache.main_grads_checked = True
+    if cache is None:
+        stacked, w8 = torch.stack([w.detach() for w in weights]), None
+    else:
+        stacked, w8 = cache.stacked, cache.fp8
+    if not (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+        return stacked if w8 is None else w8
+    if stacked is None:  # the FP8 GEMM reads w8 only: the gradient needs a [G, out, in] carrier, no data
+        stacked = weights[0].new_empty(()).expand(len(weights), *weights[0].shape)
+    b = _ExpertWeights.apply(stacked, accumulate, *weights)
+    return b if w8 is None else dataclasses.replace(w8, source=b)
+
+
 class _TurboGroupedLinear(torch.nn.Module):
     """TE GroupedLinear constructor; forward(x, m_splits) -> (out, None); weight{i} per local expert."""
 
@@ -194,14 +284,15 @@ class _TurboGroupedLinear(torch.nn.Module):
             setattr(self, f"weight{i}", weight)
 
     def forward(self, x: torch.Tensor, m_splits):
-        weights = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
+        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(x.device, non_blocking=True)
+        b = _expert_weight_operand(self, weights, FP8_GROUPED_CONFIG)
         if FP8_GROUPED_CONFIG is not None:
             out = turbo_ops.get("ops.grouped_gemm_fp8")(
-                x, weights, group_lens, trans_b=True, config=FP8_GROUPED_CONFIG
+                x, b, group_lens, trans_b=True, config=FP8_GROUPED_CONFIG
             )
         else:
-            out = turbo_ops.get("ops.grouped_gemm")(x, weights, group_lens, trans_b=True)
+            out = turbo_ops.get("ops.grouped_gemm")(x, b, group_lens, trans_b=True)
         return out, None
 
 
