@@ -33,6 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     limit = int(args.mb * (1 << 20))
     digest, size, files = hashlib.sha256(), 0, 0
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as out:
         for path in stdlib_sources():
             text = path.read_text(encoding="utf-8", errors="replace")

@@ -93,8 +93,9 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     if opts["parity"]:  # turbo bf16 vs turbo fp8, unless the user narrowed it (e.g. one per invocation)
         opts["turbo"] = opts["turbo"] if "turbo" in given else ["on"]
         opts["precisions"] = opts["precisions"] if "precisions" in given else ["bf16", "fp8"]
-        if not any(o.startswith("data.kind=") for o in overrides):
-            overrides += ["data.kind=text", "data.path=data/sample.txt"]
+        for default in ("data.kind=text", "data.path=data/sample.txt"):  # each only if the user gave no value
+            if not any(o.split("=", 1)[0].lstrip("+") == default.split("=", 1)[0] for o in overrides):
+                overrides.append(default)
     return opts, overrides
 
 

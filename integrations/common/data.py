@@ -10,6 +10,8 @@ token array gives the same training signal with nothing to build.
 
 from __future__ import annotations
 
+import gzip
+
 import numpy as np
 import torch
 
@@ -22,10 +24,11 @@ def byte_tokenize(text: str) -> np.ndarray:
 
 
 def load_tokens(path: str) -> np.ndarray:
-    """Token array from a .npy written by scripts/tokenize_sample.py, or a .txt tokenized on the fly."""
+    """Token array from a .npy written by scripts/tokenize_sample.py, or a .txt / .txt.gz tokenized on the fly."""
     if path.endswith(".npy"):
         return np.load(path).astype(np.int32)
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         return byte_tokenize(f.read())
 
 

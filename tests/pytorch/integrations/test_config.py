@@ -150,3 +150,16 @@ def test_batches_are_a_pure_function_of_step_microbatch_rank():
     assert (a.batch(3, 1, 0) == b.batch(3, 1, 0)).all() and not (a.batch(3, 1, 0) == a.batch(3, 1, 1)).all()
     synthetic = TokenBatches("synthetic", 32, 2, 100, seed=1, path=None).batch(1, 0, 0)
     assert synthetic.shape == (2, 33) and int(synthetic.max()) < 100
+
+
+def test_a_gzipped_text_corpus_gives_the_same_tokens_as_the_plain_file(tmp_path):
+    import gzip
+
+    from primus_turbo.integrations.common.data import load_tokens
+
+    text = "def f(x):\n    return x + 1  # é\n" * 50
+    (tmp_path / "c.txt").write_text(text, encoding="utf-8")
+    with gzip.open(tmp_path / "c.txt.gz", "wt", encoding="utf-8") as f:
+        f.write(text)
+    plain, packed = load_tokens(str(tmp_path / "c.txt")), load_tokens(str(tmp_path / "c.txt.gz"))
+    assert len(plain) == len(text.encode("utf-8")) and (plain == packed).all()

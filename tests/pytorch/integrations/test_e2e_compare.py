@@ -107,7 +107,9 @@ def test_parse_args_splits_options_from_train_overrides():
     assert overrides == ["parallel.ep=2"] and opts["steps"] == 30
     opts, overrides = compare.parse_args(["parity=true", "steps=8", "warmup=20"])
     assert opts["turbo"] == ["on"] and opts["precisions"] == ["bf16", "fp8"] and opts["warmup"] == 7
-    assert "data.kind=text" in overrides
+    assert "data.kind=text" in overrides and "data.path=data/sample.txt" in overrides
+    _, overrides = compare.parse_args(["parity=true", "data.path=/tmp/corpus.txt"])  # a given path is kept, once
+    assert [o for o in overrides if o.startswith("data.")] == ["data.path=/tmp/corpus.txt", "data.kind=text"]
     with pytest.raises(SystemExit, match="turbo=maybe"):
         compare.parse_args(["turbo=maybe"])
     with pytest.raises(SystemExit, match="not key=value"):

@@ -73,7 +73,7 @@ def test_requested_feature_that_cannot_apply_stops_the_run_under_strict():
 def test_recipe_torchtitan_cannot_express_stops_with_a_config_error():
     rc, out, seconds = torchrun("recipe=tiny_dense", "parallel.tp=2", nproc=2)
     assert rc != 0, out[-4000:]  # the rank exits 2; torchrun reports 1
-    assert "configuration error" in out and "sequence_parallel=true" in out
+    assert "configuration error" in out and "sequence_parallel=true" in out, out[-4000:]
 
 
 def test_checkpoint_resume_continues_and_a_used_ckpt_dir_needs_resume(tmp_path):
