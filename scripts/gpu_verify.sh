@@ -70,6 +70,7 @@ for b in ${BENCHES:-}; do
   grep -v "^ *$" "$WORK/$b.log" | tail -14
 done
 if [ ${#PARITY_PIDS[@]} -gt 0 ]; then
+  while kill -0 "${PARITY_PIDS[@]}" 2> /dev/null; do sleep 20; pack; done  # partial curves survive a killed call
   for pid in "${PARITY_PIDS[@]}"; do wait "$pid"; echo "== parity pid $pid rc=$? (call $((SECONDS - T0)) s)"; done
   step 60 parity python3 benchmark/e2e/compare.py parity=true $PARITY reuse=true "out=$WORK/parity"
   sed -n '/FP8 convergence parity/,$p' "$WORK/parity/report.md" 2>/dev/null | head -20
