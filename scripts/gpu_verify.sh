@@ -11,7 +11,9 @@
 #   PARITY="recipe=deepseek_moe_fp8 steps=500" [PARITY_TIMEOUT=500]
 #                                              compare.py parity=true: bf16 on GPU 0 and fp8 on GPU 1 at once, in
 #                                              the background while the other steps run (loss only, so sharing the
-#                                              GPUs with tests is fine; do not combine with BENCHES), then one report
+#                                              GPUs with tests is fine; do not combine with BENCHES), then one report.
+#                                              PARITY_RUNS="fp8:fp8.recipe=blockwise fp8:fp8.recipe=rowwise": other
+#                                              runs, one per GPU, each in its own folder parity_<override>
 # Pass PRIMUS_TURBO_COMMIT=<sha>: the device copy of the tree has no (or a stale) .git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,9 +33,11 @@ export PYTHONUNBUFFERED=1
 PARITY_PIDS=()
 if [ -n "${PARITY:-}" ]; then
   gpu=0
-  for p in bf16 fp8; do
+  for run in ${PARITY_RUNS:-bf16 fp8}; do  # precision[:override]; a run with an override gets its own folder
+    p=${run%%:*}; extra=; dir=parity
+    if [[ $run == *:* ]]; then extra=${run#*:}; dir=parity_${extra//[^a-zA-Z0-9]/_}; fi
     CUDA_VISIBLE_DEVICES=$gpu timeout "${PARITY_TIMEOUT:-500}" python3 benchmark/e2e/compare.py parity=true $PARITY \
-      precisions=$p "out=$WORK/parity" > "$WORK/parity_$p.log" 2>&1 &
+      precisions=$p $extra "out=$WORK/$dir" > "$WORK/${dir}_$p.log" 2>&1 &
     PARITY_PIDS+=($!); gpu=$((gpu + 1))
   done
   echo "== parity started in the background (pids ${PARITY_PIDS[*]})"
@@ -72,6 +76,8 @@ done
 if [ ${#PARITY_PIDS[@]} -gt 0 ]; then
   while kill -0 "${PARITY_PIDS[@]}" 2> /dev/null; do sleep 20; pack; done  # partial curves survive a killed call
   for pid in "${PARITY_PIDS[@]}"; do wait "$pid"; echo "== parity pid $pid rc=$? (call $((SECONDS - T0)) s)"; done
-  step 60 parity python3 benchmark/e2e/compare.py parity=true $PARITY reuse=true "out=$WORK/parity"
-  sed -n '/FP8 convergence parity/,$p' "$WORK/parity/report.md" 2>/dev/null | head -20
+  if [ -z "${PARITY_RUNS:-}" ]; then
+    step 60 parity python3 benchmark/e2e/compare.py parity=true $PARITY reuse=true "out=$WORK/parity"
+  fi
+  for r in "$WORK"/parity*/report.md; do echo "-- $r"; sed -n '/| configuration/,/^$/p' "$r"; done
 fi
