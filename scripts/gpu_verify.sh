@@ -6,7 +6,8 @@
 #   TESTS="tests/..." [TEST_TIMEOUT=90]        pytest -m "not multigpu" on those paths (TEST_JOBS=8 workers)
 #   DIST_TESTS="tests/..." [DIST_TIMEOUT=120]  pytest --dist-only (2-GPU tests)
 #   TRAIN="bf16_on bf16_off" (default)         Megatron deepseek_moe_bf16 8 steps turbo on / off; TRAIN=none skips
-#   E2E="recipe=deepseek_moe_fp8 turbo=on"     benchmark/e2e/compare.py with these options (E2E_TIMEOUT=120)
+#   E2E="recipe=deepseek_moe_fp8 turbo=on"     benchmark/e2e/compare.py with these options (E2E_TIMEOUT=120 each);
+#                                              "a=1 ...; b=2 ..." runs several, into e2e, e2e_2, ...
 #   BENCHES="bench_gemm bench_rmsnorm"         benchmark/ops/<name>.py --quick (async_tp/dispatch under torchrun -n 2)
 #   PARITY="recipe=deepseek_moe_fp8 steps=500" [PARITY_TIMEOUT=500]
 #                                              compare.py parity=true: bf16 on GPU 0 and fp8 on GPU 1 at once, in
@@ -62,9 +63,13 @@ for name in ${TRAIN:-bf16_on bf16_off}; do
     "train.metrics_file=$WORK/$name.jsonl"
   grep -E "step [0-9]+/|Error" "$WORK/train_$name.log" | tail -2
 done
-if [ -n "${E2E:-}" ]; then
-  step "${E2E_TIMEOUT:-120}" e2e python3 benchmark/e2e/compare.py $E2E "out=$WORK/e2e"
-  sed -n '/| configuration/,/^$/p' "$WORK/e2e/report.md" 2>/dev/null
+if [ -n "${E2E:-}" ]; then  # several comparisons: separate their option sets with ';' (folders e2e, e2e_2, ...)
+  IFS=';' read -ra E2E_SETS <<< "$E2E"; n=0
+  for opts in "${E2E_SETS[@]}"; do
+    n=$((n + 1)); dir=e2e; [ $n -gt 1 ] && dir=e2e_$n
+    step "${E2E_TIMEOUT:-120}" "$dir" python3 benchmark/e2e/compare.py $opts "out=$WORK/$dir"
+    sed -n '/| configuration/,/^$/p' "$WORK/$dir/report.md" 2>/dev/null
+  done
 fi
 for b in ${BENCHES:-}; do
   case "$b" in
