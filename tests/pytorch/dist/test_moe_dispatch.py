@@ -168,7 +168,29 @@ def _body_deep_ep_megatron(rank, world, device):
     assert_close(probs.grad, torch.where(indices >= 0, (owners + 1).float(), 0.0), torch.float32)
 
 
+def _body_one_rank_receives_nothing(rank, world, device, backend_name):
+    """Every route goes to rank 0's experts (collapsed early routing): rank 1 receives zero rows."""
+    from primus_turbo.pytorch.core.backend import GlobalBackendManager
+    from primus_turbo.pytorch.ops.moe.dispatch import moe_combine, moe_dispatch
+
+    GlobalBackendManager.set_moe_dispatch_combine_backend(backend_name)
+    epr = NUM_EXPERTS // world
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(9 + rank, HIDDEN, generator=g).to(device).requires_grad_(True)
+    indices = torch.stack([torch.randperm(epr, generator=g)[:TOPK] for _ in range(x.shape[0])]).to(device)
+    probs = torch.rand(x.shape[0], TOPK, generator=g).to(device).requires_grad_(True)
+    recv_x, recv_idx, recv_probs, tpe, handle = moe_dispatch(x, indices, probs, NUM_EXPERTS)
+    if rank != 0:
+        assert int(tpe.sum()) == 0 and (recv_idx == -1).all()
+    out = moe_combine(recv_x * (rank + 1), None, handle)  # only rank 0 (weight 1) holds experts
+    assert torch.equal(out.detach(), x.detach())
+    (out.sum() + recv_probs.sum()).backward()
+    assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(probs.grad, torch.ones_like(probs))
+    GlobalBackendManager.reset()
+
+
 def _body_all(rank, world, device, backend_name):
+    _body_one_rank_receives_nothing(rank, world, device, backend_name)
     _body_roundtrip(rank, world, device, backend_name)
     _body_token_dispatcher(rank, world, device)
     _body_fp8_dispatch(rank, world, device)
@@ -186,6 +208,12 @@ def test_dispatch_combine_gloo():
 @pytest.mark.parametrize("backend_name", ["NCCL", "TURBO"])
 def test_dispatch_combine_roundtrip_2gpu(backend_name):
     run_distributed(_body_roundtrip, world_size=2, backend="nccl", args=(backend_name,))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend_name", ["NCCL", "TURBO"])
+def test_one_rank_receives_nothing_2gpu(backend_name):
+    run_distributed(_body_one_rank_receives_nothing, world_size=2, backend="nccl", args=(backend_name,))
 
 
 @pytest.mark.multigpu

@@ -20,6 +20,8 @@ reduction is ``token_unpermute``.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -73,11 +75,10 @@ def localize(indices, probs, rank_of_row, experts_per_rank):
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """Row-preserving uint8 view: all_to_all in bytes works for every dtype on NCCL and gloo."""
     t = t.contiguous()
-    return (
-        t.view(torch.uint8).reshape(t.shape[0], -1)
-        if t.numel()
-        else t.reshape(t.shape[0], -1).to(torch.uint8)
-    )
+    width = math.prod(t.shape[1:]) * t.element_size()  # from the shape: a 0-row tensor has no -1 to infer
+    if t.numel():
+        return t.view(torch.uint8).reshape(t.shape[0], width)
+    return torch.empty((t.shape[0], width), dtype=torch.uint8, device=t.device)
 
 
 def _a2a(send: torch.Tensor, recv_rows: int, send_splits, recv_splits, group) -> torch.Tensor:
