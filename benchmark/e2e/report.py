@@ -85,12 +85,29 @@ def summarize(rows: list[dict], warmup: int) -> dict:
     }
 
 
+def final_window(steps: int) -> int:
+    """How many last steps the final loss averages: 10% of the run, at least 1, at most 50."""
+    return max(1, min(50, steps // 10))
+
+
 def smoothed_final_loss(rows: list[dict]) -> float | None:
     """Mean loss over the last 10% of steps (at least 1, at most 50): one step's noise is not a gap."""
     if not rows:
         return None
-    tail = max(1, min(50, len(rows) // 10))
-    return statistics.fmean(r["loss"] for r in rows[-tail:])
+    return statistics.fmean(r["loss"] for r in rows[-final_window(len(rows)) :])
+
+
+def gap_windows(bf16: list[dict], fp8: list[dict], parts: int = 5) -> list[dict]:
+    """Mean losses and the fp8-vs-bf16 gap over ``parts`` equal step windows: a drift shows as a trend."""
+    n = min(len(bf16), len(fp8))
+    out = []
+    for i in range(min(parts, n)):
+        lo, hi = i * n // parts, (i + 1) * n // parts
+        ref = statistics.fmean(r["loss"] for r in bf16[lo:hi])
+        got = statistics.fmean(r["loss"] for r in fp8[lo:hi])
+        out.append({"first": bf16[lo]["step"], "last": bf16[hi - 1]["step"], "bf16": ref, "fp8": got,
+                    "gap": (got - ref) / ref})  # fmt: skip
+    return out
 
 
 def speedups(results: list[RunResult], warmup: int) -> dict[str, float | None]:
@@ -152,9 +169,12 @@ def parity_summary(results: list[RunResult]) -> dict | None:
             continue
         ref, got = smoothed_final_loss(bf16.rows), smoothed_final_loss(fp8.rows)
         gap = (got - ref) / ref
+        steps = min(len(bf16.rows), len(fp8.rows))
         return {
             "framework": framework,
-            "steps": min(len(bf16.rows), len(fp8.rows)),
+            "steps": steps,
+            "final_window": final_window(steps),
+            "windows": gap_windows(bf16.rows[:steps], fp8.rows[:steps]),
             "bf16_final_loss": ref,
             "fp8_final_loss": got,
             "relative_gap": gap,
@@ -173,7 +193,7 @@ def targets_section(results: list[RunResult], warmup: int) -> list[str]:
             continue
         s, got = summarize(r.rows, warmup), speedup[r.label]
         checks = [
-            f"speedup {_fmt(got, '.2f')}x vs stock bf16 (target >= {SPEEDUP_TARGET}x): "
+            f"speedup {'n/a' if got is None else format(got, '.2f') + 'x'} vs stock bf16 (target >= {SPEEDUP_TARGET}x): "
             + ("n/a" if got is None else "PASS" if got >= SPEEDUP_TARGET else "BELOW"),
             f"MFU {_fmt(s['mfu'], '.1f', 100)}% (target >= {100 * MFU_TARGET:.0f}%): "
             + ("n/a" if s["mfu"] is None else "PASS" if s["mfu"] >= MFU_TARGET else "BELOW"),
@@ -197,12 +217,17 @@ def _parity_section(parity: dict | None) -> list[str]:
         "## FP8 convergence parity",
         "",
         f"{parity['framework']}, {parity['steps']} steps, same seed and data order. Final loss = mean of the "
-        "last 10% of steps (1..50).",
+        f"last {parity['final_window']} steps (10% of the run, at most 50).",
         "",
         f"- bf16: {parity['bf16_final_loss']:.4f}",
         f"- fp8:  {parity['fp8_final_loss']:.4f}",
         f"- gap:  {100 * parity['relative_gap']:+.2f}% (fp8 vs bf16; target <= "
         f"+{100 * parity['target']:.0f}%): **{verdict}**",
+        "",
+        "| steps | bf16 mean loss | fp8 mean loss | gap |",
+        "|---|---|---|---|",
+        *(f"| {w['first']}..{w['last']} | {w['bf16']:.4f} | {w['fp8']:.4f} | {100 * w['gap']:+.2f}% |"
+          for w in parity.get("windows", [])),  # fmt: skip
         "",
     ]
 

@@ -12,7 +12,7 @@ The model (docs/scaling.md explains each term):
   stage time per micro-batch = (3 * F_model * T / achieved + moe_layers * (1 - overlap) * a2a) / PP
                                F_model: all layers + LM head (metrics.model_flops_per_token)
   step time = (microbatches + PP - 1) * stage time,  microbatches = global batch / (GPUs / PP)  (1F1B)
-Inputs marked MEASURE in ``DEFAULTS`` come from benchmark results; the rest are stated assumptions.
+``DEFAULTS`` says where each input comes from (target, measured, or assumption).
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ DEEPSEEK_V3 = OmegaConf.create({
 })  # fmt: skip
 
 DEFAULTS = {
-    # MEASURE: TFLOP/s/GPU of `compare.py recipe=deepseek_moe_fp8` turbo fp8 on 1 H200 (model FLOPs, all ops).
-    # Placeholder until measured: 45% of the bf16 dense peak, between cuBLAS bf16 (~700) and the grouped
-    # GEMM rate (550-670) derated for attention, router, permute and norms.
+    # TARGET: 45% of the bf16 dense peak, between cuBLAS bf16 (~700) and the grouped GEMM rate (550-670)
+    # derated for attention, router, permute and norms. Measured 2026-11-23 (model FLOPs, all ops, 1 H200,
+    # `compare.py recipe=deepseek_moe_fp8`): turbo fp8 128, turbo bf16 195 TFLOP/s/GPU (--achieved-tflops).
     "achieved_tflops": 450.0,
-    # MEASURE: NCCL all_to_all per-GPU bandwidth inside a node. 2x H200 NVLink: ~268 GB/s (bench_moe_dispatch,
-    # NCCL backend); an 8-GPU NVSwitch node is assumed to keep that per GPU.
+    # MEASURED: NCCL all_to_all per-GPU bandwidth inside a node, 2x H200 NVLink ~268 GB/s; an 8-GPU NVSwitch
+    # node is assumed to keep that per GPU.
     "a2a_intra_gbps": 268.0,
     # ASSUMPTION: one 400 Gb/s NIC per GPU (HGX + NDR InfiniBand), ~80% of 50 GB/s reached by all_to_all.
     "a2a_inter_gbps": 40.0,

@@ -267,3 +267,14 @@ def test_dry_run_prints_one_torchrun_per_configuration_and_writes_nothing(tmp_pa
         assert f"turbo.enabled={turbo}" in line and f"precision={precision}" in line
         assert line.endswith("parallel.ep=2") and f"train.metrics_file={out}/runs/" in line
     assert not out.exists()
+
+
+def test_parity_windows_show_a_drifting_gap():
+    bf16 = [{"step": s, "loss": 2.0} for s in range(1, 101)]
+    fp8 = [{"step": s, "loss": 2.0 * (1 + 0.0005 * s)} for s in range(1, 101)]  # drifts up to +5%
+    runs = [report.RunResult("megatron", True, p, status="ok", rows=r) for p, r in (("bf16", bf16), ("fp8", fp8))]
+    parity = report.parity_summary(runs)
+    assert parity["final_window"] == 10 and not parity["pass"]
+    assert math.isclose(parity["relative_gap"], 0.0005 * 95.5)  # mean of steps 91..100
+    gaps = [w["gap"] for w in parity["windows"]]
+    assert len(gaps) == 5 and gaps == sorted(gaps) and parity["windows"][-1]["first"] == 81
