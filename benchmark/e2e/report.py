@@ -193,7 +193,8 @@ def targets_section(results: list[RunResult], warmup: int) -> list[str]:
             continue
         s, got = summarize(r.rows, warmup), speedup[r.label]
         checks = [
-            f"speedup {'n/a' if got is None else format(got, '.2f') + 'x'} vs stock bf16 (target >= {SPEEDUP_TARGET}x): "
+            f"speedup {'n/a' if got is None else format(got, '.2f') + 'x'} vs stock bf16 "
+            f"(target >= {SPEEDUP_TARGET}x): "
             + ("n/a" if got is None else "PASS" if got >= SPEEDUP_TARGET else "BELOW"),
             f"MFU {_fmt(s['mfu'], '.1f', 100)}% (target >= {100 * MFU_TARGET:.0f}%): "
             + ("n/a" if s["mfu"] is None else "PASS" if s["mfu"] >= MFU_TARGET else "BELOW"),
@@ -226,8 +227,10 @@ def _parity_section(parity: dict | None) -> list[str]:
         "",
         "| steps | bf16 mean loss | fp8 mean loss | gap |",
         "|---|---|---|---|",
-        *(f"| {w['first']}..{w['last']} | {w['bf16']:.4f} | {w['fp8']:.4f} | {100 * w['gap']:+.2f}% |"
-          for w in parity.get("windows", [])),  # fmt: skip
+        *(
+            f"| {w['first']}..{w['last']} | {w['bf16']:.4f} | {w['fp8']:.4f} | {100 * w['gap']:+.2f}% |"
+            for w in parity.get("windows", [])
+        ),  # fmt: skip
         "",
     ]
 

@@ -24,7 +24,7 @@ def byte_tokenize(text: str) -> np.ndarray:
 
 
 def load_tokens(path: str) -> np.ndarray:
-    """Token array from a .npy written by scripts/tokenize_sample.py, or a .txt / .txt.gz tokenized on the fly."""
+    """Token array from a .npy (scripts/tokenize_sample.py), or a .txt / .txt.gz tokenized on the fly."""
     if path.endswith(".npy"):
         return np.load(path).astype(np.int32)
     opener = gzip.open if path.endswith(".gz") else open

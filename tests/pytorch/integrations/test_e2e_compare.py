@@ -108,7 +108,8 @@ def test_parse_args_splits_options_from_train_overrides():
     opts, overrides = compare.parse_args(["parity=true", "steps=8", "warmup=20"])
     assert opts["turbo"] == ["on"] and opts["precisions"] == ["bf16", "fp8"] and opts["warmup"] == 7
     assert "data.kind=text" in overrides and "data.path=data/sample.txt" in overrides
-    _, overrides = compare.parse_args(["parity=true", "data.path=/tmp/corpus.txt"])  # a given path is kept, once
+    # a user's data.path is kept, once
+    _, overrides = compare.parse_args(["parity=true", "data.path=/tmp/corpus.txt"])
     assert [o for o in overrides if o.startswith("data.")] == ["data.path=/tmp/corpus.txt", "data.kind=text"]
     with pytest.raises(SystemExit, match="turbo=maybe"):
         compare.parse_args(["turbo=maybe"])
@@ -272,7 +273,9 @@ def test_dry_run_prints_one_torchrun_per_configuration_and_writes_nothing(tmp_pa
 def test_parity_windows_show_a_drifting_gap():
     bf16 = [{"step": s, "loss": 2.0} for s in range(1, 101)]
     fp8 = [{"step": s, "loss": 2.0 * (1 + 0.0005 * s)} for s in range(1, 101)]  # drifts up to +5%
-    runs = [report.RunResult("megatron", True, p, status="ok", rows=r) for p, r in (("bf16", bf16), ("fp8", fp8))]
+    runs = [
+        report.RunResult("megatron", True, p, status="ok", rows=r) for p, r in (("bf16", bf16), ("fp8", fp8))
+    ]
     parity = report.parity_summary(runs)
     assert parity["final_window"] == 10 and not parity["pass"]
     assert math.isclose(parity["relative_gap"], 0.0005 * 95.5)  # mean of steps 91..100

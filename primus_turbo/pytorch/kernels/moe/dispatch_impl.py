@@ -21,7 +21,6 @@ reduction is ``token_unpermute``.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 import torch
