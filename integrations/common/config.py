@@ -108,13 +108,23 @@ def _check_model(cfg: DictConfig) -> None:
 def _check_precision(cfg: DictConfig) -> None:
     _require(cfg.train.dtype in DTYPES, f"train.dtype={cfg.train.dtype!r}: expected one of {DTYPES}")
     _require(cfg.fp8.recipe in FP8_RECIPES, f"fp8.recipe={cfg.fp8.recipe!r}: expected one of {FP8_RECIPES}")
+    emulate = cfg.fp8.get("emulate", False)
+    _require(isinstance(emulate, bool), f"fp8.emulate={emulate!r}: expected true or false")
     if not cfg.fp8.enabled:
         return
     if not torch.cuda.is_available():
-        raise ConfigError(
+        _require(
+            emulate,
             "precision=fp8 needs an FP8-capable GPU (sm_89+: H100/H200/L40/RTX 40xx); this machine has no "
-            "CUDA device: use precision=bf16"
+            "CUDA device: use precision=bf16, or fp8.emulate=true for FP8 numerics on the CPU (slow)",
         )
+        _require(cfg.turbo.enabled, "fp8.emulate=true runs the turbo FP8 ops: it needs turbo.enabled=true")
+        return
+    _require(
+        not emulate,
+        "fp8.emulate=true is for CPU-only machines (FP8 numerics through the TORCH reference backends); "
+        "this machine has a GPU: drop it to run the FP8 kernels",
+    )
     major, minor = torch.cuda.get_device_capability()
     _require(
         (major, minor) >= (8, 9),
