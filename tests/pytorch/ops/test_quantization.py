@@ -147,7 +147,7 @@ def test_tensorwise_backends_bit_identical(backend, device):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_static_scale_triton_matches_torch(dtype, with_t, device):
     # delayed scaling's cast: given scale, q (and q^T) bit-identical, amax of the whole tensor
-    x = torch.randn(130, 200, device=device) * 2
+    x = (torch.randn(130, 200, device=device) * 2).clamp(-8, 8)  # unclamped, 1 run in ~20 had |x| > 9.5
     x[77, 150] = -9.5  # the amax sits in a partial tile
     scale = torch.tensor(FP8_MAX[dtype] / 12.0, device=device)
     q, s, qt, amax = impl.quantize_fp8_tensorwise_static_impl(x, scale, dtype, with_t, "triton")
