@@ -1,5 +1,7 @@
 """Backend-manager semantics: priority order, env parsing, pinned refusal, autotune cache."""
 
+import time
+
 import pytest
 import torch
 
@@ -33,11 +35,8 @@ class _Slow(KernelBackend):
     @staticmethod
     def execute(x, **kw):
         CALLS.append("slow")
-        # Much more work than _Fast so that autotune reliably prefers _Fast.
-        y = x
-        for _ in range(200):
-            y = (y @ torch.eye(y.shape[-1])).contiguous()
-        return y + 1
+        time.sleep(0.02)  # a floor no scheduling noise can undercut: autotune must never prefer this one
+        return x + 1
 
 
 class _Ref(KernelBackend):
@@ -48,6 +47,7 @@ class _Ref(KernelBackend):
     @staticmethod
     def execute(x, **kw):
         CALLS.append("ref")
+        time.sleep(0.004)  # far slower than _Fast (it was x + 1 too: a coin flip under CPU timing noise)
         return x + 1
 
 
