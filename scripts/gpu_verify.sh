@@ -14,7 +14,7 @@
 #                                              the background while the other steps run (loss only, so sharing the
 #                                              GPUs with tests is fine; do not combine with BENCHES), then one report.
 #                                              PARITY_RUNS="fp8:fp8.recipe=blockwise fp8:fp8.recipe=rowwise": other
-#                                              runs, one per GPU, each in its own folder parity_<override>
+#                                              runs, one per GPU, each in its own folder parity_<precision>_<override>
 # Pass PRIMUS_TURBO_COMMIT=<sha>: the device copy of the tree has no (or a stale) .git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +36,7 @@ if [ -n "${PARITY:-}" ]; then
   gpu=0
   for run in ${PARITY_RUNS:-bf16 fp8}; do  # precision[:override]; a run with an override gets its own folder
     p=${run%%:*}; extra=; dir=parity
-    if [[ $run == *:* ]]; then extra=${run#*:}; dir=parity_${extra//[^a-zA-Z0-9]/_}; fi
+    if [[ $run == *:* ]]; then extra=${run#*:}; dir=parity_${p}_${extra//[^a-zA-Z0-9]/_}; fi
     CUDA_VISIBLE_DEVICES=$gpu timeout "${PARITY_TIMEOUT:-500}" python3 benchmark/e2e/compare.py parity=true $PARITY \
       precisions=$p $extra "out=$WORK/$dir" > "$WORK/${dir}_$p.log" 2>&1 &
     PARITY_PIDS+=($!); gpu=$((gpu + 1))
