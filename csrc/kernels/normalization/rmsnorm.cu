@@ -14,6 +14,13 @@
 // 512 threads max per row: the backward keeps x, dy (as T) and dweight partials (fp32) in
 // registers, 60-128 regs/thread; __launch_bounds__(512) caps it at 128 (ptxas -v, nvcc 13.0: no
 // spills except 8 B in the bf16 vectorized backward). The forward needs 40-64 (weight re-read from L1).
+//
+// Prefetch (measured on H200, bf16 16384 rows, benchmark/NOTES.md): on the vectorized path a row group
+// loads its NEXT row into a second register buffer before reducing and storing the current one, so
+// the loads of one row overlap the barriers and stores of the previous (bwd 72-74% -> 80-83% of copy
+// bandwidth, fwd 82-87% -> 84-90%). Rows that fit use VPT 2 (twice the threads per row); the VPT 2
+// backward is capped at 80 registers (3 CTAs of 256 threads per SM at hidden 4096). A 2x1 A/B of
+// dweight partials in shared memory (VPT 4 + prefetch) measured 76-78%: not kept.
 
 #include <algorithm>
 #include <type_traits>
@@ -34,21 +41,27 @@ constexpr int kScalarVpt = 8;       // elements per thread (scalar path)
 struct Plan {
     bool vectorized;
     int vec;  // elements per access
+    int vpt;  // vectors per thread
     int tpr;  // threads per row
     int rpc;  // rows (row groups) per CTA
-    size_t smem;  // dynamic shared memory (backward: dweight partials of the CTA's row groups)
+    bool prefetch;  // load the row group's next row before finishing the current one
+    size_t smem;    // dynamic shared memory (backward: dweight partials of the CTA's row groups)
 };
 
 int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 Plan make_plan(int64_t hidden, DType dtype, bool aligned, bool backward = false) {
-    Plan p;
+    Plan p{};
     const int full_vec = 16 / dtype_size(dtype);
     p.vectorized = aligned && hidden % full_vec == 0;
     p.vec = p.vectorized ? full_vec : 1;
-    const int vpt = p.vectorized ? kVecVpt : kScalarVpt;
+    p.vpt = p.vectorized ? kVecVpt : kScalarVpt;
     const int64_t n_vec = hidden / p.vec;
-    const int64_t threads = std::max<int64_t>(32, ((n_vec + vpt - 1) / vpt + 31) / 32 * 32);
+    if (p.vectorized) {
+        p.prefetch = true;
+        if (n_vec <= int64_t{kMaxThreadsPerRow} * 2) p.vpt = 2;
+    }
+    const int64_t threads = std::max<int64_t>(32, ((n_vec + p.vpt - 1) / p.vpt + 31) / 32 * 32);
     p.tpr = static_cast<int>(std::min<int64_t>(threads, 1 << 20));
     p.rpc = p.tpr == 32 ? kWarpRowsPerCta : 1;
     p.smem = 0;
@@ -74,7 +87,35 @@ __device__ __forceinline__ float row_sum(float v, float* smem) {
     return warp_sum(lane < n_warps ? smem[lane] : 0.f);
 }
 
-template <typename T, int VEC, int VPT>
+// Row buffers of the prefetch / VPT 2 kernels hold raw 16-byte words (uint4), read element-wise in place
+// (bf16: a shift or mask of its 32-bit word): held as Vec<T, VEC>, the compiler splits the 16-bit
+// elements into registers of their own right after the load, which waits for the load there (no
+// prefetch) and doubles the registers of the row.
+template <typename V>
+using Raw = typename std::conditional<sizeof(V) == 16, uint4, V>::type;
+
+template <typename T, int VEC>
+__device__ __forceinline__ float elem(const Vec<T, VEC>& v, int j) {
+    return to_float(v.v[j]);
+}
+template <typename T, int VEC>
+__device__ __forceinline__ float elem(const uint4& raw, int j) {  // j: a constant after unrolling
+    const int k = j * static_cast<int>(sizeof(T)) / 4;
+    const uint32_t w = k == 0 ? raw.x : k == 1 ? raw.y : k == 2 ? raw.z : raw.w;
+    if constexpr (sizeof(T) == 4) {
+        return __uint_as_float(w);
+    } else if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        return __uint_as_float(j & 1 ? w & 0xffff0000u : w << 16);
+    } else {
+        return __half2float(__ushort_as_half(static_cast<unsigned short>(j & 1 ? w >> 16 : w & 0xffffu)));
+    }
+}
+
+// PREFETCH: the loads of the row group's next row (row + groups) are issued into a second register
+// buffer before the current row is reduced and written, so HBM reads overlap the barriers and stores.
+// RESIDUAL = false compiles the residual path out (residual must be nullptr): the prefetch kernels
+// are instantiated both ways, since the residual's two buffers would cost every launch ~60 registers.
+template <typename T, int VEC, int VPT, bool PREFETCH, bool RESIDUAL = true>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
     rmsnorm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ residual, const T* weight,
                        T* __restrict__ y, T* __restrict__ sum_out, float* __restrict__ rstd_out, int64_t rows,
@@ -84,25 +125,32 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     const int n_vec = hidden / VEC;
     const float w_shift = zero_centered_gamma ? 1.f : 0.f;
     const int64_t groups = static_cast<int64_t>(gridDim.x) * blockDim.y;
-    for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows; row += groups) {
+    const bool has_residual = RESIDUAL && residual != nullptr;
+    // x (and with PREFETCH the residual) of `row` into registers; a row past the end loads nothing.
+    auto load_row = [&](int64_t row, V(&xs)[VPT], V(&rs)[VPT]) {
+        if (row >= rows) return;
         const V* x_row = reinterpret_cast<const V*>(x + row * hidden);
-        V v[VPT];
-        float sum_sq = 0.f;
 #pragma unroll
         for (int i = 0; i < VPT; ++i) {
             const int idx = threadIdx.x + i * blockDim.x;
-            if (idx < n_vec) v[i] = x_row[idx];
+            if (idx < n_vec) {
+                xs[i] = x_row[idx];
+                if (PREFETCH && has_residual) rs[i] = reinterpret_cast<const V*>(residual + row * hidden)[idx];
+            }
         }
-        if (residual != nullptr) {
+    };
+    auto process_row = [&](int64_t row, V(&v)[VPT], const V(&r)[VPT]) {
+        float sum_sq = 0.f;
+        if (has_residual) {
             const V* r_row = reinterpret_cast<const V*>(residual + row * hidden);
             V* s_row = reinterpret_cast<V*>(sum_out + row * hidden);
 #pragma unroll
             for (int i = 0; i < VPT; ++i) {
                 const int idx = threadIdx.x + i * blockDim.x;
                 if (idx < n_vec) {
-                    const V r = r_row[idx];
+                    const V rv = PREFETCH ? r[i] : r_row[idx];
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) v[i].v[j] = from_float<T>(to_float(v[i].v[j]) + to_float(r.v[j]));
+                    for (int j = 0; j < VEC; ++j) v[i].v[j] = from_float<T>(to_float(v[i].v[j]) + to_float(rv.v[j]));
                     s_row[idx] = v[i];
                 }
             }
@@ -132,7 +180,48 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
                 y_row[idx] = out;
             }
         }
+    };
+    int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+    if constexpr (PREFETCH) {
+        V v[VPT], r[VPT];
+        load_row(row, v, r);
+        for (; row < rows; row += groups) {
+            V v_next[VPT], r_next[VPT];
+            load_row(row + groups, v_next, r_next);
+            process_row(row, v, r);
+#pragma unroll
+            for (int i = 0; i < VPT; ++i) v[i] = v_next[i], r[i] = r_next[i];
+        }
+    } else {
+        for (; row < rows; row += groups) {
+            V v[VPT], r[VPT];  // r: unused (the residual is read while adding)
+            load_row(row, v, r);
+            process_row(row, v, r);
+        }
     }
+}
+
+// The backward's loads of one row: this thread's x and dy vectors, and rstd (returned); nothing (0)
+// for a row past the end. A function, not a lambda: a lambda changes the scheduling of the default
+// fp32 kernel.
+template <typename T, typename B, int VPT>
+__device__ __forceinline__ float load_bwd_row(const T* __restrict__ x, const T* __restrict__ dy,
+                                              const float* __restrict__ rstd_in, int64_t row, int64_t rows,
+                                              int hidden, B (&xs)[VPT], B (&dys)[VPT]) {
+    const bool valid = row < rows;
+    const int n_vec = hidden / static_cast<int>(sizeof(B) / sizeof(T));
+    const B* x_row = reinterpret_cast<const B*>(x + row * hidden);
+    const B* dy_row = reinterpret_cast<const B*>(dy + row * hidden);
+    const float rstd = valid ? rstd_in[row] : 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int idx = threadIdx.x + i * blockDim.x;
+        if (valid && idx < n_vec) {
+            xs[i] = x_row[idx];
+            dys[i] = dy_row[idx];
+        }
+    }
+    return rstd;
 }
 
 // One long function on purpose: the register-cached row (x, dy) and dweight partials must stay
@@ -143,11 +232,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 // groups' dweight partials are summed in shared memory ([blockDim.y, hidden] fp32, dynamic) and
 // the CTA writes ONE partial row: partials = grid, not grid x rows-per-CTA (for hidden 2048 this
 // cuts the workspace traffic from ~10% to ~1% of the backward's bytes).
-template <typename T, int VEC, int VPT>
-__global__ void __launch_bounds__(kMaxThreadsPerRow)
-    rmsnorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* weight,
-                       const float* __restrict__ rstd_in, const T* __restrict__ dsum, T* __restrict__ dx,
-                       float* __restrict__ dw_partial, int64_t rows, int hidden, bool zero_centered_gamma) {
+//
+// PREFETCH: as in the forward (x, dy, rstd of row + block_stride; dsum is still read at the store).
+template <typename T, int VEC, int VPT, bool PREFETCH>
+__device__ __forceinline__ void rmsnorm_bwd_body(const T* __restrict__ dy, const T* __restrict__ x, const T* weight,
+                                                 const float* __restrict__ rstd_in, const T* __restrict__ dsum,
+                                                 T* __restrict__ dx, float* __restrict__ dw_partial, int64_t rows,
+                                                 int hidden, bool zero_centered_gamma) {
     using V = Vec<T, VEC>;
     __shared__ float red_smem[kMaxRowsPerCta][32];
     extern __shared__ float dw_smem[];  // [blockDim.y, hidden] when blockDim.y > 1
@@ -162,24 +253,37 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     for (int i = 0; i < VPT; ++i)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dw[i][j] = Acc(0);
-
+    // Row groups walk rows in lock step: the loop runs on the row block's base, the same for the CTA.
+    // PREFETCH: x_pf / dy_pf / rstd_pf hold the row group's next row, loaded one row ahead (the copies
+    // into x_pf at the end of an iteration wait for those loads, after this row's barriers and stores;
+    // unrolling by two to alternate buffers instead was measured in SASS: the copies stay).
     const int64_t block_stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+    using Buf = typename std::conditional<PREFETCH || VPT == 2, Raw<V>, V>::type;  // a row's x / dy vectors
+    Buf x_pf[VPT], dy_pf[VPT];
+    float rstd_pf = 0.f;
+    if constexpr (PREFETCH)
+        rstd_pf = load_bwd_row(x, dy, rstd_in, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, rows,
+                               hidden, x_pf, dy_pf);
     for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += block_stride) {
         const int64_t row = base + threadIdx.y;
         const bool valid = row < rows;  // a short last row block: idle groups still reach the barriers
-        const V* x_row = reinterpret_cast<const V*>(x + row * hidden);
-        const V* dy_row = reinterpret_cast<const V*>(dy + row * hidden);
-        const float rstd = valid ? rstd_in[row] : 0.f;
-        V xv[VPT], dyv[VPT];
-        float dot = 0.f;
+        Buf xv[VPT], dyv[VPT];
+        float rstd;
+        if constexpr (PREFETCH) {
+            // Load into fresh arrays, then rename: loading into x_pf itself would make the compiler
+            // merge each (predicated) load with x_pf's old value right away, i.e. wait for it.
+            Buf x_next[VPT], dy_next[VPT];
+            rstd = rstd_pf;
+            rstd_pf = load_bwd_row(x, dy, rstd_in, row + block_stride, rows, hidden, x_next, dy_next);
 #pragma unroll
-        for (int i = 0; i < VPT; ++i) {
-            const int idx = threadIdx.x + i * blockDim.x;
-            if (valid && idx < n_vec) {
-                xv[i] = x_row[idx];
-                dyv[i] = dy_row[idx];
+            for (int i = 0; i < VPT; ++i) {
+                xv[i] = x_pf[i], dyv[i] = dy_pf[i];
+                x_pf[i] = x_next[i], dy_pf[i] = dy_next[i];
             }
+        } else {
+            rstd = load_bwd_row(x, dy, rstd_in, row, rows, hidden, xv, dyv);
         }
+        float dot = 0.f;
 #pragma unroll
         for (int i = 0; i < VPT; ++i) {
             const int idx = threadIdx.x + i * blockDim.x;
@@ -189,8 +293,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
                 const V w = reinterpret_cast<const V*>(weight)[idx];
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
-                    const float x_hat = to_float(xv[i].v[j]) * rstd;
-                    const float g = to_float(dyv[i].v[j]);
+                    const float x_hat = elem<T, VEC>(xv[i], j) * rstd;
+                    const float g = elem<T, VEC>(dyv[i], j);
                     dot += x_hat * g * (to_float(w.v[j]) + w_shift);
                 }
             }
@@ -209,8 +313,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
                 V out;
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
-                    const float x_hat = to_float(xv[i].v[j]) * rstd;
-                    const float dy_j = to_float(dyv[i].v[j]);
+                    const float x_hat = elem<T, VEC>(xv[i], j) * rstd;
+                    const float dy_j = elem<T, VEC>(dyv[i], j);
                     dw[i][j] += static_cast<Acc>(dy_j) * x_hat;  // here, not in pass 1: shorter live ranges
                     float g = rstd * (dy_j * (to_float(w.v[j]) + w_shift) - x_hat * mean_dot);
                     if (ds_row != nullptr) g += to_float(ds.v[j]);
@@ -238,6 +342,24 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
         for (int g = 0; g < blockDim.y; ++g) total += dw_smem[g * hidden + c];
         partial[c] = total;
     }
+}
+
+#define PT_BWD_PARAMS                                                                                 \
+    const T* __restrict__ dy, const T* __restrict__ x, const T* weight, const float* __restrict__ rstd_in, \
+        const T* __restrict__ dsum, T* __restrict__ dx, float* __restrict__ dw_partial, int64_t rows,      \
+        int hidden, bool zero_centered_gamma
+#define PT_BWD_ARGS dy, x, weight, rstd_in, dsum, dx, dw_partial, rows, hidden, zero_centered_gamma
+
+template <typename T, int VEC, int VPT>
+__global__ void __launch_bounds__(kMaxThreadsPerRow) rmsnorm_bwd_kernel(PT_BWD_PARAMS) {
+    rmsnorm_bwd_body<T, VEC, VPT, false>(PT_BWD_ARGS);
+}
+
+// VPT 2 + prefetch: the register cap sets the occupancy (80: 3 CTAs of 256 threads per SM at hidden
+// 4096; A/B on H200: caps 64 (no prefetch room) and 72 (spills) measured 67-77% of copy, 80: 80-83%).
+template <typename T, int VEC>
+__global__ void __maxnreg__(80) rmsnorm_bwd_vpt2_kernel(PT_BWD_PARAMS) {
+    rmsnorm_bwd_body<T, VEC, 2, true>(PT_BWD_ARGS);
 }
 
 // dweight[c] = sum_g partial[g, c]: a 32x32 CTA, coalesced over columns, fixed summation order,
@@ -272,11 +394,35 @@ int persistent_grid(Kernel kernel, const Plan& p, int64_t rows) {
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed, int64_t{sms} * std::max(per_sm, 1))));
 }
 
-template <typename T, int VEC, int VPT>
+// The instantiation a plan runs (one place, so the workspace size and the launch agree on the grid).
+template <typename T>
+using FwdKernel = void (*)(const T*, const T*, const T*, T*, T*, float*, int64_t, int, float, bool);
+template <typename T>
+using BwdKernel = void (*)(const T*, const T*, const T*, const float*, const T*, T*, float*, int64_t, int, bool);
+
+template <typename T>
+FwdKernel<T> fwd_kernel_for(const Plan& p, bool residual) {
+    constexpr int kVec = 16 / sizeof(T);
+    if (!p.vectorized) return rmsnorm_fwd_kernel<T, 1, kScalarVpt, false>;
+    if (p.vpt == 2)
+        return residual ? rmsnorm_fwd_kernel<T, kVec, 2, true, true> : rmsnorm_fwd_kernel<T, kVec, 2, true, false>;
+    return residual ? rmsnorm_fwd_kernel<T, kVec, kVecVpt, true, true>
+                    : rmsnorm_fwd_kernel<T, kVec, kVecVpt, true, false>;
+}
+
+template <typename T>
+BwdKernel<T> bwd_kernel_for(const Plan& p) {
+    constexpr int kVec = 16 / sizeof(T);
+    if (!p.vectorized) return rmsnorm_bwd_kernel<T, 1, kScalarVpt>;
+    if (p.vpt == 2) return rmsnorm_bwd_vpt2_kernel<T, kVec>;
+    return rmsnorm_bwd_kernel<T, kVec, kVecVpt>;  // rows > 2 x 512 vectors: no room for the prefetch
+}
+
+template <typename T>
 cudaError_t fwd_typed(const void* x, const void* residual, const void* weight, void* y, void* sum_out,
                       float* rstd, int64_t rows, int64_t hidden, float eps, bool zcg, const Plan& p,
                       cudaStream_t stream) {
-    auto kernel = rmsnorm_fwd_kernel<T, VEC, VPT>;
+    auto kernel = fwd_kernel_for<T>(p, residual != nullptr);
     const int grid = persistent_grid(kernel, p, rows);
     kernel<<<grid, dim3(p.tpr, p.rpc), 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(weight),
@@ -284,11 +430,11 @@ cudaError_t fwd_typed(const void* x, const void* residual, const void* weight, v
     return cudaGetLastError();
 }
 
-template <typename T, int VEC, int VPT>
+template <typename T>
 cudaError_t bwd_typed(const void* dy, const void* x, const void* weight, const float* rstd, const void* dsum,
                       void* dx, void* dweight, float* workspace, int64_t rows, int64_t hidden, bool zcg,
                       const Plan& p, cudaStream_t stream) {
-    auto kernel = rmsnorm_bwd_kernel<T, VEC, VPT>;
+    auto kernel = bwd_kernel_for<T>(p);
     const int grid = persistent_grid(kernel, p, rows);
     kernel<<<grid, dim3(p.tpr, p.rpc), p.smem, stream>>>(
         static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), rstd,
@@ -298,12 +444,6 @@ cudaError_t bwd_typed(const void* dy, const void* x, const void* weight, const f
     dweight_reduce_kernel<T><<<ceil_div_int(hidden, 32), dim3(32, 32), 0, stream>>>(
         workspace, static_cast<T*>(dweight), int64_t{grid}, static_cast<int>(hidden));
     return cudaGetLastError();
-}
-
-template <typename T>
-int64_t workspace_rows_typed(const Plan& p, int64_t rows) {
-    if (p.vectorized) return persistent_grid(rmsnorm_bwd_kernel<T, 16 / sizeof(T), kVecVpt>, p, rows);
-    return persistent_grid(rmsnorm_bwd_kernel<T, 1, kScalarVpt>, p, rows);
 }
 
 }  // namespace
@@ -337,13 +477,10 @@ cudaError_t rmsnorm_fwd_launch(const void* x, const void* residual, const void* 
     if (rows == 0 || hidden == 0) return cudaSuccess;
     if (hidden > rmsnorm_max_hidden(hidden, dtype, aligned) || (residual != nullptr) != (sum_out != nullptr))
         return cudaErrorInvalidValue;
-    const Plan p = make_plan(hidden, dtype, aligned);
+    const Plan p = make_plan(hidden, dtype, aligned, /*backward=*/false);
     PT_DISPATCH_DTYPE(dtype, T, {
-        if (p.vectorized)
-            return fwd_typed<T, 16 / sizeof(T), kVecVpt>(x, residual, weight, y, sum_out, rstd, rows, hidden, eps,
-                                                         zero_centered_gamma, p, stream);
-        return fwd_typed<T, 1, kScalarVpt>(x, residual, weight, y, sum_out, rstd, rows, hidden, eps,
-                                           zero_centered_gamma, p, stream);
+        return fwd_typed<T>(x, residual, weight, y, sum_out, rstd, rows, hidden, eps, zero_centered_gamma, p,
+                            stream);
     })
 }
 
@@ -352,11 +489,11 @@ int64_t rmsnorm_bwd_workspace_rows(int64_t rows, int64_t hidden, DType dtype, bo
     const Plan p = make_plan(hidden, dtype, aligned, /*backward=*/true);
     switch (dtype) {
         case DType::kFloat32:
-            return workspace_rows_typed<float>(p, rows);
+            return persistent_grid(bwd_kernel_for<float>(p), p, rows);
         case DType::kFloat16:
-            return workspace_rows_typed<__half>(p, rows);
+            return persistent_grid(bwd_kernel_for<__half>(p), p, rows);
         default:
-            return workspace_rows_typed<__nv_bfloat16>(p, rows);
+            return persistent_grid(bwd_kernel_for<__nv_bfloat16>(p), p, rows);
     }
 }
 
@@ -368,11 +505,8 @@ cudaError_t rmsnorm_bwd_launch(const void* dy, const void* x, const void* weight
     if (hidden > rmsnorm_max_hidden(hidden, dtype, aligned)) return cudaErrorInvalidValue;
     const Plan p = make_plan(hidden, dtype, aligned, /*backward=*/true);
     PT_DISPATCH_DTYPE(dtype, T, {
-        if (p.vectorized)
-            return bwd_typed<T, 16 / sizeof(T), kVecVpt>(dy, x, weight, rstd, dsum, dx, dweight, workspace, rows,
-                                                         hidden, zero_centered_gamma, p, stream);
-        return bwd_typed<T, 1, kScalarVpt>(dy, x, weight, rstd, dsum, dx, dweight, workspace, rows, hidden,
-                                           zero_centered_gamma, p, stream);
+        return bwd_typed<T>(dy, x, weight, rstd, dsum, dx, dweight, workspace, rows, hidden, zero_centered_gamma,
+                            p, stream);
     })
 }
 

@@ -53,7 +53,8 @@ def _check(backend, G, M, K, N, kind, trans_b, config, device):
     assert_snr(out, ref, fp8_snr_gate(Format.E4M3) if config.format is Format.HYBRID else gate, f"out {tag}")
     assert_snr(a.grad, ref_da, gate, f"grad_a {tag}")
     live = lens > 0
-    assert_snr(b.grad[live], ref_db[live], gate, f"grad_b {tag}")
+    for g in torch.nonzero(live).flatten().tolist():  # per expert: the big one cannot mask a small one
+        assert_snr(b.grad[g], ref_db[g], gate, f"grad_b expert {g} ({int(lens[g])} rows) {tag}")
     assert torch.count_nonzero(b.grad[~live]) == 0, f"{tag}: wgrad of an empty expert is not exactly zero"
 
 
