@@ -281,3 +281,14 @@ def test_parity_windows_show_a_drifting_gap():
     assert math.isclose(parity["relative_gap"], 0.0005 * 95.5)  # mean of steps 91..100
     gaps = [w["gap"] for w in parity["windows"]]
     assert len(gaps) == 5 and gaps == sorted(gaps) and parity["windows"][-1]["first"] == 81
+
+
+@pytest.mark.parametrize("scale,ok", [(0.995, True), (1.005, True), (0.97, False), (1.03, False)])
+def test_parity_target_is_two_sided(scale, ok):
+    """'Within 1%': an FP8 loss 3% below bf16 is a numerics difference too, not a pass."""
+    bf16 = [{"step": s, "loss": 2.0} for s in range(1, 101)]
+    fp8 = [{"step": s, "loss": 2.0 * scale} for s in range(1, 101)]
+    runs = [
+        report.RunResult("megatron", True, p, status="ok", rows=r) for p, r in (("bf16", bf16), ("fp8", fp8))
+    ]
+    assert report.parity_summary(runs)["pass"] is ok
