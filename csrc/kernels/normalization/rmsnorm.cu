@@ -19,8 +19,8 @@
 // loads its NEXT row into a second register buffer before reducing and storing the current one, so
 // the loads of one row overlap the barriers and stores of the previous (bwd 72-74% -> 80-83% of copy
 // bandwidth, fwd 82-87% -> 84-90%). Rows that fit use VPT 2 (twice the threads per row); the VPT 2
-// backward is capped at 80 registers (3 CTAs of 256 threads per SM at hidden 4096). A 2x1 A/B of
-// dweight partials in shared memory (VPT 4 + prefetch) measured 76-78%: not kept.
+// backward is capped at 80 registers (3 CTAs of 256 threads per SM at hidden 4096). Also measured
+// and not kept: dweight partials in shared memory instead of registers (VPT 4 + prefetch), 76-78%.
 
 #include <algorithm>
 #include <type_traits>
@@ -44,8 +44,7 @@ struct Plan {
     int vpt;  // vectors per thread
     int tpr;  // threads per row
     int rpc;  // rows (row groups) per CTA
-    bool prefetch;  // load the row group's next row before finishing the current one
-    size_t smem;    // dynamic shared memory (backward: dweight partials of the CTA's row groups)
+    size_t smem;  // dynamic shared memory (backward: dweight partials of the CTA's row groups)
 };
 
 int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
@@ -57,10 +56,7 @@ Plan make_plan(int64_t hidden, DType dtype, bool aligned, bool backward = false)
     p.vec = p.vectorized ? full_vec : 1;
     p.vpt = p.vectorized ? kVecVpt : kScalarVpt;
     const int64_t n_vec = hidden / p.vec;
-    if (p.vectorized) {
-        p.prefetch = true;
-        if (n_vec <= int64_t{kMaxThreadsPerRow} * 2) p.vpt = 2;
-    }
+    if (p.vectorized && n_vec <= int64_t{kMaxThreadsPerRow} * 2) p.vpt = 2;  // the vectorized path prefetches
     const int64_t threads = std::max<int64_t>(32, ((n_vec + p.vpt - 1) / p.vpt + 31) / 32 * 32);
     p.tpr = static_cast<int>(std::min<int64_t>(threads, 1 << 20));
     p.rpc = p.tpr == 32 ? kWarpRowsPerCta : 1;
@@ -258,7 +254,7 @@ __device__ __forceinline__ void rmsnorm_bwd_body(const T* __restrict__ dy, const
     // into x_pf at the end of an iteration wait for those loads, after this row's barriers and stores;
     // unrolling by two to alternate buffers instead was measured in SASS: the copies stay).
     const int64_t block_stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
-    using Buf = typename std::conditional<PREFETCH || VPT == 2, Raw<V>, V>::type;  // a row's x / dy vectors
+    using Buf = typename std::conditional<PREFETCH, Raw<V>, V>::type;  // a row's x / dy vectors
     Buf x_pf[VPT], dy_pf[VPT];
     float rstd_pf = 0.f;
     if constexpr (PREFETCH)
