@@ -18,7 +18,11 @@ import math
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    _initialize_affine_weight_gpu,
+)
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -276,7 +280,12 @@ class _TurboGroupedLinear(torch.nn.Module):
                 torch.empty(output_size, input_size, dtype=config.params_dtype, device=device)
             )
             if config.perform_initialization:
-                init_method(weight)
+                if config.use_cpu_initialization:
+                    init_method(weight)
+                else:  # Megatron's GPU init: the expert-parallel RNG stream, distinct per EP rank
+                    _initialize_affine_weight_gpu(
+                        weight, init_method, self.partition_dim, is_expert=is_expert
+                    )
             weight.allreduce = not is_expert  # expert params reduce over the expert-data-parallel group
             weight.tensor_model_parallel = tp > 1
             weight.partition_dim = self.partition_dim

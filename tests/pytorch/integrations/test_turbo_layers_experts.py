@@ -227,3 +227,37 @@ def test_grouped_linear_main_grad_placeholders(megatron_world):
     weights[1].main_grad = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="weight1.main_grad must match weight1"):
         layer(x, splits)
+
+
+def test_grouped_linear_gpu_init_draws_from_the_expert_rng_stream(megatron_world, monkeypatch):
+    """With use_cpu_initialization=False Megatron draws expert weights inside the expert-parallel RNG tracker
+    (seeded per EP rank, as TE GroupedLinear and SequentialMLP do); the default generator, seeded alike on
+    every rank, would give every EP rank the same experts. Under the CPU shims the tracker runs on the CPU
+    generator (seeded for real here: the shims make torch.cuda.manual_seed a no-op), so this checks the
+    GPU code path."""
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        get_expert_parallel_rng_tracker_name,
+        model_parallel_cuda_manual_seed,
+    )
+    from primus_turbo.integrations.megatron.turbo_layers import TurboRowParallelGroupedLinear
+
+    def init(w):
+        return torch.nn.init.normal_(w, std=0.02)
+
+    monkeypatch.setattr(torch.cuda, "manual_seed", torch.manual_seed)
+    model_parallel_cuda_manual_seed(1234)
+    layer = TurboRowParallelGroupedLinear(
+        3, 64, 32, config=_config(params_dtype=torch.bfloat16, use_cpu_initialization=False),
+        init_method=init, bias=False, skip_bias_add=False, is_expert=True,
+    )  # fmt: skip
+    model_parallel_cuda_manual_seed(1234)
+    default_stream = [init(torch.empty(32, 64, dtype=torch.bfloat16)) for _ in range(3)]
+    model_parallel_cuda_manual_seed(1234)
+    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+        expert_stream = [init(torch.empty(32, 64, dtype=torch.bfloat16)) for _ in range(3)]
+    for i in range(3):
+        got = getattr(layer, f"weight{i}").detach().cpu()
+        torch.testing.assert_close(got, expert_stream[i], rtol=0, atol=0)
+        assert not torch.equal(got, default_stream[i]), "expert weights came from the default generator"
+    assert layer.weight0.partition_dim == 1 and not layer.weight0.allreduce
