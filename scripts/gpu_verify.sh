@@ -13,8 +13,11 @@
 #                                              compare.py parity=true: bf16 on GPU 0 and fp8 on GPU 1 at once, in
 #                                              the background while the other steps run (loss only, so sharing the
 #                                              GPUs with tests is fine; do not combine with BENCHES), then one report.
-#                                              PARITY_RUNS="fp8:fp8.recipe=blockwise fp8:fp8.recipe=rowwise": other
-#                                              runs, one per GPU, each in its own folder parity_<precision>_<override>
+#                                              PARITY_RUNS="fp8:fp8.recipe=blockwise bf16:turbo=off,turbo.gemm=false
+#                                              bf16:PRIMUS_TURBO_GEMM_BACKEND=TRITON": other runs (',' separates a
+#                                              run's overrides; an upper-case NAME=value is an environment variable),
+#                                              each in its own folder parity_<precision>_<overrides>, spread over
+#                                              the GPUs round-robin (PARITY_GPUS=N: several runs share a GPU)
 # Pass PRIMUS_TURBO_COMMIT=<sha>: the device copy of the tree has no (or a stale) .git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,13 +36,21 @@ export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTI
 export PYTHONUNBUFFERED=1
 PARITY_PIDS=()
 if [ -n "${PARITY:-}" ]; then
-  gpu=0
-  for run in ${PARITY_RUNS:-bf16 fp8}; do  # precision[:override]; a run with an override gets its own folder
-    p=${run%%:*}; extra=; dir=parity
-    if [[ $run == *:* ]]; then extra=${run#*:}; dir=parity_${p}_${extra//[^a-zA-Z0-9]/_}; fi
-    CUDA_VISIBLE_DEVICES=$gpu timeout "${PARITY_TIMEOUT:-500}" python3 benchmark/e2e/compare.py parity=true $PARITY \
-      precisions=$p $extra "out=$WORK/$dir" > "$WORK/${dir}_$p.log" 2>&1 &
-    PARITY_PIDS+=($!); gpu=$((gpu + 1))
+  ngpu=${PARITY_GPUS:-$(nvidia-smi -L 2> /dev/null | grep -c GPU)}; [ "$ngpu" -ge 1 ] || ngpu=1
+  idx=0
+  for run in ${PARITY_RUNS:-bf16 fp8}; do  # precision[:override[,override...]]; own folder when overridden
+    p=${run%%:*}; args=(); envs=(); dir=parity
+    if [[ $run == *:* ]]; then
+      extra=${run#*:}; dir=parity_${p}_${extra//[^a-zA-Z0-9]/_}
+      IFS=',' read -ra items <<< "$extra"
+      for item in "${items[@]}"; do  # NAME=value with an upper-case NAME: an environment variable
+        if [[ $item =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$item"); else args+=("$item"); fi
+      done
+    fi
+    env "${envs[@]}" CUDA_VISIBLE_DEVICES=$((idx % ngpu)) timeout "${PARITY_TIMEOUT:-500}" \
+      python3 benchmark/e2e/compare.py parity=true $PARITY precisions=$p "${args[@]}" "out=$WORK/$dir" \
+      > "$WORK/${dir}_$p.log" 2>&1 &
+    PARITY_PIDS+=($!); idx=$((idx + 1))
   done
   echo "== parity started in the background (pids ${PARITY_PIDS[*]})"
 fi
