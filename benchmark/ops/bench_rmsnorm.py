@@ -61,7 +61,7 @@ def copy_bandwidth() -> float:
 def candidates(residual: bool) -> dict:
     compiled = torch.compile(residual_math if residual else rmsnorm_math, dynamic=False)
     out = {}
-    # "auto": backend=None, the dispatcher's per-stage default (TRITON forward, TURBO backward)
+    # "auto": backend=None, the dispatcher's default (TURBO; TRITON forward above 32M elements)
     for name in ("TURBO", "TRITON", None):
         if name == "TURBO" and not HAS_CPP_EXTENSION:
             continue

@@ -17,6 +17,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 sys.path.insert(0, os.path.join(REPO, "benchmark", "e2e"))
 
 import compare  # noqa: E402
+import loss_gaps  # noqa: E402
 import report  # noqa: E402
 
 
@@ -292,3 +293,26 @@ def test_parity_target_is_two_sided(scale, ok):
         report.RunResult("megatron", True, p, status="ok", rows=r) for p, r in (("bf16", bf16), ("fp8", fp8))
     ]
     assert report.parity_summary(runs)["pass"] is ok
+
+
+def test_loss_gaps_table_per_window_and_clear_errors(tmp_path, capsys):
+    def write(folder, losses):
+        path = tmp_path / folder / "runs" / "megatron_turbo_bf16.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_text("".join(json.dumps({"step": i + 1, "loss": v}) + "\n" for i, v in enumerate(losses)))
+        return str(path)
+
+    ref = write("ref", [4.0] * 5 + [2.0] * 5)
+    other = write("perturbed", [4.0] * 5 + [2.1] * 5)  # +0% then +5% in the second window
+    loss_gaps.main([ref, other, "--parts", "2"])
+    lines = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()[2:]]
+    rows = {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in lines}
+    assert list(rows) == ["1-5", "6-10", "smoothed final"]
+    assert rows["1-5"] == ["4.0000", "+0.00%"]
+    assert rows["6-10"] == ["2.0000", "+5.00%"]
+    assert rows["smoothed final"] == ["2.0000", "2.1000"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit):
+        loss_gaps.main([ref, str(empty)])
+    assert "empty.jsonl: no loss rows" in capsys.readouterr().err

@@ -142,11 +142,20 @@ def test_non_contiguous(backend, device):
 
 
 def test_default_backend_rule_per_stage():
-    class _CudaLike:  # only .is_cuda is read by the rule
+    class _CudaLike:  # only .is_cuda and .numel() are read by the rule
         is_cuda = True
 
-    assert RMSNormDispatcher.default_backend(stage="fwd", x=_CudaLike()) == BackendType.TRITON
-    assert RMSNormDispatcher.default_backend(stage="bwd", x=_CudaLike()) == BackendType.TURBO
+        def __init__(self, rows, hidden):
+            self.n = rows * hidden
+
+        def numel(self):
+            return self.n
+
+    small, large = _CudaLike(8192, 4096), _CudaLike(16384, 4096)  # 32M elements: the last TURBO forward
+    assert RMSNormDispatcher.default_backend(stage="fwd", x=small) == BackendType.TURBO
+    assert RMSNormDispatcher.default_backend(stage="fwd", x=large) == BackendType.TRITON
+    assert RMSNormDispatcher.default_backend(stage="bwd", x=small) == BackendType.TURBO
+    assert RMSNormDispatcher.default_backend(stage="bwd", x=large) == BackendType.TURBO
     assert RMSNormDispatcher.default_backend(stage="bwd", x=torch.empty(1)) == BackendType.TORCH
 
 

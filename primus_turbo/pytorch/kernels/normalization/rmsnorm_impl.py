@@ -4,9 +4,9 @@
 
 Residual variant: x is replaced by s = x + residual (rounded to x.dtype, as the unfused ops do),
 and s is returned too. rstd (fp32 [rows]) is saved for the backward, which every backend can read
-whichever backend produced it. Backends (on CUDA the forward defaults to TRITON and the backward to
-TURBO, the faster of each on H200, see ``RMSNormDispatcher.default_backend``; else TURBO > TRITON >
-TORCH):
+whichever backend produced it. Backends (on CUDA the backward defaults to TURBO, the forward to
+TURBO up to 32M elements and TRITON above, see ``RMSNormDispatcher.default_backend``; else TURBO >
+TRITON > TORCH):
 
 * ``TURBO``: CUDA C++ kernels in csrc/kernels/normalization/rmsnorm.cu (needs the ``_C`` extension;
   rows up to 16384 bf16/fp16 or 8192 fp32 elements when 16-byte vectorizable, else 4096).
@@ -40,6 +40,7 @@ __all__ = [
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TRITON_MAX_HIDDEN = 65536
+_TURBO_FWD_MAX_NUMEL = 1 << 25  # default forward: TURBO up to here, TRITON above (default_backend)
 
 
 def turbo_max_hidden(hidden: int, dtype: torch.dtype, tensors: list[torch.Tensor | None]) -> int:
@@ -141,15 +142,21 @@ class RMSNormDispatcher(AutoKernelDispatcher):
 
     @classmethod
     def default_backend(cls, stage, x, **_) -> BackendType | None:
-        """Measured rule (H200, bench_rmsnorm --quick, hidden 4096 and 7168, bf16): the TRITON forward
-        beats the TURBO one (88% / 87% of copy bandwidth vs 83% / 73%) and the TURBO backward beats
-        the TRITON one (71% / 74% vs 65% / 63%), so each stage takes its faster backend (rstd is
-        shared, so a TRITON forward feeds a TURBO backward). A backend that cannot serve the inputs
-        falls through to the order TURBO > TRITON > TORCH. CPU: TORCH (the Triton interpreter is
-        orders of magnitude slower than eager torch)."""
+        """Measured rule (bench_rmsnorm, bf16; H100 full sweep 2026-11-25, H200 --quick 2026-11-24):
+        the TURBO backward beats the TRITON one at every shape (H100: 91-96% of copy bandwidth vs
+        77-85% at 16384+ rows; H200: 80-83% vs 44-63%). The forward is a near tie on the GPU (H100:
+        TRITON 1-5% faster above 32M elements, H200: TRITON +6% at 16384x4096, TURBO +3% at 16384x7168)
+        but not on the host: a Triton launch costs several times a C++ one, so up to 32M elements
+        (a 64 MB bf16 input, where the kernel is a few tens of microseconds) the TURBO forward wins
+        (H100 8192x4096: 2596 vs 1582 GB/s) and above it TRITON is the default. rstd is shared, so a
+        TRITON forward feeds a TURBO backward. A backend that cannot serve the inputs falls through to
+        the order TURBO > TRITON > TORCH. CPU: TORCH (the Triton interpreter is orders of magnitude
+        slower than eager torch)."""
         if not x.is_cuda:
             return BackendType.TORCH
-        return BackendType.TRITON if stage == "fwd" else BackendType.TURBO
+        if stage == "fwd" and x.numel() > _TURBO_FWD_MAX_NUMEL:
+            return BackendType.TRITON
+        return BackendType.TURBO
 
     @classmethod
     def run(cls, backend: str, **kwargs):
