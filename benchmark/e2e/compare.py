@@ -16,6 +16,8 @@ Options (key=value; every other key=value is passed to train.py as a Hydra overr
   out=DIR                default benchmark/results/<gpu>/e2e/<recipe>_<nproc>gpu[_parity]
   parity=true            turbo on, bf16 vs fp8 on the shipped text sample (data.kind=text unless given), same
                          seed and data order; the report adds the final-loss gap (target: fp8 within 1%)
+  seeds=a,b,c            every configuration once per train.seed (parity: the gap is the mean over the seeds;
+                         one run's gap is within its noise floor, see report.NOISE_NOTE)
   stock_fp8=true         also run the stock fp8 rows (they stop at start-up: Megatron-Core has no FP8
                          without Transformer Engine, stock TorchTitan FP8 needs torchao)
   reuse=true             keep a configuration whose DIR/runs/<config>.jsonl already holds all `steps` rows
@@ -54,7 +56,7 @@ REPO = Path(__file__).resolve().parents[2]
 OPTIONS = {
     "recipe": "tiny_moe", "frameworks": "megatron", "nproc": "1", "precisions": "bf16,fp8", "turbo": "off,on",
     "steps": None, "warmup": "10", "timeout": "1800", "out": None, "parity": "false", "stock_fp8": "false",
-    "dry_run": "false", "reuse": "false", "profile": "false",
+    "dry_run": "false", "reuse": "false", "profile": "false", "seeds": "",
 }  # fmt: skip
 TRUE = ("1", "true", "yes", "on")
 NO_STOCK_FP8 = {
@@ -87,6 +89,14 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     bad = [v for v in opts["turbo"] if v not in ("on", "off")]
     if bad:
         raise SystemExit(f"compare.py: turbo={','.join(bad)}: expected on, off or on,off")
+    try:
+        opts["seeds"] = [int(v) for v in opts["seeds"].split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"compare.py: seeds={opts['seeds']}: expected comma-separated integers, e.g. 1,2,3"
+        ) from None
+    if opts["seeds"] and any(o.split("=", 1)[0].lstrip("+") == "train.seed" for o in overrides):
+        raise SystemExit("compare.py: give either seeds=... or train.seed=..., not both")
     bad = [v for v in opts["precisions"] if v not in ("bf16", "fp8")]
     if bad:
         raise SystemExit(f"compare.py: precisions={','.join(bad)}: expected bf16, fp8 or bf16,fp8")
@@ -150,14 +160,15 @@ def run_metadata(opts: dict, overrides: list[str], device: str | None) -> dict:
 
 def matrix(opts: dict) -> list[RunResult]:
     runs = []
-    for framework in opts["frameworks"]:
-        for turbo in opts["turbo"]:
-            for precision in opts["precisions"]:
-                run = RunResult(framework=framework, turbo=turbo == "on", precision=precision)
-                stock_fp8 = not run.turbo and precision == "fp8" and framework in NO_STOCK_FP8
-                if stock_fp8 and opts["stock_fp8"].lower() not in TRUE:
-                    run.status, run.error = "skipped", NO_STOCK_FP8[framework]
-                runs.append(run)
+    for seed in opts.get("seeds") or [None]:
+        for framework in opts["frameworks"]:
+            for turbo in opts["turbo"]:
+                for precision in opts["precisions"]:
+                    run = RunResult(framework=framework, turbo=turbo == "on", precision=precision, seed=seed)
+                    stock_fp8 = not run.turbo and precision == "fp8" and framework in NO_STOCK_FP8
+                    if stock_fp8 and opts["stock_fp8"].lower() not in TRUE:
+                        run.status, run.error = "skipped", NO_STOCK_FP8[framework]
+                    runs.append(run)
     return runs
 
 
@@ -179,6 +190,7 @@ def command(run: RunResult, opts: dict, overrides: list[str], runs_dir: Path) ->
         f"precision={run.precision}", f"turbo.enabled={str(run.turbo).lower()}",
         f"train.steps={opts['steps']}", "train.log_interval=1", "train.progress=false",
         f"train.metrics_file={run.metrics_path}", *overrides,
+        *([] if run.seed is None else [f"train.seed={run.seed}"]),
     ]  # fmt: skip
 
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from report import FP8_PARITY_TARGET, RunResult, summarize
+from report import FP8_PARITY_TARGET, RunResult, parity_pairs, summarize
 
 
 def _parity_gap(results: list[RunResult]) -> tuple[list[int], list[float]] | None:
     """Per-step (fp8 - bf16) / bf16 loss in %, rolling mean over 5% of the steps; None without a pair."""
-    ok = {(r.framework, r.precision): r for r in results if r.status == "ok" and r.turbo}
-    pair = next(((b, ok[(f, "fp8")]) for (f, p), b in ok.items() if p == "bf16" and (f, "fp8") in ok), None)
-    if pair is None:
+    pairs = parity_pairs(results)
+    if not pairs:
         return None
+    pair = pairs[0]
     bf16 = {row["step"]: row["loss"] for row in pair[0].rows}
     steps = [row["step"] for row in pair[1].rows if row["step"] in bf16]
     gap = [100 * (row["loss"] - bf16[row["step"]]) / bf16[row["step"]] for row in pair[1].rows

@@ -38,14 +38,17 @@ class RunResult:
     profile_path: str = ""
     profile: dict | None = None  # profile_entry.py summary: top ops by self time per step
     rows: list[dict] = dataclasses.field(default_factory=list)
+    seed: int | None = None  # train.seed of this run (compare.py seeds=...); None: the recipe's
 
     @property
     def label(self) -> str:
-        return f"{self.framework} {'turbo' if self.turbo else 'stock'} {self.precision}"
+        seed = "" if self.seed is None else f" seed{self.seed}"
+        return f"{self.framework} {'turbo' if self.turbo else 'stock'} {self.precision}{seed}"
 
     @property
     def slug(self) -> str:
-        return f"{self.framework}_{'turbo' if self.turbo else 'stock'}_{self.precision}"
+        seed = "" if self.seed is None else f"_seed{self.seed}"
+        return f"{self.framework}_{'turbo' if self.turbo else 'stock'}_{self.precision}{seed}"
 
 
 def load_metrics(path: str | Path) -> list[dict]:
@@ -100,8 +103,9 @@ def smoothed_final_loss(rows: list[dict]) -> float | None:
 def gap_windows(bf16: list[dict], fp8: list[dict], parts: int = 5) -> list[dict]:
     """Mean losses and the fp8-vs-bf16 gap over ``parts`` equal step windows: a drift shows as a trend."""
     n = min(len(bf16), len(fp8))
+    parts = min(parts, n)  # a run shorter than ``parts`` steps: one step per window
     out = []
-    for i in range(min(parts, n)):
+    for i in range(parts):
         lo, hi = i * n // parts, (i + 1) * n // parts
         ref = statistics.fmean(r["loss"] for r in bf16[lo:hi])
         got = statistics.fmean(r["loss"] for r in fp8[lo:hi])
@@ -160,28 +164,48 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+# Measured noise floor of the parity metric (results/h100/e2e/deepseek_moe_fp8_2layers_parity_seed4321): a
+# same-init bf16 run whose only change is the weight-gradient accumulation path ended 1.7% away at step 300.
+NOISE_NOTE = (
+    "One seed: a same-init bf16 run that differs only in how weight gradients are accumulated ended 1.7% "
+    "away after 300 steps (benchmark/results/h100/e2e/deepseek_moe_fp8_2layers_parity_seed4321), so one "
+    "run's gap cannot resolve a 1% target: pass seeds=a,b,c and read the mean."
+)
+
+
+def parity_pairs(results: list[RunResult]) -> list[tuple[RunResult, RunResult]]:
+    """(bf16, fp8) turbo runs of the same framework and seed, both successful: the first framework only."""
+    ok = {(r.framework, r.seed, r.precision): r for r in results if r.status == "ok" and r.turbo}
+    frameworks = [f for f, _, p in ok if p == "bf16"]
+    pairs = [(ok[k], ok[(k[0], k[1], "fp8")]) for k in ok if k[2] == "bf16" and (k[0], k[1], "fp8") in ok]
+    return [pair for pair in pairs if frameworks and pair[0].framework == frameworks[0]]
+
+
 def parity_summary(results: list[RunResult]) -> dict | None:
-    """FP8 vs bf16 final-loss gap for the first framework with both precisions (turbo on)."""
-    ok = {(r.framework, r.precision): r for r in results if r.status == "ok" and r.turbo}
-    for (framework, precision), bf16 in ok.items():
-        fp8 = ok.get((framework, "fp8"))
-        if precision != "bf16" or fp8 is None:
-            continue
+    """FP8 vs bf16 final-loss gap (turbo on), per seed and averaged over the seeds that have both runs."""
+    pairs = parity_pairs(results)
+    if not pairs:
+        return None
+    per_seed = []
+    for bf16, fp8 in pairs:
         ref, got = smoothed_final_loss(bf16.rows), smoothed_final_loss(fp8.rows)
-        gap = (got - ref) / ref
-        steps = min(len(bf16.rows), len(fp8.rows))
-        return {
-            "framework": framework,
-            "steps": steps,
-            "final_window": final_window(steps),
-            "windows": gap_windows(bf16.rows[:steps], fp8.rows[:steps]),
-            "bf16_final_loss": ref,
-            "fp8_final_loss": got,
-            "relative_gap": gap,
-            "target": FP8_PARITY_TARGET,
-            "pass": abs(gap) <= FP8_PARITY_TARGET,  # within 1% either way: lower is a difference too
-        }
-    return None
+        per_seed.append({"seed": bf16.seed, "bf16": ref, "fp8": got, "gap": (got - ref) / ref})
+    gap = statistics.fmean(p["gap"] for p in per_seed)
+    bf16, fp8 = pairs[0]
+    steps = min(len(bf16.rows), len(fp8.rows))
+    return {
+        "framework": bf16.framework,
+        "steps": steps,
+        "final_window": final_window(steps),
+        "windows": gap_windows(bf16.rows[:steps], fp8.rows[:steps]),
+        "bf16_final_loss": statistics.fmean(p["bf16"] for p in per_seed),
+        "fp8_final_loss": statistics.fmean(p["fp8"] for p in per_seed),
+        "relative_gap": gap,
+        "per_seed": per_seed,
+        "spread": max(p["gap"] for p in per_seed) - min(p["gap"] for p in per_seed),
+        "target": FP8_PARITY_TARGET,
+        "pass": abs(gap) <= FP8_PARITY_TARGET,  # within 1% either way: lower is a difference too
+    }
 
 
 def targets_section(results: list[RunResult], warmup: int) -> list[str]:
@@ -214,16 +238,34 @@ def _parity_section(parity: dict | None) -> list[str]:
     if parity is None:
         return ["## FP8 convergence parity", "", "No successful turbo bf16 + fp8 pair: no gap to report.", ""]
     verdict = "PASS" if parity["pass"] else "FAIL"
-    return [
+    seeds = parity["per_seed"]
+    over = f"mean over {len(seeds)} seeds, " if len(seeds) > 1 else ""
+    lines = [
         "## FP8 convergence parity",
         "",
-        f"{parity['framework']}, {parity['steps']} steps, same seed and data order. Final loss = mean of the "
-        f"last {parity['final_window']} steps (10% of the run, at most 50).",
+        f"{parity['framework']}, {parity['steps']} steps, same seed and data order per pair. Final loss = "
+        f"mean of the last {parity['final_window']} steps (10% of the run, at most 50).",
         "",
         f"- bf16: {parity['bf16_final_loss']:.4f}",
         f"- fp8:  {parity['fp8_final_loss']:.4f}",
-        f"- gap:  {100 * parity['relative_gap']:+.2f}% (fp8 vs bf16; target within "
+        f"- gap:  {100 * parity['relative_gap']:+.2f}% ({over}fp8 vs bf16; target within "
         f"+-{100 * parity['target']:.0f}%): **{verdict}**",
+        "",
+    ]
+    if len(seeds) > 1:
+        lines += [
+            f"Per seed (spread {100 * parity['spread']:.2f} points):",
+            "",
+            "| seed | bf16 final loss | fp8 final loss | gap |",
+            "|---|---|---|---|",
+            *(f"| {p['seed']} | {p['bf16']:.4f} | {p['fp8']:.4f} | {100 * p['gap']:+.2f}% |" for p in seeds),
+            "",
+        ]
+    else:
+        lines += [NOISE_NOTE, ""]
+    first = "" if seeds[0]["seed"] is None else f" (seed {seeds[0]['seed']})"
+    return lines + [
+        f"Per window{first}:",
         "",
         "| steps | bf16 mean loss | fp8 mean loss | gap |",
         "|---|---|---|---|",

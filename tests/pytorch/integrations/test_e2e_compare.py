@@ -282,6 +282,8 @@ def test_parity_windows_show_a_drifting_gap():
     assert math.isclose(parity["relative_gap"], 0.0005 * 95.5)  # mean of steps 91..100
     gaps = [w["gap"] for w in parity["windows"]]
     assert len(gaps) == 5 and gaps == sorted(gaps) and parity["windows"][-1]["first"] == 81
+    short = report.gap_windows(bf16[:3], fp8[:3])  # fewer steps than windows: one step each, no empty window
+    assert [(w["first"], w["last"]) for w in short] == [(1, 1), (2, 2), (3, 3)]
 
 
 @pytest.mark.parametrize("scale,ok", [(0.995, True), (1.005, True), (0.97, False), (1.03, False)])
@@ -293,6 +295,44 @@ def test_parity_target_is_two_sided(scale, ok):
         report.RunResult("megatron", True, p, status="ok", rows=r) for p, r in (("bf16", bf16), ("fp8", fp8))
     ]
     assert report.parity_summary(runs)["pass"] is ok
+
+
+def _flat_pair(seed, scale):
+    bf16 = [{**row, "loss": 2.0} for row in _rows(500.0, 0.0, steps=100)]
+    fp8 = [{**row, "loss": 2.0 * scale} for row in _rows(400.0, 0.0, steps=100)]
+    return [
+        report.RunResult("megatron", True, p, status="ok", rows=r, seed=seed)
+        for p, r in (("bf16", bf16), ("fp8", fp8))
+    ]
+
+
+def test_parity_over_seeds_takes_the_mean_gap_and_lists_each_seed(tmp_path):
+    """Seeds pair with their own bf16 run only; the verdict is the mean gap (+2% and -1.8%: +0.1%, a pass)."""
+    runs = _flat_pair(1, 1.02) + _flat_pair(2, 0.982)
+    parity = report.parity_summary(runs)
+    assert [p["seed"] for p in parity["per_seed"]] == [1, 2]
+    gaps = [p["gap"] for p in parity["per_seed"]]
+    assert math.isclose(gaps[0], 0.02) and math.isclose(gaps[1], -0.018)
+    assert math.isclose(parity["relative_gap"], 0.001) and parity["pass"]
+    assert math.isclose(parity["spread"], 0.038)
+    text = report.write_report(tmp_path, runs, warmup=1, meta={}, parity=True).read_text()
+    assert "+0.10% (mean over 2 seeds" in text and "| 2 | 2.0000 | 1.9640 | -1.80% |" in text
+    assert "megatron turbo fp8 seed2" in text and report.NOISE_NOTE not in text
+    one = report.write_report(tmp_path / "one", _flat_pair(None, 1.02), warmup=1, meta={}, parity=True)
+    assert report.NOISE_NOTE in one.read_text() and "**FAIL**" in one.read_text()
+
+
+def test_seeds_option_runs_every_configuration_per_seed(tmp_path, capsys):
+    opts, overrides = compare.parse_args(["parity=true", "seeds=1,4321", "steps=4"])
+    runs = compare.matrix(opts)
+    assert [(r.precision, r.seed) for r in runs] == [("bf16", 1), ("fp8", 1), ("bf16", 4321), ("fp8", 4321)]
+    cmd = compare.command(runs[3], opts, overrides, tmp_path)
+    assert cmd[-1] == "train.seed=4321" and cmd.count("train.seed=4321") == 1
+    assert runs[3].metrics_path.endswith("megatron_turbo_fp8_seed4321.jsonl")
+    with pytest.raises(SystemExit, match="seeds=1,x: expected comma-separated integers"):
+        compare.parse_args(["seeds=1,x"])
+    with pytest.raises(SystemExit, match="either seeds=... or train.seed"):
+        compare.parse_args(["seeds=1", "train.seed=3"])
 
 
 def test_loss_gaps_table_per_window_and_clear_errors(tmp_path, capsys):
