@@ -17,7 +17,8 @@
 #                                              bf16:PRIMUS_TURBO_GEMM_BACKEND=TRITON": other runs (',' separates a
 #                                              run's overrides; an upper-case NAME=value is an environment variable),
 #                                              each in its own folder parity_<precision>_<overrides>, spread over
-#                                              the GPUs round-robin (PARITY_GPUS=N: several runs share a GPU)
+#                                              the GPUs round-robin (PARITY_GPUS=N: several runs share a GPU;
+#                                              on one GPU, TESTS wait until the parity runs end)
 # Pass PRIMUS_TURBO_COMMIT=<sha>: the device copy of the tree has no (or a stale) .git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,13 @@ step() {
 OUT=$WORK bash scripts/gpu_suite.sh setup > "$WORK/setup.log" 2>&1; tail -3 "$WORK/setup.log"; pack
 export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
-PARITY_PIDS=()
+PARITY_PIDS=(); PARITY_WAITED=0
+wait_parity() {  # once: wait for the background parity runs, packing partial curves meanwhile
+  [ ${#PARITY_PIDS[@]} -gt 0 ] && [ $PARITY_WAITED -eq 0 ] || return 0
+  PARITY_WAITED=1
+  while kill -0 "${PARITY_PIDS[@]}" 2> /dev/null; do sleep 20; pack; done  # partial curves survive a killed call
+  for pid in "${PARITY_PIDS[@]}"; do wait "$pid"; echo "== parity pid $pid rc=$? (call $((SECONDS - T0)) s)"; done
+}
 if [ -n "${PARITY:-}" ]; then
   ngpu=${PARITY_GPUS:-$(nvidia-smi -L 2> /dev/null | grep -c GPU)}; [ "$ngpu" -ge 1 ] || ngpu=1
   idx=0
@@ -55,6 +62,9 @@ if [ -n "${PARITY:-}" ]; then
   echo "== parity started in the background (pids ${PARITY_PIDS[*]})"
 fi
 if [ -n "${TESTS:-}" ]; then
+  if [ ${#PARITY_PIDS[@]} -gt 0 ] && [ "$ngpu" -le 1 ]; then  # a 23-48 GB run + test workers OOM one GPU
+    echo "== one GPU: the tests wait for the parity runs"; wait_parity
+  fi
   step "${TEST_TIMEOUT:-90}" tests python3 -m pytest -n "${TEST_JOBS:-8}" -q --timeout=600 -p no:cacheprovider -m "not multigpu" $TESTS
   grep -E "FAILED|ERROR|passed|failed" "$WORK/tests.log" | tail -30
 fi
@@ -90,8 +100,7 @@ for b in ${BENCHES:-}; do
   grep -v "^ *$" "$WORK/$b.log" | tail -14
 done
 if [ ${#PARITY_PIDS[@]} -gt 0 ]; then
-  while kill -0 "${PARITY_PIDS[@]}" 2> /dev/null; do sleep 20; pack; done  # partial curves survive a killed call
-  for pid in "${PARITY_PIDS[@]}"; do wait "$pid"; echo "== parity pid $pid rc=$? (call $((SECONDS - T0)) s)"; done
+  wait_parity
   if [ -z "${PARITY_RUNS:-}" ]; then
     step 60 parity python3 benchmark/e2e/compare.py parity=true $PARITY reuse=true "out=$WORK/parity"
   fi
