@@ -25,7 +25,7 @@ from primus_turbo.pytorch.kernels.moe.permute_impl import (  # noqa: E402
     PermuteTurbo,
     build_row_id_map,
 )
-from primus_turbo.pytorch.kernels.moe.router_impl import router_forward_eager  # noqa: E402
+from primus_turbo.pytorch.kernels.moe.router_impl import _score_code, router_forward_eager  # noqa: E402
 from primus_turbo.pytorch.ops.activation import swiglu_with_probs  # noqa: E402
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute  # noqa: E402
 from primus_turbo.pytorch.ops.moe.router import fused_topk_routing  # noqa: E402
@@ -70,13 +70,14 @@ def bench_router(t, e, k, groups, topk_groups):
     logits = torch.randn(t, e, device="cuda", requires_grad=True)
     bias = torch.randn(e, device="cuda") * 0.1
     kw = dict(score_function="sigmoid", num_groups=groups, topk_groups=topk_groups, scaling_factor=2.5,
-              expert_bias=bias)  # fmt: skip
+              expert_bias=bias, norm_topk=True)  # fmt: skip  (DeepSeek-V3)
+    score = _score_code("sigmoid", False, norm_topk=True)
 
     def turbo(x):
         return fused_topk_routing(x, k, **kw)[0]
 
-    def eager(x):  # the same math in eager PyTorch (sigmoid = score code 2)
-        return router_forward_eager(x, k, 2, groups, topk_groups, 2.5, bias)[0]
+    def eager(x):  # the same math in eager PyTorch
+        return router_forward_eager(x, k, score, groups, topk_groups, 2.5, bias)[0]
 
     compiled = torch.compile(eager)
     fwd_b = t * e * (4 + 4 + 1) + t * k * 8

@@ -85,7 +85,7 @@ def _router(ctx) -> str:
         return fused_topk_routing(
             logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
             num_groups=num_groups, topk_groups=group_topk, scaling_factor=scaling_factor,
-            expert_bias=expert_bias,
+            expert_bias=expert_bias, norm_topk=score_function == "sigmoid" and topk > 1,  # Megatron's rule
         )  # fmt: skip
 
     router.topk_routing_with_score_function = turbo_topk_routing

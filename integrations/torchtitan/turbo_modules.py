@@ -139,7 +139,7 @@ class TurboTopKRouter(TokenChoiceTopKRouter):
     """``TokenChoiceTopKRouter.forward`` in one fused routing kernel (incl. group-limited routing).
 
     Same results as the stock router for the semantics ``router_semantics_problem`` accepts: softmax over
-    all experts without renormalisation, or sigmoid with renormalisation; group-limited routing that
+    all experts or sigmoid, each with or without ``route_norm`` (``norm_topk``); group-limited routing that
     ranks groups by the sum of their top-2 scores (top_k / num_limited_groups == 2, as DeepSeek-V2/V3).
     """
 
@@ -149,7 +149,7 @@ class TurboTopKRouter(TokenChoiceTopKRouter):
             logits.float(), self.top_k, score_function=self.score_func,
             use_pre_softmax=self.score_func == "softmax", num_groups=self.num_expert_groups,
             topk_groups=self.num_limited_groups, scaling_factor=self.route_scale, expert_bias=expert_bias,
-            return_indices=True,
+            norm_topk=bool(self.route_norm), return_indices=True,
         )  # fmt: skip
         top_scores = probs.gather(1, indices)
         # int64 counts like CUDA histc on int64 indices (sync-free; defined on CPU, where histc is not)
@@ -163,10 +163,6 @@ def router_semantics_problem(router: TokenChoiceTopKRouter) -> str | None:
     """Why the fused routing kernel would route ``router`` differently from the stock one (None: same)."""
     if router._debug_force_load_balance:
         return "debug.moe_force_load_balance is set"
-    if router.score_func == "softmax" and router.route_norm:
-        return "softmax routing with route_norm=True (the fused kernel does not renormalise softmax scores)"
-    if router.score_func == "sigmoid" and not router.route_norm and router.top_k > 1:
-        return "sigmoid routing without route_norm (the fused kernel renormalises sigmoid scores)"
     if router.num_expert_groups and router.top_k // (router.num_limited_groups or 1) != 2:
         return (
             f"group-limited routing with top_k/num_limited_groups = {router.top_k}/"

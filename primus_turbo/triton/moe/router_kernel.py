@@ -11,8 +11,10 @@ stay eligible. The expert bias (aux-loss-free balancing) is added to the selecti
 probs come from the unbiased scores.
 
 Score functions (SCORE): 0 softmax over the selected logits (Megatron default: top-k on logits,
-then softmax), 1 softmax over all experts before top-k (use_pre_softmax), 2 sigmoid then
-normalise the selected scores when K > 1. No @triton.jit helpers (see activation_kernel.py).
+then softmax), 1 softmax over all experts before top-k (use_pre_softmax), 2 sigmoid. NORM (scores 1
+and 2; score 0 sums to 1 already) divides the selected scores by their sum (+1e-20) before the
+scaling: norm_topk / TorchTitan's route_norm / Megatron's sigmoid with K > 1. No @triton.jit helpers
+(see activation_kernel.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def router_fwd_kernel(
     E,
     scaling,
     SCORE: tl.constexpr,
+    NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     K: tl.constexpr,
     G: tl.constexpr,
@@ -107,11 +110,9 @@ def router_fwd_kernel(
         z = tl.where(is_chosen, logits, neg_inf)
         ez = tl.exp(z - tl.max(z, axis=1)[:, None])
         probs = ez / tl.sum(ez, axis=1)[:, None]
-    elif SCORE == 1:
-        probs = tl.where(is_chosen, scores, 0.0)
     else:
         probs = tl.where(is_chosen, scores, 0.0)
-        if K > 1:
+        if NORM:
             probs = probs / (tl.sum(probs, axis=1)[:, None] + 1e-20)
     probs = probs * scaling
     tl.store(probs_ptr + offs, probs.to(probs_ptr.dtype.element_ty), mask=mask)
@@ -128,6 +129,7 @@ def router_bwd_kernel(
     E,
     scaling,
     SCORE: tl.constexpr,
+    NORM: tl.constexpr,
     K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -147,22 +149,22 @@ def router_bwd_kernel(
         ez = tl.exp(z - tl.max(z, axis=1)[:, None])
         p = ez / tl.sum(ez, axis=1)[:, None]
         dl = p * (dp - tl.sum(p * dp, axis=1)[:, None])
-    elif SCORE == 1:
-        ex = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        p = ex / tl.sum(ex, axis=1)[:, None]
-        p = tl.where(mask, p, 0.0)
-        dl = p * (dp - tl.sum(p * dp, axis=1)[:, None])
     else:
-        s = 1.0 / (1.0 + tl.exp(-logits))
-        s = tl.where(mask, s, 0.0)
-        if K > 1:
-            s_sel = tl.where(is_chosen, s, 0.0)
-            denom = tl.sum(s_sel, axis=1)[:, None] + 1e-20
-            q = s_sel / denom
-            ds = tl.where(is_chosen, (dp - tl.sum(dp * q, axis=1)[:, None]) / denom, 0.0)
+        if SCORE == 1:
+            ex = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+            u = ex / tl.sum(ex, axis=1)[:, None]
         else:
-            ds = dp
-        dl = ds * s * (1.0 - s)
+            u = 1.0 / (1.0 + tl.exp(-logits))
+        u = tl.where(mask, u, 0.0)  # the unnormalised score of every expert
+        if NORM:  # probs = u_sel / (sum(u_sel) + eps): back through the normalisation first
+            u_sel = tl.where(is_chosen, u, 0.0)
+            denom = tl.sum(u_sel, axis=1)[:, None] + 1e-20
+            q = u_sel / denom
+            dp = tl.where(is_chosen, (dp - tl.sum(dp * q, axis=1)[:, None]) / denom, 0.0)
+        if SCORE == 1:
+            dl = u * (dp - tl.sum(u * dp, axis=1)[:, None])
+        else:
+            dl = dp * u * (1.0 - u)
     tl.store(grad_logits_ptr + offs, dl.to(grad_logits_ptr.dtype.element_ty), mask=mask)
 
 

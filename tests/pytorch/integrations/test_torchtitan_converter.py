@@ -157,9 +157,32 @@ def test_router_with_semantics_the_fused_kernel_lacks_is_refused_under_strict():
     _, model = _build(cfg)
     for module in model.modules():
         if hasattr(module, "route_norm"):
-            module.route_norm = True  # softmax + renormalisation: not what fused_topk_routing computes
-    with pytest.raises(PatchError, match=r"turbo\.router.*route_norm"):
+            module._debug_force_load_balance = True  # round-robin routing, not a top-k of scores
+    with pytest.raises(PatchError, match=r"turbo\.router.*moe_force_load_balance"):
         conv.convert_model(model, _options(cfg))
+
+
+@pytest.mark.parametrize("score_func, route_norm", [("softmax", True), ("sigmoid", False), ("sigmoid", True)])
+def test_router_score_function_and_route_norm_match_stock(score_func, route_norm):
+    """route_norm maps to fused_topk_routing(norm_topk=...): softmax + route_norm (Qwen3-MoE) and sigmoid
+    without it route like the stock router, forward and backward."""
+    cfg = _cfg(*TINY_GQA_MOE)
+    _, stock = _build(cfg)
+    _, turbo = _build(cfg)
+    turbo.load_state_dict(stock.state_dict())
+    for model in (stock, turbo):
+        for module in model.modules():
+            if hasattr(module, "route_norm"):
+                module.score_func, module.route_norm = score_func, route_norm
+    rows = conv.convert_model(turbo, _options(cfg))
+    assert {r.name: r.status for r in rows}["turbo.router"] == "active"
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen)
+    ref_logits, ref_grads = _fwd_bwd(stock, tokens)
+    out_logits, out_grads = _fwd_bwd(turbo, tokens)
+    assert_close(out_logits, ref_logits, msg="logits")
+    for name, grad in ref_grads.items():
+        assert_close(out_grads[name], grad, msg=name)
 
 
 def test_turbo_disabled_converts_nothing():

@@ -13,17 +13,19 @@ from primus_turbo.pytorch.ops.moe.router import (
 from primus_turbo.triton.moe import router_kernel as rk
 
 CASES = [
-    # (T, E, topk, score, pre_softmax, groups, topk_groups, scaling, bias)
-    (37, 16, 2, "softmax", False, 1, 1, 1.0, False),
-    (37, 16, 4, "softmax", True, 1, 1, 1.0, True),
-    (40, 64, 8, "sigmoid", False, 8, 4, 2.5, True),  # DeepSeek-V3 style, scaled down
-    (29, 24, 6, "sigmoid", False, 3, 2, 1.0, False),  # non power-of-2 experts and groups
-    (16, 8, 1, "sigmoid", False, 1, 1, 1.0, True),
+    # (T, E, topk, score, pre_softmax, groups, topk_groups, scaling, bias, norm_topk)
+    (37, 16, 2, "softmax", False, 1, 1, 1.0, False, False),
+    (37, 16, 4, "softmax", True, 1, 1, 1.0, True, False),
+    (37, 16, 4, "softmax", True, 1, 1, 1.5, False, True),  # TorchTitan softmax + route_norm (Qwen3-MoE)
+    (40, 64, 8, "sigmoid", False, 8, 4, 2.5, True, True),  # DeepSeek-V3 style, scaled down
+    (29, 24, 6, "sigmoid", False, 3, 2, 1.0, False, True),  # non power-of-2 experts and groups
+    (29, 24, 6, "sigmoid", False, 1, 1, 1.0, True, False),  # sigmoid, no renormalisation
+    (16, 8, 1, "sigmoid", False, 1, 1, 1.0, True, False),
 ]
 
 
 def _run(case, dtype, device):
-    t, e, k, score, pre, groups, kg, scaling, with_bias = case
+    t, e, k, score, pre, groups, kg, scaling, with_bias, norm = case
     logits = torch.randn(t, e, dtype=dtype, device=device, requires_grad=True)
     bias = torch.randn(e, device=device) * 0.5 if with_bias else None
     kw = dict(
@@ -33,6 +35,7 @@ def _run(case, dtype, device):
         topk_groups=kg,
         scaling_factor=scaling,
         expert_bias=bias,
+        norm_topk=norm,
     )
     probs, routing_map, idx = fused_topk_routing(logits, k, return_indices=True, **kw)
     ref_probs, ref_map, ref_idx = topk_routing_ref(logits.detach(), k, **kw)
@@ -56,7 +59,11 @@ def test_router_fp32(case, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [4096, 16384])
 @pytest.mark.parametrize(
-    "case", [(0, 256, 8, "sigmoid", False, 8, 4, 2.5, True), (0, 64, 6, "softmax", False, 1, 1, 1.0, False)]
+    "case",
+    [
+        (0, 256, 8, "sigmoid", False, 8, 4, 2.5, True, True),
+        (0, 64, 6, "softmax", False, 1, 1, 1.0, False, False),
+    ],
 )
 def test_router_gpu_real_shapes(t, case, device):
     _run((t,) + case[1:], torch.float32, device)
@@ -70,17 +77,36 @@ def test_router_matches_megatron(device):
         logits, 8, num_groups=8, group_topk=4, scaling_factor=2.5, score_function="sigmoid", expert_bias=bias
     )
     probs, routing_map = fused_topk_routing(
-        logits, 8, score_function="sigmoid", num_groups=8, topk_groups=4, scaling_factor=2.5, expert_bias=bias
-    )
+        logits, 8, score_function="sigmoid", num_groups=8, topk_groups=4, scaling_factor=2.5,
+        expert_bias=bias, norm_topk=True,  # what the Megatron patch passes for sigmoid with topk > 1
+    )  # fmt: skip
     assert torch.equal(routing_map, ref_map)
     assert_close(probs, ref_probs, torch.float32)
+
+
+def test_norm_topk_renormalises_the_chosen_scores_before_scaling(device):
+    logits = torch.randn(64, 16, device=device)
+    for score, pre in (("sigmoid", False), ("softmax", True)):
+        raw, routing_map = fused_topk_routing(logits, 4, score_function=score, use_pre_softmax=pre)
+        normed, _ = fused_topk_routing(
+            logits, 4, score_function=score, use_pre_softmax=pre, scaling_factor=2.0, norm_topk=True
+        )
+        assert ((raw.sum(-1) - 1).abs() > 1e-3).all()  # 4 sigmoid / softmax-over-all scores: not 1
+        assert_close(normed, 2.0 * raw / raw.sum(-1, keepdim=True), torch.float32)
+        assert_close(normed.sum(-1), torch.full((64,), 2.0, device=device), torch.float32)
+    plain, _ = fused_topk_routing(logits, 4)
+    assert_close(fused_topk_routing(logits, 4, norm_topk=True)[0], plain, torch.float32)  # no-op for softmax
+    with pytest.raises(TypeError, match="norm_topk must be a bool"):
+        fused_topk_routing(logits, 4, norm_topk="yes")
 
 
 def test_router_bias_changes_selection_not_probs(device):
     logits = torch.randn(64, 16, device=device)
     bias = torch.zeros(16, device=device)
     bias[3] = 100.0  # expert 3 always selected
-    probs, routing_map = fused_topk_routing(logits, 2, score_function="sigmoid", expert_bias=bias)
+    probs, routing_map = fused_topk_routing(
+        logits, 2, score_function="sigmoid", expert_bias=bias, norm_topk=True
+    )
     assert routing_map[:, 3].all()
     sig = torch.sigmoid(logits)
     sel = sig * routing_map
@@ -156,6 +182,7 @@ FWD_SIG = {
     "E": "i32",
     "scaling": "fp32",
     "SCORE": "constexpr",
+    "NORM": "constexpr",
     "HAS_BIAS": "constexpr",
     "K": "constexpr",
     "G": "constexpr",
@@ -173,6 +200,7 @@ BWD_SIG = {
     "E": "i32",
     "scaling": "fp32",
     "SCORE": "constexpr",
+    "NORM": "constexpr",
     "K": "constexpr",
     "BLOCK_T": "constexpr",
     "BLOCK_E": "constexpr",
@@ -180,7 +208,9 @@ BWD_SIG = {
 
 
 def _compile_all():
-    for e, k, g, kg, score in [(256, 8, 8, 4, 2), (64, 6, 1, 1, 0), (160, 6, 1, 1, 1), (1024, 8, 1, 1, 2)]:
+    for e, k, g, kg, score, norm in [
+        (256, 8, 8, 4, 2, True), (64, 6, 1, 1, 0, False), (160, 6, 1, 1, 1, True), (1024, 8, 1, 1, 2, False)
+    ]:  # fmt: skip
         bt = rk.router_block_t(e)
         be = 1 << (e - 1).bit_length()
         compile_for_sm90(
@@ -188,6 +218,7 @@ def _compile_all():
             FWD_SIG,
             {
                 "SCORE": score,
+                "NORM": norm,
                 "HAS_BIAS": True,
                 "K": k,
                 "G": g,
@@ -198,7 +229,9 @@ def _compile_all():
             },
         )
         compile_for_sm90(
-            rk.router_bwd_kernel, BWD_SIG, {"SCORE": score, "K": k, "BLOCK_T": bt, "BLOCK_E": be}
+            rk.router_bwd_kernel,
+            BWD_SIG,
+            {"SCORE": score, "NORM": norm, "K": k, "BLOCK_T": bt, "BLOCK_E": be},
         )
     zsig = {
         "logits_ptr": "*bf16",

@@ -14,8 +14,11 @@ def topk_routing_ref(
     topk_groups=1,
     scaling_factor=1.0,
     expert_bias=None,
+    norm_topk=False,
 ):
-    """Megatron's topk_routing_with_score_function in fp64 (expert bias also honoured for softmax)."""
+    """Megatron's topk_routing_with_score_function in fp64 (expert bias also honoured for softmax), with the
+    chosen scores renormalised when ``norm_topk`` (Megatron does that for sigmoid with topk > 1; TorchTitan
+    for route_norm)."""
     t, e = logits.shape
     lf = logits.double()
 
@@ -41,7 +44,8 @@ def topk_routing_ref(
         scores = torch.sigmoid(lf)
         _, idx = compute_topk(scores + bias, topk)
         probs = scores.gather(1, idx)
-        probs = probs / (probs.sum(-1, keepdim=True) + 1e-20) if topk > 1 else probs
+    if norm_topk:
+        probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
     probs = probs * scaling_factor
     dense = torch.zeros_like(lf).scatter(1, idx, probs)
     routing_map = torch.zeros_like(lf, dtype=torch.bool).scatter(1, idx, True)

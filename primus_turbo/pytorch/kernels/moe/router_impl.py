@@ -7,18 +7,26 @@ import torch
 from primus_turbo.pytorch.core.utils import ceil_div, triton_can_run_on
 
 SCORES = {"softmax": 0, "pre_softmax": 1, "sigmoid": 2}
+NORM_FLAG = 4  # score code bit: renormalise the selected scores (pre_softmax, sigmoid)
 
 
-def _score_code(score_function: str, use_pre_softmax: bool) -> int:
-    if score_function == "softmax" and use_pre_softmax:
-        return SCORES["pre_softmax"]
-    return SCORES[score_function]
+def _score_code(score_function: str, use_pre_softmax: bool, norm_topk: bool = False) -> int:
+    """The kernels' score code: the score function, plus NORM_FLAG when the selected scores are
+    renormalised (a no-op for plain softmax, which is normalised over the selected logits already)."""
+    pre = score_function == "softmax" and use_pre_softmax
+    base = SCORES["pre_softmax"] if pre else SCORES[score_function]
+    return base | (NORM_FLAG if norm_topk and base != SCORES["softmax"] else 0)
+
+
+def _split(score: int) -> tuple[int, bool]:
+    return score & ~NORM_FLAG, bool(score & NORM_FLAG)
 
 
 def router_forward_eager(logits, topk, score, num_groups, topk_groups, scaling, expert_bias):
     """Eager twin of router_fwd_kernel (fp32 math), used off-GPU and as the test reference."""
     t, e = logits.shape
     lf = logits.float()
+    score, norm = _split(score)
     if score == SCORES["pre_softmax"]:
         scores = torch.softmax(lf, dim=-1)
     elif score == SCORES["sigmoid"]:
@@ -39,7 +47,7 @@ def router_forward_eager(logits, topk, score, num_groups, topk_groups, scaling, 
         probs = torch.softmax(lf.masked_fill(~chosen, float("-inf")), dim=-1)
     else:
         probs = scores * chosen
-        if score == SCORES["sigmoid"] and topk > 1:
+        if norm:
             probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
     return (probs * scaling).to(logits.dtype), chosen, idx
 
@@ -77,7 +85,8 @@ def router_fwd(
         t,
         e,
         float(scaling),
-        SCORE=score,
+        SCORE=_split(score)[0],
+        NORM=_split(score)[1],
         HAS_BIAS=expert_bias is not None,
         K=topk,
         G=num_groups,
@@ -125,7 +134,8 @@ def router_bwd(
         t,
         e,
         float(scaling),
-        SCORE=score,
+        SCORE=_split(score)[0],
+        NORM=_split(score)[1],
         K=topk,
         BLOCK_T=block_t,
         BLOCK_E=triton.next_power_of_2(e),
@@ -137,21 +147,19 @@ def _router_bwd_eager(grad_probs, logits, routing_map, topk, score, scaling):
     # Explicit formulas: autograd is not available inside a custom op's implementation.
     lf = logits.float()
     dp = grad_probs.float() * routing_map * scaling
+    score, norm = _split(score)
     if score == SCORES["softmax"]:
         p = torch.softmax(lf.masked_fill(~routing_map, float("-inf")), dim=-1).nan_to_num(0.0)
-        grad = p * (dp - (p * dp).sum(-1, keepdim=True))
-    elif score == SCORES["pre_softmax"]:
-        p = torch.softmax(lf, dim=-1)
-        grad = p * (dp - (p * dp).sum(-1, keepdim=True))
+        return (p * (dp - (p * dp).sum(-1, keepdim=True))).to(logits.dtype)
+    u = torch.softmax(lf, dim=-1) if score == SCORES["pre_softmax"] else torch.sigmoid(lf)
+    if norm:
+        u_sel = u * routing_map
+        denom = u_sel.sum(-1, keepdim=True) + 1e-20
+        dp = (dp - (dp * u_sel / denom).sum(-1, keepdim=True)) / denom * routing_map
+    if score == SCORES["pre_softmax"]:
+        grad = u * (dp - (u * dp).sum(-1, keepdim=True))
     else:
-        s = torch.sigmoid(lf)
-        if topk > 1:
-            s_sel = s * routing_map
-            denom = s_sel.sum(-1, keepdim=True) + 1e-20
-            ds = (dp - (dp * s_sel / denom).sum(-1, keepdim=True)) / denom * routing_map
-        else:
-            ds = dp
-        grad = ds * s * (1.0 - s)
+        grad = dp * u * (1.0 - u)
     return grad.to(logits.dtype)
 
 

@@ -97,6 +97,7 @@ def fused_topk_routing(
     topk_groups: int | None = 1,
     scaling_factor: float | None = 1.0,
     expert_bias: torch.Tensor | None = None,
+    norm_topk: bool = False,
     return_indices: bool = False,
 ):
     """Top-k MoE routing in one kernel (forward and backward).
@@ -105,14 +106,16 @@ def fused_topk_routing(
         logits: [num_tokens, num_experts] router logits (fp32/bf16/fp16), num_experts <= 1024.
         topk: experts per token.
         score_function: "softmax" (top-k on logits, softmax over the chosen; with
-            ``use_pre_softmax`` softmax over all experts first) or "sigmoid" (normalised over the
-            chosen when topk > 1), as in Megatron-Core.
+            ``use_pre_softmax`` softmax over all experts first) or "sigmoid", as in Megatron-Core.
         num_groups / topk_groups: DeepSeek-V3 group-limited routing: experts form ``num_groups``
             contiguous groups; per token only the ``topk_groups`` groups with the largest sum of
             their top ``topk // topk_groups`` scores are eligible.
         scaling_factor: multiplies the probs (DeepSeek-V3 routed_scaling_factor).
         expert_bias: [num_experts] aux-loss-free balancing bias; added to the selection scores only,
             the probs are computed from the unbiased scores.
+        norm_topk: divide the chosen scores by their sum (+1e-20) before ``scaling_factor``
+            (DeepSeek-V3 ``norm_topk_prob``, TorchTitan ``route_norm``; Megatron-Core does it for
+            sigmoid with topk > 1). No effect on plain softmax, which sums to 1 over the chosen.
         return_indices: also return the [num_tokens, topk] int64 expert indices (descending score).
 
     Returns:
@@ -123,10 +126,12 @@ def fused_topk_routing(
     topk_groups = topk_groups or 1
     scaling = 1.0 if scaling_factor is None else float(scaling_factor)
     _validate_routing(logits, topk, score_function, num_groups, topk_groups, expert_bias)
+    if not isinstance(norm_topk, bool):
+        raise TypeError(f"fused_topk_routing: norm_topk must be a bool, got {type(norm_topk).__name__}")
     logits = logits.contiguous()
     if expert_bias is not None:
         expert_bias = expert_bias.detach().float().contiguous()
-    score = _score_code(score_function, use_pre_softmax)
+    score = _score_code(score_function, use_pre_softmax, norm_topk)
     probs, routing_map, idx = _TopkRouting.apply(
         logits, expert_bias, topk, score, num_groups, topk_groups, scaling
     )
