@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.core import main_grad as main_grad_module
 from primus_turbo.pytorch.core.main_grad import _equally_spaced_runs, accumulate_into_main_grads_
@@ -72,3 +73,19 @@ def test_accumulate_at_deepseek_expert_shape(device):
     expected = [m.clone().add_(g) for m, g in zip(main_grads, grad)]
     accumulate_into_main_grads_([SimpleNamespace(main_grad=m) for m in main_grads], grad)
     assert all(torch.equal(m, e) for m, e in zip(main_grads, expected))
+
+
+def _compile_all():
+    from primus_turbo.triton.main_grad import accumulate_kernel as ak
+
+    for dst, src in (("*fp32", "*bf16"), ("*fp32", "*fp32"), ("*bf16", "*bf16")):
+        sig = {"dst_ptr": dst, "src_ptr": src, "numel": "i64", "dst_stride_g": "i64", "BLOCK": "constexpr"}
+        compile_for_sm90(ak.accumulate_grouped_kernel, sig, {"BLOCK": ak.BLOCK}, num_warps=4)
+
+
+def test_accumulate_kernel_compiles_for_sm90():
+    run_compile_check("test_main_grad")
+
+
+if __name__ == "__main__":
+    _compile_all()
