@@ -58,7 +58,6 @@ def _check_parallel(cfg: DictConfig, world: int) -> int:
         not p.sequence_parallel or p.tp > 1,
         "parallel.sequence_parallel=true needs parallel.tp > 1",
     )
-    _require(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not wired in this trainer yet; use 1")
     return world // model_parallel
 
 
@@ -158,6 +157,28 @@ def _check_turbo(cfg: DictConfig) -> None:
         not cfg.parallel.sequence_parallel or (cfg.turbo.enabled and cfg.turbo.rmsnorm),
         "parallel.sequence_parallel=true needs turbo.enabled=true and turbo.rmsnorm=true: stock "
         "Megatron-Core without apex/TE has no sequence-parallel norm",
+    )
+    _check_context_parallel(cfg)
+
+
+def _check_context_parallel(cfg: DictConfig) -> None:
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    framework = cfg.framework.name
+    _require(
+        framework == "megatron",
+        f"parallel.cp={cp}: context parallelism is wired for framework=megatron only (got {framework})",
+    )
+    _require(
+        cfg.turbo.enabled and cfg.turbo.attention,
+        f"parallel.cp={cp} needs turbo.enabled=true and turbo.attention=true: stock Megatron-Core core "
+        "attention without Transformer Engine has no context parallelism",
+    )
+    seq = cfg.model.seq_length
+    _require(
+        seq % (2 * cp) == 0,
+        f"model.seq_length={seq} must be divisible by 2*parallel.cp={2 * cp} (zigzag split of the sequence)",
     )
 
 

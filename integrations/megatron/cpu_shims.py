@@ -78,7 +78,8 @@ def _is_cuda(device) -> bool:
 
 
 class _CpuTorch:
-    """A view of the ``torch`` module whose functions turn ``device="cuda"`` into ``device="cpu"``.
+    """A view of the ``torch`` module whose functions turn ``device="cuda"`` into ``device="cpu"`` (and drop
+    ``pin_memory``, which needs an accelerator).
 
     Installed as the module-global ``torch`` of the Megatron modules listed in ``_MODULES_WITH_CUDA_LITERALS``
     (they allocate small bookkeeping tensors such as overflow flags and norms on ``"cuda"`` literally).
@@ -97,6 +98,7 @@ class _CpuTorch:
             def call(*args, _fn=attr, **kwargs):
                 if _is_cuda(kwargs.get("device")):
                     kwargs["device"] = "cpu"
+                kwargs.pop("pin_memory", None)  # needs an accelerator; staging for a .cuda() that is a no-op
                 return _fn(*args, **kwargs)
 
             self._wrapped[name] = call
@@ -111,6 +113,7 @@ _MODULES_WITH_CUDA_LITERALS = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.utils",
+    "megatron.core.models.common.embeddings.rope_utils",  # context parallelism: RoPE slice per CP rank
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.router",

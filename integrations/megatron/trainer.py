@@ -150,24 +150,38 @@ def _forward_step_func(run: Run, step: int):
     from megatron.core import parallel_state
 
     dp_rank = parallel_state.get_data_parallel_rank()
+    cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     seq = run.cfg.model.seq_length
-    position_ids = torch.arange(seq, device=run.device).unsqueeze(0)
+    position_ids = cp_shard(torch.arange(seq, device=run.device).unsqueeze(0), cp_rank, cp)
 
     def forward_step(data_iterator, model):
         microbatch = next(data_iterator)
         tokens = run.batches.batch(step, microbatch, dp_rank).to(run.device, non_blocking=True)
-        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        inputs = cp_shard(tokens[:, :-1], cp_rank, cp).contiguous()
+        labels = cp_shard(tokens[:, 1:], cp_rank, cp).contiguous()
         with run.fp8_context():
             output = model(inputs, position_ids.expand_as(inputs), None, labels=labels)
 
         def loss_func(per_token_loss):
             loss = per_token_loss.float().mean()
+            # The schedule multiplies a (loss, dict) loss by the CP size and DDP averages gradients over
+            # dp x cp ranks: divide by cp so each rank's gradient is its share of the full-sequence mean.
             # clone: the schedule divides the returned loss by num_microbatches in place.
-            return loss, {"lm loss": loss.detach().clone()}
+            return loss / cp, {"lm loss": loss.detach().clone()}
 
         return output, loss_func
 
     return forward_step
+
+
+def cp_shard(t: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    """This context-parallel rank's part of [b, s] tokens: chunks cp_rank and 2cp-1-cp_rank of 2cp (Megatron's
+    ``get_batch_on_this_cp_rank`` zigzag, which balances causal attention and matches its RoPE slicing)."""
+    if cp == 1:
+        return t
+    b, s = t.shape
+    chunks = t.reshape(b, 2 * cp, s // (2 * cp))
+    return torch.cat([chunks[:, cp_rank], chunks[:, 2 * cp - 1 - cp_rank]], dim=1)
 
 
 def train_step(run: Run, step: int) -> tuple[float, object]:

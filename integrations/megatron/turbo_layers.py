@@ -151,23 +151,39 @@ class TurboRMSNorm(torch.nn.Module):
 
 
 class TurboCoreAttention(MegatronModule):
-    """DotProductAttention's interface: q [sq, b, hq, d], k/v [sk, b, hk, d|dv] -> [sq, b, hq*dv], causal."""
+    """DotProductAttention's interface: q [sq, b, hq, d], k/v [sk, b, hk, d|dv] -> [sq, b, hq*dv], causal.
+
+    Under context parallelism (cp > 1) each rank holds Megatron's zigzag shard of the sequence (chunks r
+    and 2cp-1-r of 2cp, as ``get_batch_on_this_cp_rank`` cuts it): ring attention over the CP group
+    (``turbo.ops.flash_attn_usp_func``), whose causal layout is that same zigzag split."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, **_unused):  # fmt: skip
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError("TurboCoreAttention: context parallelism is not supported (cp must be 1)")
         self.attn_mask_type = attn_mask_type
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            if self.dropout_p > 0.0:
+                raise ValueError(
+                    f"TurboCoreAttention: attention dropout {self.dropout_p} is not supported under context "
+                    "parallelism (cp > 1); set model.attention_dropout=0"
+                )
+            cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+            self.cp_group = cp_group or parallel_state.get_context_parallel_group()
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_unused):  # fmt: skip
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("TurboCoreAttention: packed sequences and attention_bias are not supported")
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # -> [b, s, h, d]
+        if self.cp_group is not None:
+            out = turbo_ops.get("ops.flash_attn_usp_func")(
+                q, k, v, softmax_scale=self.softmax_scale, causal=True, ring_group=self.cp_group
+            )
+            return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
         out = turbo_ops.get("ops.flash_attn_func")(
             q, k, v, dropout_p=self.dropout_p if self.training else 0.0, softmax_scale=self.softmax_scale,
             causal=True,

@@ -45,16 +45,23 @@ def _rmsnorm(ctx) -> str:
     return "WrappedTorchNorm(RMSNorm) -> TurboRMSNorm (turbo.ops.rmsnorm)"
 
 
-def _attention_condition(ctx) -> str | None:
-    return "context parallelism (cp > 1) uses the stock attention" if ctx.cfg.parallel.cp > 1 else None
+def _attention_probe(ctx) -> str | None:
+    if ctx.cfg.parallel.cp > 1:
+        return _needs_op("ops.flash_attn_func", "ops.flash_attn_usp_func")(ctx)
+    return _needs_op("ops.flash_attn_func")(ctx)
 
 
 @REGISTRY.register("turbo.attention", "megatron.core.transformer.dot_product_attention.DotProductAttention",
-                   TESTED, feature="attention", condition=_attention_condition,
-                   probe=_needs_op("ops.flash_attn_func"))  # fmt: skip
+                   TESTED, feature="attention", probe=_attention_probe)  # fmt: skip
 def _attention(ctx) -> str:
     ctx.spec.attention = True
     kind = "MLA" if ctx.cfg.model.mla is not None else "GQA/MHA"
+    cp = ctx.cfg.parallel.cp
+    if cp > 1:
+        return (
+            f"DotProductAttention -> TurboCoreAttention ({kind}, ring context parallel x{cp}, "
+            "turbo.ops.flash_attn_usp_func)"
+        )
     return f"DotProductAttention -> TurboCoreAttention ({kind}, turbo.ops.flash_attn_func)"
 
 

@@ -93,6 +93,10 @@ def test_unknown_recipe_lists_the_options():
             2,
             "sequence_parallel=true needs turbo.enabled=true and turbo.rmsnorm=true",
         ),
+        (["parallel.cp=2", "turbo.attention=false"], 2, "cp=2 needs turbo.enabled=true and turbo.attention"),
+        (["parallel.cp=2", "turbo.enabled=false"], 2, "stock Megatron-Core core attention without Transf"),
+        (["parallel.cp=2", "framework=torchtitan"], 2, "context parallelism is wired for framework=megatron"),
+        (["parallel.cp=3", "parallel.ep=1"], 3, r"seq_length=128 must be divisible by 2\*parallel.cp=6"),
     ],
 )
 def test_bad_values_name_the_key(overrides, world, message):

@@ -266,6 +266,7 @@ def flash_attn_usp_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False
                 "flash_attn_usp: causal ring needs an even local sequence (2 zigzag chunks), "
                 f"got {q.shape[1]}"
             )
+        q, k, v = (t.contiguous() for t in (q, k, v))  # the ring sends K/V as given
         backend = _ring_backend(q, k, v, sink, scale, causal, deterministic)
         out = _RingAttention.apply(q, k, v, sink, scale, causal, ring_group, backend)
     else:
