@@ -233,6 +233,8 @@ def _ring_backend(q, k, v, sink, scale, causal, deterministic) -> BackendType:
     backend = AttentionDispatcher.resolve(**kw)
     if backend in SDPA_BACKENDS:  # cannot happen with return_lse=True; keep the invariant loud
         raise ValueError(f"flash_attn_usp: ring attention needs an LSE-returning backend, got {backend.name}")
+    if not torch.compiler.is_compiling():
+        AttentionDispatcher.last_backend = backend  # what the ring's blocks run on (reports, tests)
     return backend
 
 
