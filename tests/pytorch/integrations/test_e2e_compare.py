@@ -80,6 +80,9 @@ def test_report_keeps_failed_and_skipped_rows_and_computes_speedups(tmp_path):
     assert table["megatron turbo bf16"][-1] == "2.00x"  # 1001 / 501 ms (medians after warm-up)
     assert table["megatron turbo fp8"][-1] == "2.50x"  # 1001 / 401
     assert table["megatron turbo bf16"][4] == "40.0%"  # MFU column
+    # final loss: the mean of the last 10% of steps (one step's loss is noise), not the last step's
+    assert table["megatron turbo bf16"][6] == f"{report.smoothed_final_loss(results[2].rows):.4f}"
+    assert "final loss (last 10%)" in text
     assert table["torchtitan turbo bf16"][0] == "FAILED: RuntimeError: CUDA out of memory"
     assert table["torchtitan turbo bf16"][-1] == "n/a"
     assert table["megatron stock fp8"][0].startswith("SKIPPED: stock Megatron-Core")
