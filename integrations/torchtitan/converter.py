@@ -9,6 +9,7 @@ module, or through ``train.py framework=torchtitan`` (which sets the options fro
   rmsnorm       nn.RMSNorm -> turbo RMSNorm
   grouped_gemm  GroupedExperts -> turbo grouped GEMM (bf16 or FP8) over the stacked w1/w2/w3
   router        TokenChoiceTopKRouter -> turbo fused_topk_routing
+  permute       MoE's token reorder / gather / un-sort -> turbo token_permute / token_unpermute
 
 Parameter names and shapes never change. Fail-closed: a requested feature that cannot serve the run stops it
 (``PatchError``) unless turbo.strict=false; every decision is a row of the turbo report.
@@ -24,7 +25,7 @@ from primus_turbo.integrations.megatron import turbo_ops  # framework-agnostic o
 from primus_turbo.integrations.torchtitan import turbo_modules as tm
 from torch import nn
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
-from torchtitan.models.moe.moe import GroupedExperts, TokenChoiceTopKRouter
+from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 from torchtitan.protocols.model_converter import _registry_model_converter_cls as _registered_converters
 from torchtitan.protocols.model_converter import register_model_converter
 
@@ -228,15 +229,18 @@ def _router(ctx) -> str:
     return f"{len(routers)} TokenChoiceTopKRouter -> turbo.ops.fused_topk_routing"
 
 
-# ---- features the TorchTitan side does not serve yet (fail-closed when requested) ------------------------
-
-
-@REGISTRY.register("turbo.permute", "torchtitan.models.moe.moe.TokenReorderer", TESTED, feature="permute",
+@REGISTRY.register("turbo.permute", "torchtitan.models.moe.moe.MoE.forward", TESTED, feature="permute",
                    condition=_needs_moe,
-                   probe=lambda ctx: "TorchTitan's MoE reorders tokens itself; the turbo permute is "
-                   "not wired for TorchTitan yet")  # fmt: skip
+                   probe=_needs("ops.moe.permute.token_permute",
+                                "ops.moe.permute.token_unpermute"))  # fmt: skip
 def _permute(ctx) -> str:
-    return ""
+    layers = ctx.modules_of(MoE)
+    for _, _, module in layers:
+        module.__class__ = tm.TurboMoE
+    return f"{len(layers)} MoE token reorder/gather/un-sort -> turbo token_permute / token_unpermute"
+
+
+# ---- features the TorchTitan side does not serve yet (fail-closed when requested) ------------------------
 
 
 @REGISTRY.register("turbo.dispatch", "torchtitan.distributed.expert_parallel.ExpertParallel", TESTED,

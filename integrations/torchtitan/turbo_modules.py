@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torchtitan.models.moe.moe import GroupedExperts, TokenChoiceTopKRouter
+from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 
 from primus_turbo.pytorch.modules import Float8Linear, Linear, RMSNorm, TurboAttention
 from primus_turbo.pytorch.ops import fused_topk_routing, gemm, grouped_gemm, grouped_gemm_fp8
+from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute
 
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +158,39 @@ class TurboTopKRouter(TokenChoiceTopKRouter):
         num_tokens_per_expert = torch.zeros(self.num_experts, device=x.device, dtype=flat.dtype)
         num_tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
         return top_scores, indices, num_tokens_per_expert
+
+
+class TurboMoE(MoE):
+    """``MoE.forward`` with the token reorder, gather and un-sort in turbo's permute / unpermute kernels.
+
+    Stock: argsort by expert + ``histc`` + an index gather of [T*K, dim], then a zero-filled [T*K, dim]
+    scatter and a batched matmul with the scores. Here: ``token_permute`` groups the tokens by expert
+    (ascending expert id; within an expert, token order: the layout TorchTitan's ExpertParallel all-to-all
+    expects) and ``token_unpermute`` sums each token's K expert outputs weighted by its scores in fp32,
+    one pass each way. ``score_before_experts`` scales the permuted rows instead (the probs travel with
+    them)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, selected, num_tokens_per_expert = self.router(x, self.expert_bias)
+        with torch.no_grad():  # expert-bias balancing / usage counts, as the stock forward keeps them
+            self.tokens_per_expert.add_(num_tokens_per_expert)
+        k = self.router.top_k
+        before = self.score_before_experts
+        routed_input, routed_scores, row_id_map, tokens_per_expert = token_permute(
+            x, selected, top_scores if before else None, num_out_tokens=x.shape[0] * k,
+            num_experts=self.router.num_experts,
+        )  # fmt: skip
+        if before:
+            routed_input = (routed_input.float() * routed_scores.reshape(-1, 1)).to(x.dtype)
+        routed_output = self.experts(routed_input, tokens_per_expert)
+        out = self.shared_experts(x) if self.shared_experts is not None else None
+        merging = None if before else top_scores
+        out_experts = token_unpermute(routed_output, row_id_map, merging).to(x.dtype)
+        if out is None:
+            return out_experts.reshape(bs, slen, dim)
+        return (out + out_experts).reshape(bs, slen, dim)
 
 
 def router_semantics_problem(router: TokenChoiceTopKRouter) -> str | None:

@@ -185,6 +185,33 @@ def test_router_score_function_and_route_norm_match_stock(score_func, route_norm
         assert_close(out_grads[name], grad, msg=name)
 
 
+@pytest.mark.parametrize("overrides", [TINY_GQA_MOE, TINY_MLA], ids=["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("score_before_experts", [False, True])
+def test_turbo_permute_matches_the_stock_moe_forward_and_backward(overrides, score_before_experts):
+    """turbo.permute swaps MoE.forward's argsort / gather / zero-filled scatter + bmm for token_permute and
+    token_unpermute: same logits and gradients as the stock MoE, with the scores applied after the experts
+    (merged in the unpermute) or before them (carried with the permuted rows)."""
+    cfg = _cfg(*overrides)
+    _, stock = _build(cfg)
+    _, turbo = _build(cfg)
+    turbo.load_state_dict(stock.state_dict())
+    for model in (stock, turbo):
+        for module in model.modules():
+            if hasattr(module, "score_before_experts"):
+                module.score_before_experts = score_before_experts
+    rows = conv.convert_model(turbo, _options(cfg, permute=True))
+    assert {r.name: r.status for r in rows}["turbo.permute"] == "active"
+    assert sum(type(m) is tm.TurboMoE for m in turbo.modules()) >= 1
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen)
+    ref_logits, ref_grads = _fwd_bwd(stock, tokens)
+    out_logits, out_grads = _fwd_bwd(turbo, tokens)
+    assert_close(out_logits, ref_logits, msg="logits")
+    assert out_grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        assert_close(out_grads[name], grad, msg=name)
+
+
 def test_turbo_disabled_converts_nothing():
     cfg = _cfg(*TINY_DENSE)
     _, model = _build(cfg)

@@ -43,7 +43,7 @@ def test_tiny_moe_trains_on_torchtitan_with_turbo_and_matches_stock_first_step(t
     on, off = tmp_path / "on.jsonl", tmp_path / "off.jsonl"
     rc, out, seconds = torchrun("train.steps=5", f"train.metrics_file={on}")
     assert rc == 0, out[-4000:]
-    for feature in ("gemm", "attention", "rmsnorm", "grouped_gemm", "router"):
+    for feature in ("gemm", "attention", "rmsnorm", "grouped_gemm", "router", "permute"):
         assert re.search(rf"turbo\.{feature}\s+active", out), feature
     assert re.search(r"turbo\.dispatch\s+off", out)
     assert "step 5/5" in out and "tok/s/GPU" in out and "done: 5 steps" in out
