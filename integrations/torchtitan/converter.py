@@ -229,8 +229,14 @@ def _router(ctx) -> str:
     return f"{len(routers)} TokenChoiceTopKRouter -> turbo.ops.fused_topk_routing"
 
 
+def _permute_condition(ctx) -> str | None:
+    if ctx.options.tp > 1 and ctx.options.ep > 1:  # TorchTitan borrows TP for EP: a TP plan on the reorderer
+        return "tp > 1 with ep > 1: TorchTitan splits the token reorder over TP ranks; stock MoE.forward runs"
+    return _needs_moe(ctx)
+
+
 @REGISTRY.register("turbo.permute", "torchtitan.models.moe.moe.MoE.forward", TESTED, feature="permute",
-                   condition=_needs_moe,
+                   condition=_permute_condition,
                    probe=_needs("ops.moe.permute.token_permute",
                                 "ops.moe.permute.token_unpermute"))  # fmt: skip
 def _permute(ctx) -> str:

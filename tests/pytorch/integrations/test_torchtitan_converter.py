@@ -212,6 +212,17 @@ def test_turbo_permute_matches_the_stock_moe_forward_and_backward(overrides, sco
         assert_close(out_grads[name], grad, msg=name)
 
 
+def test_turbo_permute_leaves_the_tp_split_reorder_of_tp_with_ep_to_torchtitan():
+    """With tp > 1 and ep > 1 TorchTitan's plan shards the reorderer over TP ranks
+    (ReordererSequenceParallel), which TurboMoE.forward would bypass: n/a with the reason, stock MoE stays."""
+    cfg = _cfg(*TINY_GQA_MOE)
+    _, model = _build(cfg)
+    rows = {r.name: r for r in conv.convert_model(model, _options(cfg, permute=True, tp=2, ep=2))}
+    row = rows["turbo.permute"]
+    assert row.status == "n/a" and "splits the token reorder" in row.detail
+    assert not any(type(m) is tm.TurboMoE for m in model.modules())
+
+
 def test_turbo_disabled_converts_nothing():
     cfg = _cfg(*TINY_DENSE)
     _, model = _build(cfg)
