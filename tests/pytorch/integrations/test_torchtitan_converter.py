@@ -86,6 +86,18 @@ def _fwd_bwd(model, tokens):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_matches_stock(stock, turbo, cfg, seed):
+    """Same batch through both models: logits and every parameter's gradient agree (fp32 tolerances)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen)
+    ref_logits, ref_grads = _fwd_bwd(stock, tokens)
+    out_logits, out_grads = _fwd_bwd(turbo, tokens)
+    assert_close(out_logits, ref_logits, msg="logits")
+    assert out_grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        assert_close(out_grads[name], grad, msg=name)
+
+
 @pytest.mark.parametrize(
     "overrides, family, expected",
     [
@@ -111,15 +123,7 @@ def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family
     stock_linears = [n for n, m in turbo.named_modules() if type(m) is torch.nn.Linear]
     assert all(n.endswith("router.gate") for n in stock_linears), stock_linears
     assert {r.name: r.status for r in rows}["turbo.gemm"] == "active"
-
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen)
-    ref_logits, ref_grads = _fwd_bwd(stock, tokens)
-    out_logits, out_grads = _fwd_bwd(turbo, tokens)
-    assert_close(out_logits, ref_logits, msg="logits")
-    assert out_grads.keys() == ref_grads.keys()
-    for name, grad in ref_grads.items():
-        assert_close(out_grads[name], grad, msg=name)
+    _assert_matches_stock(stock, turbo, cfg, seed=1)
 
 
 def test_fp8_recipe_swaps_float8_linears_and_fp8_experts_keeping_head_bf16():
@@ -162,27 +166,31 @@ def test_router_with_semantics_the_fused_kernel_lacks_is_refused_under_strict():
         conv.convert_model(model, _options(cfg))
 
 
-@pytest.mark.parametrize("score_func, route_norm", [("softmax", True), ("sigmoid", False), ("sigmoid", True)])
-def test_router_score_function_and_route_norm_match_stock(score_func, route_norm):
-    """route_norm maps to fused_topk_routing(norm_topk=...): softmax + route_norm (Qwen3-MoE) and sigmoid
-    without it route like the stock router, forward and backward."""
-    cfg = _cfg(*TINY_GQA_MOE)
+def _stock_and_turbo(cfg, attribute, value):
+    """Two same-weight builds of ``cfg`` with ``attribute`` set to ``value`` on every module that has it."""
     _, stock = _build(cfg)
     _, turbo = _build(cfg)
     turbo.load_state_dict(stock.state_dict())
     for model in (stock, turbo):
         for module in model.modules():
+            if hasattr(module, attribute):
+                setattr(module, attribute, value)
+    return stock, turbo
+
+
+@pytest.mark.parametrize("score_func, route_norm", [("softmax", True), ("sigmoid", False), ("sigmoid", True)])
+def test_router_score_function_and_route_norm_match_stock(score_func, route_norm):
+    """route_norm maps to fused_topk_routing(norm_topk=...): softmax + route_norm (Qwen3-MoE) and sigmoid
+    without it route like the stock router, forward and backward."""
+    cfg = _cfg(*TINY_GQA_MOE)
+    stock, turbo = _stock_and_turbo(cfg, "route_norm", route_norm)
+    for model in (stock, turbo):
+        for module in model.modules():
             if hasattr(module, "route_norm"):
-                module.score_func, module.route_norm = score_func, route_norm
+                module.score_func = score_func
     rows = conv.convert_model(turbo, _options(cfg))
     assert {r.name: r.status for r in rows}["turbo.router"] == "active"
-    gen = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen)
-    ref_logits, ref_grads = _fwd_bwd(stock, tokens)
-    out_logits, out_grads = _fwd_bwd(turbo, tokens)
-    assert_close(out_logits, ref_logits, msg="logits")
-    for name, grad in ref_grads.items():
-        assert_close(out_grads[name], grad, msg=name)
+    _assert_matches_stock(stock, turbo, cfg, seed=2)
 
 
 @pytest.mark.parametrize("overrides", [TINY_GQA_MOE, TINY_MLA], ids=["qwen3", "deepseek_v3"])
@@ -192,24 +200,11 @@ def test_turbo_permute_matches_the_stock_moe_forward_and_backward(overrides, sco
     token_unpermute: same logits and gradients as the stock MoE, with the scores applied after the experts
     (merged in the unpermute) or before them (carried with the permuted rows)."""
     cfg = _cfg(*overrides)
-    _, stock = _build(cfg)
-    _, turbo = _build(cfg)
-    turbo.load_state_dict(stock.state_dict())
-    for model in (stock, turbo):
-        for module in model.modules():
-            if hasattr(module, "score_before_experts"):
-                module.score_before_experts = score_before_experts
+    stock, turbo = _stock_and_turbo(cfg, "score_before_experts", score_before_experts)
     rows = conv.convert_model(turbo, _options(cfg, permute=True))
     assert {r.name: r.status for r in rows}["turbo.permute"] == "active"
     assert sum(type(m) is tm.TurboMoE for m in turbo.modules()) >= 1
-    gen = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen)
-    ref_logits, ref_grads = _fwd_bwd(stock, tokens)
-    out_logits, out_grads = _fwd_bwd(turbo, tokens)
-    assert_close(out_logits, ref_logits, msg="logits")
-    assert out_grads.keys() == ref_grads.keys()
-    for name, grad in ref_grads.items():
-        assert_close(out_grads[name], grad, msg=name)
+    _assert_matches_stock(stock, turbo, cfg, seed=3)
 
 
 def test_turbo_permute_leaves_the_tp_split_reorder_of_tp_with_ep_to_torchtitan():
