@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import hydra
 from omegaconf import DictConfig
@@ -46,6 +47,8 @@ def run(cfg: DictConfig) -> dict:
     except ConfigError as err:
         if os.environ.get("RANK", "0") == "0":
             print(f"train.py: configuration error: {err}", file=sys.stderr, flush=True)
+        else:  # every rank hits the same error; torchrun stops the others when one exits, so let rank 0
+            time.sleep(3)  # print it first (a rank exiting at once raced it: the message could be lost)
         raise SystemExit(2) from None
 
 
