@@ -76,6 +76,7 @@ def router_fwd(
     routing_map = torch.empty((t, e), dtype=torch.bool, device=logits.device)
     idx = torch.empty((t, topk), dtype=torch.int64, device=logits.device)
     block_t = router_block_t(e)
+    base, norm = _split(score)
     router_fwd_kernel[(ceil_div(t, block_t),)](
         logits,
         expert_bias if expert_bias is not None else logits,
@@ -85,8 +86,8 @@ def router_fwd(
         t,
         e,
         float(scaling),
-        SCORE=_split(score)[0],
-        NORM=_split(score)[1],
+        SCORE=base,
+        NORM=norm,
         HAS_BIAS=expert_bias is not None,
         K=topk,
         G=num_groups,
@@ -126,6 +127,7 @@ def router_bwd(
 
     grad_logits = torch.empty_like(logits)
     block_t = router_block_t(e)
+    base, norm = _split(score)
     router_bwd_kernel[(ceil_div(t, block_t),)](
         grad_probs.contiguous(),
         logits,
@@ -134,8 +136,8 @@ def router_bwd(
         t,
         e,
         float(scaling),
-        SCORE=_split(score)[0],
-        NORM=_split(score)[1],
+        SCORE=base,
+        NORM=norm,
         K=topk,
         BLOCK_T=block_t,
         BLOCK_E=triton.next_power_of_2(e),
