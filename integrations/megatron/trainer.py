@@ -148,19 +148,22 @@ def build_run(cfg: DictConfig, device: torch.device) -> Run:
 
 def _forward_step_func(run: Run, step: int):
     from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
 
     dp_rank = parallel_state.get_data_parallel_rank()
-    cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    cp = parallel_state.get_context_parallel_world_size()
     seq = run.cfg.model.seq_length
-    position_ids = cp_shard(torch.arange(seq, device=run.device).unsqueeze(0), cp_rank, cp)
+    position_ids = torch.arange(seq, device=run.device).unsqueeze(0)
 
     def forward_step(data_iterator, model):
         microbatch = next(data_iterator)
         tokens = run.batches.batch(step, microbatch, dp_rank).to(run.device, non_blocking=True)
-        inputs = cp_shard(tokens[:, :-1], cp_rank, cp).contiguous()
-        labels = cp_shard(tokens[:, 1:], cp_rank, cp).contiguous()
+        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": position_ids}
+        if cp > 1:  # Megatron's zigzag: chunks r and 2cp-1-r of 2cp, as its RoPE slicing expects
+            batch = get_batch_on_this_cp_rank(batch)
+        inputs, labels = batch["tokens"].contiguous(), batch["labels"].contiguous()
         with run.fp8_context():
-            output = model(inputs, position_ids.expand_as(inputs), None, labels=labels)
+            output = model(inputs, batch["position_ids"].expand_as(inputs), None, labels=labels)
 
         def loss_func(per_token_loss):
             loss = per_token_loss.float().mean()
@@ -172,16 +175,6 @@ def _forward_step_func(run: Run, step: int):
         return output, loss_func
 
     return forward_step
-
-
-def cp_shard(t: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
-    """This context-parallel rank's part of [b, s] tokens: chunks cp_rank and 2cp-1-cp_rank of 2cp (Megatron's
-    ``get_batch_on_this_cp_rank`` zigzag, which balances causal attention and matches its RoPE slicing)."""
-    if cp == 1:
-        return t
-    b, s = t.shape
-    chunks = t.reshape(b, 2 * cp, s // (2 * cp))
-    return torch.cat([chunks[:, cp_rank], chunks[:, 2 * cp - 1 - cp_rank]], dim=1)
 
 
 def train_step(run: Run, step: int) -> tuple[float, object]:
