@@ -8,7 +8,8 @@
 #   TRAIN="bf16_on bf16_off" (default)         Megatron deepseek_moe_bf16 8 steps turbo on / off; TRAIN=none skips
 #   E2E="recipe=deepseek_moe_fp8 turbo=on"     benchmark/e2e/compare.py with these options (E2E_TIMEOUT=120 each);
 #                                              "a=1 ...; b=2 ..." runs several, into e2e, e2e_2, ...
-#   BENCHES="bench_gemm bench_rmsnorm"         benchmark/ops/<name>.py --quick (async_tp/dispatch under torchrun -n 2)
+#   BENCHES="bench_gemm bench_rmsnorm"         benchmark/ops/<name>.py --quick (async_tp/dispatch under torchrun -n 2);
+#                                              BENCH_QUICK=0: the full sweeps
 #   PARITY="recipe=deepseek_moe_fp8 steps=500" [PARITY_TIMEOUT=500]
 #                                              compare.py parity=true: bf16 on GPU 0 and fp8 on GPU 1 at once, in
 #                                              the background while the other steps run (loss only, so sharing the
@@ -92,10 +93,11 @@ if [ -n "${E2E:-}" ]; then  # several comparisons: separate their option sets wi
     sed -n '/| configuration/,/^$/p' "$WORK/$dir/report.md" 2>/dev/null
   done
 fi
+quick=--quick; [ "${BENCH_QUICK:-1}" = 0 ] && quick=
 for b in ${BENCHES:-}; do
   case "$b" in
-    *dispatch*|*async_tp*) step 90 "$b" torchrun --nproc_per_node=2 "benchmark/ops/$b.py" --quick --out "$WORK" ;;
-    *) step 75 "$b" python3 "benchmark/ops/$b.py" --quick --out "$WORK" ;;
+    *dispatch*|*async_tp*) step 90 "$b" torchrun --nproc_per_node=2 "benchmark/ops/$b.py" $quick --out "$WORK" ;;
+    *) step "${BENCH_TIMEOUT:-75}" "$b" python3 "benchmark/ops/$b.py" $quick --out "$WORK" ;;
   esac
   grep -v "^ *$" "$WORK/$b.log" | tail -14
 done
