@@ -87,10 +87,17 @@ def _linear_2d(x2d, weight, fp8_config, delayed_state=None, cache_owner=None) ->
     accumulate = weight.requires_grad and isinstance(getattr(weight, "main_grad", None), torch.Tensor)
     if fp8_config is not None:
         gemm_fp8 = turbo_ops.get("ops.gemm_fp8")
+        # a bf16 wgrad accumulates into main_grad in fp32 like the bf16 path; the FP8 wgrad returns bf16
+        acc = accumulate and fp8_config.high_precision_wgrad
         w8 = None if delayed_state is not None else _cached_fp8_weight(cache_owner, weight, fp8_config)
         if w8 is not None:
-            return gemm_fp8(x2d, w8, trans_b=True, out_dtype=x2d.dtype, config=fp8_config)
-        return gemm_fp8(x2d, weight, trans_b=True, config=fp8_config, delayed_state=delayed_state)
+            return gemm_fp8(
+                x2d, w8, trans_b=True, out_dtype=x2d.dtype, config=fp8_config, accumulate_into_main_grad=acc
+            )
+        return gemm_fp8(
+            x2d, weight, trans_b=True, config=fp8_config, delayed_state=delayed_state,
+            accumulate_into_main_grad=acc,
+        )  # fmt: skip
     return turbo_ops.get("ops.gemm")(x2d, weight, trans_b=True, accumulate_into_main_grad=accumulate)
 
 

@@ -228,16 +228,25 @@ def _fp8(ctx) -> str:
     )
 
     recipe = ctx.cfg.fp8.recipe
+    hp_wgrad = ctx.cfg.fp8.get("wgrad", "fp8") == "bf16"
+    wgrad = "; weight gradients in bf16" if hp_wgrad else ""
     if recipe == "delayed":
         # Linears keep a per-module amax history (DelayedScalingState); grouped_gemm_fp8 has no delayed
         # scaling, so the experts use current tensorwise scaling.
-        turbo_layers.FP8_CONFIG = Float8QuantConfig(format=Format.HYBRID, strategy=ScalingStrategy.DELAYED)
-        turbo_layers.FP8_GROUPED_CONFIG = Float8QuantConfig(format=Format.HYBRID)
+        turbo_layers.FP8_CONFIG = Float8QuantConfig(
+            format=Format.HYBRID, strategy=ScalingStrategy.DELAYED, high_precision_wgrad=hp_wgrad
+        )
+        turbo_layers.FP8_GROUPED_CONFIG = Float8QuantConfig(
+            format=Format.HYBRID, high_precision_wgrad=hp_wgrad
+        )
         return (
             "linears: FP8 HYBRID TENSORWISE delayed scaling; experts: FP8 HYBRID TENSORWISE current scaling"
+            + wgrad
         )
     granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
     fmt = Format.E4M3 if recipe == "blockwise" else Format.HYBRID
-    turbo_layers.FP8_CONFIG = Float8QuantConfig(format=fmt, granularity=granularity)
+    turbo_layers.FP8_CONFIG = Float8QuantConfig(
+        format=fmt, granularity=granularity, high_precision_wgrad=hp_wgrad
+    )
     turbo_layers.FP8_GROUPED_CONFIG = turbo_layers.FP8_CONFIG
-    return f"turbo linears/experts run FP8 GEMMs: {fmt.value} {granularity.value} current scaling"
+    return f"turbo linears/experts run FP8 GEMMs: {fmt.value} {granularity.value} current scaling" + wgrad

@@ -68,6 +68,11 @@ class Float8QuantConfig:
     ``power_of_two_scales`` rounds every scale down to a power of two (exact rescaling).
     DELAYED scaling keeps ``amax_history_len`` amaxes and reduces them with ``amax_compute_algo``
     ("max" or "most_recent"); it applies to TENSORWISE only.
+    ``high_precision_wgrad`` computes the weight gradient from the high-precision input and output
+    gradient (a bf16 GEMM with fp32 accumulation) instead of their FP8 copies, as torchao's
+    ``rowwise_with_gw_hp`` recipe does: the forward and dgrad GEMMs stay FP8, no transposed
+    (column-scaled) copy of the input or the gradient is made, and the op saves the high-precision
+    input for backward (2 bytes per element instead of 1).
     """
 
     format: Format = Format.E4M3
@@ -77,8 +82,13 @@ class Float8QuantConfig:
     strategy: ScalingStrategy = ScalingStrategy.CURRENT
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
+    high_precision_wgrad: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.high_precision_wgrad, bool):
+            raise TypeError(
+                f"Float8QuantConfig.high_precision_wgrad must be a bool, got {self.high_precision_wgrad!r}"
+            )
         if not isinstance(self.format, Format):
             raise TypeError(f"Float8QuantConfig.format must be a Format, got {self.format!r}")
         if not isinstance(self.granularity, ScalingGranularity):

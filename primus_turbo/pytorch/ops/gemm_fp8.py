@@ -17,6 +17,11 @@ Every GEMM gets K-major operands: forward reads ``a`` scaled along K and ``b^T``
 dgrad reads dC scaled along N and ``b`` scaled along N; wgrad reads dC^T and ``a^T`` scaled along M.
 ``quantize_fp8_with_transpose`` makes both copies of each operand in one pass.
 
+``config.high_precision_wgrad``: the wgrad is a bf16 GEMM of the high-precision ``a`` (saved instead
+of its FP8 transposed copy) and the output gradient; only the forward copies are quantized. With
+``accumulate_into_main_grad=True`` (needs that flag; ``b`` a weight carrying an fp32 ``main_grad``)
+the wgrad GEMM accumulates into ``b.main_grad`` in fp32 like ``turbo.ops.gemm``'s Megatron mode.
+
 Sizes need not be multiples of the block: partial blocks are quantized as if zero-padded and the
 TRITON/TORCH backends mask them (CUBLAS declines shapes it cannot run). M == 0 (or N == 0) gives
 empty outputs and zero weight gradients.
@@ -34,7 +39,9 @@ from primus_turbo.pytorch.core.low_precision import (
     ScalingGranularity,
     ScalingStrategy,
 )
+from primus_turbo.pytorch.core.main_grad import check_main_grad, wgrad_placeholder
 from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_impl
+from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_accumulate_, gemm_forward
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     finite_amax,
     quantize_fp8_impl,
@@ -111,27 +118,30 @@ def _mode(granularity, b_block) -> int:
 
 class _GemmFP8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a_hp, b_hp, a_f8, b_f8, trans_a, trans_b, out_dtype, config, state):
+    def forward(ctx, a_hp, b_hp, a_f8, b_f8, trans_a, trans_b, out_dtype, config, state, accumulate):
         # a_f8/b_f8: the Float8Tensor inputs (None for high-precision ones; a tensor is never passed
         # twice, which torch.compile cannot trace)
         a_in = a_f8 if a_f8 is not None else a_hp
         b_in = b_f8 if b_f8 is not None else b_hp
         fwd_dtype, bs = config.format.fwd_dtype, config.block_size
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # grad mode is off in here
+        hp_wgrad = config.high_precision_wgrad and ctx.needs_input_grad[1]
         a_blk = bs if config.granularity is G.BLOCKWISE else None
         b_blk = (bs, bs) if a_blk else None
         hist_a, hist_b = (state.a, state.b) if state is not None else (None, None)
-        a_op = _prepare(a_in, not trans_a, fwd_dtype, config, a_blk, not needs_grad, hist_a)
+        a_op = _prepare(a_in, not trans_a, fwd_dtype, config, a_blk, not needs_grad or hp_wgrad, hist_a)
         b_op = _prepare(b_in, trans_b, fwd_dtype, config, b_blk, not needs_grad, hist_b)
         mode = _mode(config.granularity, b_op.block)
         out = gemm_fp8_impl(*a_op.fwd, *b_op.fwd, mode, bs or 0, out_dtype, True)
         ctx.trans_a, ctx.trans_b, ctx.config, ctx.state, ctx.mode = trans_a, trans_b, config, state, mode
-        ctx.b_block = b_op.block
+        ctx.b_block, ctx.hp_wgrad = b_op.block, hp_wgrad
+        ctx.weight = b_hp if accumulate else None  # the Python object carries main_grad
         ctx.grad_dtypes = tuple(t.dtype if t is not None else out_dtype for t in (a_hp, b_hp))
         if needs_grad:
-            # Only the FP8 copies the backward GEMMs read are kept (1 byte/element).
-            tensors = [*(a_op.bwd or (None, None)), *(b_op.bwd or (None, None))]
-            ctx.save_for_backward(*tensors)
+            # Only what the backward GEMMs read is kept: the FP8 copies (1 byte/element), or the
+            # high-precision a for a high-precision wgrad.
+            a_saved = (a_hp.detach(), None) if hp_wgrad else (a_op.bwd or (None, None))
+            ctx.save_for_backward(*a_saved, *(b_op.bwd or (None, None)))
         return out
 
     @staticmethod
@@ -139,10 +149,15 @@ class _GemmFP8Function(torch.autograd.Function):
         a_t, a_t_s, b_n, b_n_s = ctx.saved_tensors
         config, bs = ctx.config, ctx.config.block_size
         need_da, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_a = grad_b = None
+        if ctx.hp_wgrad:
+            grad_b = _hp_wgrad(ctx, grad_out, a_t)
+            need_db = False
+            if not need_da:
+                return grad_a, grad_b, None, None, None, None, None, None, None, None
         g_blk = bs if config.granularity is G.BLOCKWISE else None
         history = ctx.state.grad if ctx.state is not None else None
         g = _prepare(grad_out, True, config.format.bwd_dtype, config, g_blk, not need_db, history)
-        grad_a = grad_b = None
         if need_da:  # dA[M, K] = dC[M, N] @ B[K, N]^T  (B rows scaled along N)
             grad_a = gemm_fp8_impl(
                 *g.fwd, b_n, b_n_s, _mode(config.granularity, ctx.b_block), bs or 0, ctx.grad_dtypes[0]
@@ -158,7 +173,21 @@ class _GemmFP8Function(torch.autograd.Function):
                 grad_b = gemm_fp8_impl(*g.bwd, a_t, a_t_s, wmode, bs or 0, ctx.grad_dtypes[1]).t()
             else:  # dB[K, N] = A^T[K, M] @ dC^T[N, M]^T
                 grad_b = gemm_fp8_impl(a_t, a_t_s, *g.bwd, wmode, bs or 0, ctx.grad_dtypes[1])
-        return grad_a, grad_b, None, None, None, None, None, None, None
+        return grad_a, grad_b, None, None, None, None, None, None, None, None
+
+
+def _hp_wgrad(ctx, grad_out, a):
+    """The weight gradient from the high-precision a (physical, op(a) = a^T when trans_a) and dC, in
+    a's precision: dB = op(a)^T @ dC, stored dC^T @ op(a) when b is [N, K] (turbo.ops.gemm's wgrad)."""
+    grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
+    if ctx.trans_b:
+        lhs, rhs, t_lhs, t_rhs = grad, a, True, ctx.trans_a
+    else:
+        lhs, rhs, t_lhs, t_rhs = a, grad, not ctx.trans_a, False
+    if ctx.weight is not None:
+        gemm_accumulate_(ctx.weight.main_grad, lhs, rhs, t_lhs, t_rhs)
+        return wgrad_placeholder(ctx.weight)
+    return gemm_forward(lhs, rhs, t_lhs, t_rhs, ctx.grad_dtypes[1])
 
 
 def _check_operand(x, name: str, trans: bool, config: Float8QuantConfig, is_b: bool):
@@ -199,9 +228,13 @@ def gemm_fp8(
     config: Float8QuantConfig | None = None,
     *,
     delayed_state: DelayedScalingState | None = None,
+    accumulate_into_main_grad: bool = False,
 ) -> torch.Tensor:
     """op(a) @ op(b) in FP8 with autograd (see the module docstring). ``out_dtype`` defaults to the
-    high-precision input dtype (bf16 when both inputs are Float8Tensors)."""
+    high-precision input dtype (bf16 when both inputs are Float8Tensors).
+    ``accumulate_into_main_grad`` (needs ``config.high_precision_wgrad``): b's gradient is added to
+    ``b.main_grad`` (b a tensor, or a Float8Tensor whose ``source`` is the weight) and a placeholder
+    is returned, as ``turbo.ops.gemm`` does."""
     config = Float8QuantConfig() if config is None else config
     if not isinstance(config, Float8QuantConfig):
         raise TypeError(f"config: expected a Float8QuantConfig, got {type(config).__name__}")
@@ -234,15 +267,42 @@ def gemm_fp8(
     b_hp = b.source if isinstance(b, Float8Tensor) else b
     grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a_hp, b_hp))
     if grad_needed:
-        _check_backward_copies(a, b, a_hp, b_hp)
+        _check_backward_copies(a, b, a_hp, b_hp, config.high_precision_wgrad)
+    accumulate = _check_accumulate(accumulate_into_main_grad, config, b_hp, grad_needed)
     a_f8 = a if isinstance(a, Float8Tensor) else None
     b_f8 = b if isinstance(b, Float8Tensor) else None
-    return _GemmFP8Function.apply(a_hp, b_hp, a_f8, b_f8, trans_a, trans_b, out_dtype, config, delayed_state)
+    return _GemmFP8Function.apply(
+        a_hp, b_hp, a_f8, b_f8, trans_a, trans_b, out_dtype, config, delayed_state, accumulate
+    )
 
 
-def _check_backward_copies(a, b, a_hp, b_hp) -> None:
+def _check_accumulate(accumulate, config, b_hp, grad_needed) -> bool:
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate_into_main_grad: expected a bool, got {accumulate!r}")
+    if not accumulate:
+        return False
+    if not config.high_precision_wgrad:
+        raise ValueError(
+            "accumulate_into_main_grad=True needs config.high_precision_wgrad=True (the FP8 wgrad "
+            "GEMM writes a bf16 gradient; the fused fp32 accumulation is the high-precision wgrad's)"
+        )
+    if b_hp is None:
+        raise ValueError("accumulate_into_main_grad=True: b is a Float8Tensor without a source weight")
+    if grad_needed and b_hp.requires_grad:
+        check_main_grad(b_hp, "gemm_fp8", "b")
+    return b_hp.requires_grad
+
+
+def _check_backward_copies(a, b, a_hp, b_hp, hp_wgrad: bool) -> None:
     """wgrad reads a's transposed copy, dgrad b's: a Float8Tensor made without it cannot train."""
+    if hp_wgrad and isinstance(a, Float8Tensor) and b_hp is not None and b_hp.requires_grad:
+        raise ValueError(
+            "a: config.high_precision_wgrad computes b's gradient from a's high-precision values; "
+            "pass a as a bf16/fp16/fp32 tensor, not a Float8Tensor"
+        )
     for x, other_hp, name in ((a, b_hp, "a"), (b, a_hp, "b")):
+        if hp_wgrad and name == "a":
+            continue
         if (
             isinstance(x, Float8Tensor)
             and x.data_t is None

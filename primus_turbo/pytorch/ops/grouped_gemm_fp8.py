@@ -14,6 +14,9 @@ Quantization (``config.granularity``; every operand quantized along its reductio
            operands are token-contiguous transposed copies made in the same pass as the forward /
            dgrad copies (``quantize_fp8_with_transpose``), the layout Hopper FP8 MMAs read.
 
+``config.high_precision_wgrad``: the wgrad is the bf16 variable-K grouped GEMM of the high-precision
+a (saved instead of its FP8 transposed copy) and grad_out; only the forward/dgrad copies are quantized.
+
 Gradients use ``config.format.bwd_dtype`` (E5M2 for HYBRID). Saved for backward: the fp8
 transposed a (not the bf16 a), and the fp8 weight copy (or b itself for ROWWISE).
 
@@ -36,6 +39,10 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     SCALE_TENSORWISE,
     grouped_gemm_fp8_impl,
     grouped_gemm_fp8_variable_k_impl,
+)
+from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
+    cutlass_offsets,
+    grouped_gemm_variable_k_impl,
 )
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm, validate_grouped_gemm_args
 from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_transpose
@@ -197,7 +204,10 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         mode = _MODE[config.granularity]
         fwd_dtype = config.format.fwd_dtype
         groups = b.shape[0]
-        if ctx.needs_input_grad[1]:
+        ctx.hp_wgrad = config.high_precision_wgrad and ctx.needs_input_grad[1]
+        if ctx.hp_wgrad:  # the wgrad reads a itself (saved below in place of its FP8 copy)
+            (qa, sa), qa_t, sa_t = _quant_act(a, fwd_dtype, mode), a, None
+        elif ctx.needs_input_grad[1]:
             (qa, sa), (qa_t, sa_t) = _quant_act_and_wgrad(a, fwd_dtype, mode)
         else:
             (qa, sa), qa_t, sa_t = _quant_act(a, fwd_dtype, mode), None, None
@@ -219,11 +229,12 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         bwd_dtype = config.format.bwd_dtype
         grad_out = grad_out.contiguous()
         grad_a = grad_b = None
-        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+        fp8_wgrad = ctx.needs_input_grad[1] and not ctx.hp_wgrad
+        if ctx.needs_input_grad[0] and fp8_wgrad:
             (qg, sg), (qg_t, sg_t) = _quant_act_and_wgrad(grad_out, bwd_dtype, mode)
         elif ctx.needs_input_grad[0]:
             qg, sg = _quant_act(grad_out, bwd_dtype, mode)
-        elif ctx.needs_input_grad[1]:
+        elif fp8_wgrad:
             qg_t, sg_t = _quant_for_wgrad(grad_out, bwd_dtype, mode)
         if ctx.needs_input_grad[0]:
             if mode == SCALE_ROWWISE and len(saved_w) == 2:  # the forward's transposed copy
@@ -237,7 +248,9 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 b_view, sw = saved_w
                 b_scale = sw.expand(groups) if mode == SCALE_TENSORWISE else sw
             grad_a = grouped_gemm_fp8_impl(qg, b_view, sg, b_scale, group_lens, mode, ctx.a_dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.hp_wgrad:
+            grad_b = _hp_wgrad(qa_t, grad_out, group_lens, trans_b, groups).to(ctx.b_dtype)
+        elif ctx.needs_input_grad[1]:
             wmode = SCALE_TENSORWISE if mode == SCALE_TENSORWISE else SCALE_ROWWISE
             if wmode == SCALE_TENSORWISE:
                 sx, sg_t = _per_group(sa_t, groups), _per_group(sg_t, groups)
@@ -252,6 +265,17 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                     qa_t, qg_t, sx, sg_t, group_lens, wmode, ctx.b_dtype
                 )
         return grad_a, grad_b, None, None, None, None, None
+
+
+def _hp_wgrad(a, grad_out, group_lens, trans_b, groups):
+    """dW_g = dC_g^T @ A_g ([N, K] with trans_b) or A_g^T @ dC_g ([K, N]) in a's precision: the
+    bf16 variable-K grouped GEMM (torch._grouped_mm on CUDA), as ``turbo.ops.grouped_gemm``'s wgrad."""
+    grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
+    if groups == 1:  # one expert: a dense GEMM, group_lens[0] == M by contract
+        return (grad.t() @ a if trans_b else a.t() @ grad).unsqueeze(0)
+    offs = cutlass_offsets(group_lens, a.shape[0]) if a.is_cuda and a.dtype == torch.bfloat16 else None
+    x, y = (grad, a) if trans_b else (a, grad)
+    return grouped_gemm_variable_k_impl(x, y, group_lens, offs)
 
 
 def _check_config(config) -> Float8QuantConfig:

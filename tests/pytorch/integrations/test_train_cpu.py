@@ -156,6 +156,7 @@ def test_unavailable_turbo_feature_under_strict_stops_with_the_flag():
         (["precision=fp8"], "or fp8.emulate=true for FP8 numerics on the CPU"),
         (["precision=fp8", "fp8.emulate=true", "turbo.enabled=false"], "runs the turbo FP8 ops"),
         (["fp8.emulate=maybe"], "fp8.emulate='maybe': expected true or false"),
+        (["fp8.wgrad=fp16"], "fp8.wgrad='fp16': expected one of ('fp8', 'bf16')"),
         (["parallel.ep=3"], "does not divide world size 2"),
         (["recipe=no_such_recipe"], "Could not find 'recipe/no_such_recipe'"),
     ],
@@ -183,3 +184,17 @@ def test_emulated_fp8_trains_like_bf16_on_cpu(tmp_path):
     final = {k: sum(v[s] for s in range(101, 121)) / 20 for k, v in losses.items()}
     assert final["fp8"] < losses["fp8"][1] - 1.0, final  # it learned
     assert abs(final["fp8"] / final["bf16"] - 1) < 0.10, final
+
+
+def test_emulated_fp8_with_bf16_wgrad_runs_the_bf16_wgrad_on_cpu(tmp_path):
+    """fp8.wgrad=bf16: same forward as the FP8 wgrad (identical step-1 loss), different weight update."""
+    common = ["parallel.ep=1", "train.steps=3", "train.progress=false", "precision=fp8", "fp8.emulate=true"]
+    losses = {}
+    for wgrad in ("fp8", "bf16"):
+        metrics = tmp_path / f"{wgrad}.jsonl"
+        rc, out, _ = torchrun(*common, f"fp8.wgrad={wgrad}", f"train.metrics_file={metrics}", nproc=1)
+        assert rc == 0, out[-3000:]
+        losses[wgrad] = _losses(metrics)
+        assert ("weight gradients in bf16" in out) == (wgrad == "bf16"), out[-3000:]
+    assert losses["bf16"][1] == losses["fp8"][1], losses
+    assert losses["bf16"][3] != losses["fp8"][3], losses
