@@ -18,6 +18,10 @@ Labels (impl):
   turbo TRITON             turbo.ops.grouped_gemm pinned to the persistent Triton kernels
   torch._scaled_grouped_mm FP8 rowwise forward on pre-quantized operands (kernel only, no bwd)
   turbo fp8 <GRAN>         turbo.ops.grouped_gemm_fp8 TRITON (rowwise/tensorwise: auto), quantization included
+  turbo fp8 rowwise hybrid [bf16-wgrad]
+                           the deepseek_moe_fp8 recipe's experts: HYBRID (E5M2 gradients) rowwise, auto,
+                           with the FP8 wgrad or (bf16-wgrad, fp8.wgrad=bf16) the bf16 grouped wgrad of
+                           the saved bf16 input; gate 20 dB (E5M2 gradients)
   turbo fp8 rowwise cutlass-wgrad
                            E4M3 rowwise, auto, with GroupedGemmFP8VariableKDispatcher.
                            group_lens_multiple_of_16 set: the wgrad may take torch._scaled_grouped_mm
@@ -59,6 +63,7 @@ from primus_turbo.pytorch.ops.quantization import quantize_fp8  # noqa: E402
 
 COLUMNS = GEMM_COLUMNS + ["impl", "dist", "Dgrad TFLOPS", "Wgrad TFLOPS", "fwd+bwd speedup vs _grouped_mm"]
 CUTLASS_WGRAD = "turbo fp8 rowwise cutlass-wgrad"
+HYBRID_BF16_WGRAD = "turbo fp8 rowwise hybrid bf16-wgrad"
 MODELS = {  # name: (hidden, expert dim, experts, top-k)
     "dsv2lite": (2048, 1408, 64, 6),
     "dsv3": (7168, 2048, 32, 8),
@@ -226,6 +231,10 @@ def run_shape(shape, dist, quick, device):
     for g in grans:
         backend = "TRITON" if g is ScalingGranularity.BLOCKWISE else None  # auto: CUTLASS fwd
         impls.append((f"turbo fp8 {g.name.lower()}", backend, Float8QuantConfig(granularity=g)))
+    # the deepseek_moe_fp8 recipe's experts: HYBRID rowwise, with the FP8 or the bf16 wgrad (fp8.wgrad=bf16)
+    for hp in (False, True):
+        cfg = Float8QuantConfig(Format.HYBRID, ScalingGranularity.ROWWISE, high_precision_wgrad=hp)
+        impls.append((HYBRID_BF16_WGRAD if hp else "turbo fp8 rowwise hybrid", None, cfg))
     # the CUTLASS wgrad device-asserts unless every expert has a multiple of 16 tokens (skewed: not)
     if bool((lens % 16 == 0).all()):
         rowwise_e4m3 = Float8QuantConfig(format=Format.E4M3, granularity=ScalingGranularity.ROWWISE)
@@ -235,7 +244,8 @@ def run_shape(shape, dist, quick, device):
         wgrad_dispatcher.group_lens_multiple_of_16 = name == CUTLASS_WGRAD
         wgrad_dispatcher.clear_cache()  # autotune picks cached without the promise: re-tune
         fns = turbo_impls(x, w, lens, grad, backend, cfg)
-        row, _ = measure(name, dist, shape, fns, refs, 40.0 if cfg is None else 25.0, base_total)
+        gate = 40.0 if cfg is None else (20.0 if cfg.format is Format.HYBRID else 25.0)
+        row, _ = measure(name, dist, shape, fns, refs, gate, base_total)
         if name == "turbo auto":
             row["impl"] += f" ({GroupedGemmDispatcher.last_backend.name})"
         if name == CUTLASS_WGRAD:
