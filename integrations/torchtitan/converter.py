@@ -10,6 +10,7 @@ module, or through ``train.py framework=torchtitan`` (which sets the options fro
   grouped_gemm  GroupedExperts -> turbo grouped GEMM (bf16 or FP8) over the stacked w1/w2/w3
   router        TokenChoiceTopKRouter -> turbo fused_topk_routing
   permute       MoE's token reorder / gather / un-sort -> turbo token_permute / token_unpermute
+  dispatch      (ep > 1) ExpertParallel's all-to-all + permute -> moe_dispatch / moe_combine in MoE.forward
 
 Parameter names and shapes never change. Fail-closed: a requested feature that cannot serve the run stops it
 (``PatchError``) unless turbo.strict=false; every decision is a row of the turbo report.
@@ -246,16 +247,37 @@ def _permute(ctx) -> str:
     return f"{len(layers)} MoE token reorder/gather/un-sort -> turbo token_permute / token_unpermute"
 
 
-# ---- features the TorchTitan side does not serve yet (fail-closed when requested) ------------------------
+def _dispatch_condition(ctx) -> str | None:
+    if ctx.options.ep <= 1:
+        return "ep=1: no EP communication"
+    if ctx.options.tp > 1:  # ReordererSequenceParallel / ExpertTensorParallel split the tokens over TP ranks
+        return "tp > 1 with ep > 1: TorchTitan splits the EP tokens over TP ranks; its all-to-all runs"
+    return _needs_moe(ctx)
 
 
-@REGISTRY.register("turbo.dispatch", "torchtitan.distributed.expert_parallel.ExpertParallel", TESTED,
-                   feature="dispatch",
-                   condition=lambda ctx: None if ctx.options.ep > 1 else "ep=1: no EP communication",
-                   probe=lambda ctx: "EP all-to-all runs in TorchTitan's ExpertParallel; the turbo "
-                   "dispatcher is not wired for TorchTitan yet")  # fmt: skip
+def _dispatch_probe(ctx) -> str | None:
+    if ctx.modules_of(GroupedExperts):  # stock experts expect ExpertParallel's padded groups
+        return "the experts are stock GroupedExperts: turbo.dispatch needs turbo.grouped_gemm"
+    return _needs("ops.moe.dispatch.moe_dispatch", "ops.moe.dispatch.moe_combine",
+                  "ops.moe.permute.token_permute")(ctx)  # fmt: skip
+
+
+# After permute: TurboMoE layers (or stock MoE with turbo.permute=false) become TurboEPMoE (which permutes).
+@REGISTRY.register("turbo.dispatch", "torchtitan.distributed.expert_parallel.ExpertParallel._apply", TESTED,
+                   feature="dispatch", condition=_dispatch_condition, probe=_dispatch_probe)  # fmt: skip
 def _dispatch(ctx) -> str:
-    return ""
+    layers = [m for _, _, m in ctx.modules_of(MoE, exact=False) if type(m) in (MoE, tm.TurboMoE)]
+    for module in layers:
+        module.__class__ = tm.TurboEPMoE
+        module.experts.turbo_dispatch = True
+    tm.leave_token_exchange_to_turbo()
+    return (
+        f"{len(layers)} MoE: EP all-to-all + permute (ExpertParallel hooks) -> turbo moe_dispatch / "
+        "token_permute / moe_combine in MoE.forward; ExpertParallel only shards the experts"
+    )
+
+
+# ---- features the TorchTitan side does not serve yet (fail-closed when requested) ------------------------
 
 
 @REGISTRY.register("turbo.async_tp", "torchtitan.distributed.tensor_parallel.maybe_enable_async_tp", TESTED,

@@ -12,18 +12,24 @@ All of them work on the meta device (TorchTitan converts the model before ``to_e
 - ``TurboGroupedExperts``: ``GroupedExperts`` over ``turbo.ops.grouped_gemm`` / ``grouped_gemm_fp8`` on the
   stacked ``w1/w2/w3`` [G, ...] parameters.
 - ``TurboTopKRouter``: ``TokenChoiceTopKRouter`` over ``turbo.ops.fused_topk_routing``.
+- ``TurboMoE``: ``MoE.forward`` with the token reorder in ``token_permute`` / ``token_unpermute``.
+- ``TurboEPMoE``: ``TurboMoE`` whose expert-parallel token exchange is ``moe_dispatch`` / ``moe_combine``
+  (``leave_token_exchange_to_turbo`` keeps TorchTitan's ExpertParallel from adding its own all-to-all).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_module
+from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 
 from primus_turbo.pytorch.modules import Float8Linear, Linear, RMSNorm, TurboAttention
 from primus_turbo.pytorch.ops import fused_topk_routing, gemm, grouped_gemm, grouped_gemm_fp8
+from primus_turbo.pytorch.ops.moe.dispatch import moe_combine, moe_dispatch
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute
 
 
@@ -118,7 +124,7 @@ EXPERTS_FP8_CONFIG = None
 class TurboGroupedExperts(GroupedExperts):
     """``GroupedExperts`` with the SwiGLU expert MLP on turbo grouped GEMMs (one per weight, trans_b: the
     [G, N, K] layout TorchTitan stores). Rows of ``x`` are grouped by expert as ``num_tokens_per_expert``
-    says; with EP, TorchTitan's ExpertParallel has already permuted (and padded) them. No host sync."""
+    says; with EP, TorchTitan's ExpertParallel (or ``TurboEPMoE``) has already grouped them. No host sync."""
 
     def _grouped(self, x: torch.Tensor, w: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
         w = w if w.dtype == x.dtype else w.to(x.dtype)
@@ -191,6 +197,73 @@ class TurboMoE(MoE):
         if out is None:
             return out_experts.reshape(bs, slen, dim)
         return (out + out_experts).reshape(bs, slen, dim)
+
+
+class TurboEPMoE(TurboMoE):
+    """``TurboMoE`` with expert parallelism done here: ``moe_dispatch`` sends each token once to every EP
+    rank owning one of its top-k experts (with its local expert ids and probs), ``token_permute`` groups the
+    received rows by local expert, and ``moe_combine`` returns each rank's per-token partial sum (the probs
+    already merged by ``token_unpermute``, or applied to the rows before the experts) to be summed at the
+    source.
+
+    Replaces TorchTitan's ExpertParallel all-to-all (a host sync on the split sizes, one row per (token,
+    expert) pair, a second permute on the receiver). The EP group is the one TorchTitan's ExpertParallel
+    sharded the experts over (``leave_token_exchange_to_turbo``); backends: ``kernels/moe/dispatch_impl.py``
+    (NCCL: one host sync per dispatch; TURBO: none)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = getattr(self.experts, "ep_group", None)
+        if group is None:
+            raise RuntimeError(
+                "TurboEPMoE: the experts carry no EP group, so TorchTitan's ExpertParallel._apply did not "
+                "shard them with turbo.dispatch (another EP style ran?); refusing to run the MoE rank-locally"
+            )
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, selected, num_tokens_per_expert = self.router(x, self.expert_bias)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(num_tokens_per_expert)
+        num_experts, before = self.router.num_experts, self.score_before_experts
+        num_local = num_experts // dist.get_world_size(group)
+        recv_x, recv_idx, recv_probs, _, handle = moe_dispatch(x, selected, top_scores, num_experts, group)
+        # Upper bound on the local (token, expert) pairs, known without a host sync; the rows after the last
+        # group are zeros and join the last expert's group, so the grouped GEMMs see exactly their rows
+        # (zero rows add nothing to outputs, weight gradients or FP8 amax).
+        routed_input, routed_scores, row_id_map, tokens_per_expert = token_permute(
+            recv_x, recv_idx, recv_probs if before else None,
+            num_out_tokens=recv_x.shape[0] * min(self.router.top_k, num_local), num_experts=num_local,
+            zero_fill=True,
+        )  # fmt: skip
+        if before:
+            routed_input = (routed_input.float() * routed_scores.reshape(-1, 1)).to(x.dtype)
+        group_lens = tokens_per_expert.to(torch.int64)
+        tail = routed_input.shape[0] - group_lens.sum()
+        group_lens = torch.cat([group_lens[:-1], group_lens[-1:] + tail])
+        routed_output = self.experts(routed_input, group_lens)
+        out = self.shared_experts(x) if self.shared_experts is not None else None
+        partial = token_unpermute(routed_output, row_id_map, None if before else recv_probs).to(x.dtype)
+        out_experts = moe_combine(partial, group, handle)
+        if out is None:
+            return out_experts.reshape(bs, slen, dim)
+        return (out + out_experts).reshape(bs, slen, dim)
+
+
+_STOCK_EP_APPLY = ExpertParallel._apply
+
+
+def _expert_parallel_apply(self, module: nn.Module, device_mesh):
+    if not getattr(module, "turbo_dispatch", False):
+        return _STOCK_EP_APPLY(self, module, device_mesh)
+    module.ep_group = device_mesh.get_group()
+    return distribute_module(module, device_mesh, partition_fn=self._partition_fn)
+
+
+def leave_token_exchange_to_turbo() -> None:
+    """Patch ``ExpertParallel._apply`` (idempotent): for experts marked ``turbo_dispatch`` it still shards
+    w1/w2/w3 on dim 0 over the EP mesh (the same DTensor parameters and checkpoints) and records the EP
+    process group on the module for ``TurboEPMoE``, but installs no ``_token_dispatch`` / ``_token_combine``
+    hooks. Unmarked experts (a stock model in the same process) get the stock ``_apply``."""
+    ExpertParallel._apply = _expert_parallel_apply
 
 
 def router_semantics_problem(router: TokenChoiceTopKRouter) -> str | None:

@@ -26,6 +26,8 @@ from primus_turbo.integrations.torchtitan.job_config import (  # noqa: E402
     build_model_args,
     check_expressible,
 )
+from torchtitan.distributed.expert_parallel import ExpertParallel  # noqa: E402
+from torchtitan.models.moe.moe import MoE  # noqa: E402
 
 RECIPES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "recipes"))
 TINY_MLA = [
@@ -150,10 +152,47 @@ def test_strict_stops_on_a_feature_that_cannot_serve_and_non_strict_falls_back()
     cfg = _cfg(*TINY_GQA_MOE)
     _, model = _build(cfg)
     with pytest.raises(PatchError, match=r"turbo\.dispatch cannot serve this run.*turbo\.strict=false"):
-        conv.convert_model(model, _options(cfg, dispatch=True, ep=2))
+        conv.convert_model(model, _options(cfg, dispatch=True, ep=2, grouped_gemm=False))
     _, model = _build(cfg)
-    rows = conv.convert_model(model, _options(cfg, dispatch=True, ep=2, strict=False))
-    assert {r.name: r.status for r in rows}["turbo.dispatch"] == FALLBACK
+    rows = conv.convert_model(model, _options(cfg, dispatch=True, ep=2, grouped_gemm=False, strict=False))
+    row = {r.name: r for r in rows}["turbo.dispatch"]
+    assert row.status == FALLBACK and "needs turbo.grouped_gemm" in row.detail
+    assert not any(type(m) is tm.TurboEPMoE for m in model.modules())
+
+
+@pytest.mark.parametrize("permute", [True, False])
+def test_turbo_dispatch_with_ep_moves_the_token_exchange_into_moe_forward(permute):
+    """ep > 1: every MoE becomes TurboEPMoE (moe_dispatch / token_permute / moe_combine, also with
+    turbo.permute=false), its experts are marked for ExpertParallel to shard without its all-to-all hooks, the
+    report row says so, and parameter names/shapes are unchanged (EP numerics: test_torchtitan_dispatch)."""
+    cfg = _cfg(*TINY_GQA_MOE)
+    _, model = _build(cfg)
+    before = _shapes(model)
+    rows = {r.name: r for r in conv.convert_model(model, _options(cfg, dispatch=True, ep=2, permute=permute))}
+    row = rows["turbo.dispatch"]
+    assert row.status == "active", row
+    assert row.target == "torchtitan.distributed.expert_parallel.ExpertParallel._apply"
+    assert "2 MoE" in row.detail and "moe_dispatch" in row.detail and "moe_combine" in row.detail
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert len(layers) == 2 and all(type(m) is tm.TurboEPMoE for m in layers)
+    assert all(m.experts.turbo_dispatch and type(m.experts) is tm.TurboGroupedExperts for m in layers)
+    assert ExpertParallel._apply is tm._expert_parallel_apply
+    assert _shapes(model) == before
+    with pytest.raises(RuntimeError, match="no EP group"):  # never a silent rank-local MoE
+        layers[0](torch.randn(1, 4, cfg.model.hidden_size))
+
+
+@pytest.mark.parametrize(
+    "ep, tp, reason", [(1, 1, "ep=1"), (2, 2, "tp > 1 with ep > 1")], ids=["ep1", "tp2_ep2"]
+)  # fmt: skip
+def test_turbo_dispatch_is_not_applicable_without_ep_or_with_tp(ep, tp, reason):
+    cfg = _cfg(*TINY_GQA_MOE)
+    _, model = _build(cfg)
+    row = {r.name: r for r in conv.convert_model(model, _options(cfg, dispatch=True, ep=ep, tp=tp))}[
+        "turbo.dispatch"
+    ]
+    assert row.status == "n/a" and reason in row.detail, row
+    assert not any(type(m) is tm.TurboEPMoE for m in model.modules())
 
 
 def test_router_with_semantics_the_fused_kernel_lacks_is_refused_under_strict():

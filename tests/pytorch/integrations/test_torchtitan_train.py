@@ -1,6 +1,7 @@
 """``train.py framework=torchtitan`` through torchrun on CPU (2 gloo ranks, tiny_moe with EP=2, FSDP=2):
 TorchTitan's Trainer runs the recipe with our data and metrics; turbo on and off start from the same loss;
-a requested converter feature that cannot apply stops the run under turbo.strict.
+turbo.dispatch (turbo moe_dispatch / moe_combine instead of ExpertParallel's all-to-all) trains like the
+turbo run without it; a requested converter feature that cannot apply stops the run under turbo.strict.
 
 The ``gpu`` tests run the real recipes on one H100/H200: deepseek_moe_bf16 turbo on vs stock (loss within 2%
 after 30 steps, same data and seed) and deepseek_moe_fp8 with turbo FP8.
@@ -23,10 +24,10 @@ pytest.importorskip("torchtitan")
 pytest.importorskip("hydra")
 
 
-def torchrun(*overrides, nproc=2, timeout=240, gpu=False):
+def torchrun(*overrides, nproc=2, timeout=240, gpu=False, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", "train.py", "framework=torchtitan", *overrides]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also when the suite runs on a GPU machine
     start = time.perf_counter()
@@ -34,18 +35,31 @@ def torchrun(*overrides, nproc=2, timeout=240, gpu=False):
     return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
 
 
-def _losses(path):
+def _losses(path, key="loss"):
     with open(path) as f:
-        return {row["step"]: row["loss"] for row in map(json.loads, f)}
+        return {row["step"]: row[key] for row in map(json.loads, f)}
 
 
-def test_tiny_moe_trains_on_torchtitan_with_turbo_and_matches_stock_first_step(tmp_path):
-    on, off = tmp_path / "on.jsonl", tmp_path / "off.jsonl"
-    rc, out, seconds = torchrun("train.steps=5", f"train.metrics_file={on}")
+def _op_backends(out):
+    """The step-1 'op backends' line of the turbo report: {dispatcher: backend}."""
+    line = re.search(r"turbo report: op backends in step 1: (.*)", out).group(1)
+    return dict(item.split("=") for item in line.split(", "))
+
+
+@pytest.fixture(scope="module")
+def turbo_run(tmp_path_factory):
+    """tiny_moe on TorchTitan, default turbo flags (dispatch on), 5 steps: (output, seconds, jsonl path)."""
+    metrics = tmp_path_factory.mktemp("turbo") / "on.jsonl"
+    rc, out, seconds = torchrun("train.steps=5", f"train.metrics_file={metrics}")
     assert rc == 0, out[-4000:]
-    for feature in ("gemm", "attention", "rmsnorm", "grouped_gemm", "router", "permute"):
+    return out, seconds, metrics
+
+
+def test_tiny_moe_trains_on_torchtitan_with_turbo_and_matches_stock_first_step(tmp_path, turbo_run):
+    off = tmp_path / "off.jsonl"
+    out, seconds, on = turbo_run
+    for feature in ("gemm", "attention", "rmsnorm", "grouped_gemm", "router", "permute", "dispatch"):
         assert re.search(rf"turbo\.{feature}\s+active", out), feature
-    assert re.search(r"turbo\.dispatch\s+off", out)
     assert "step 5/5" in out and "tok/s/GPU" in out and "done: 5 steps" in out
     losses_on = _losses(on)
     assert sorted(losses_on) == [1, 2, 3, 4, 5]
@@ -63,10 +77,31 @@ def test_tiny_moe_trains_on_torchtitan_with_turbo_and_matches_stock_first_step(t
         assert abs(losses_on[step] - losses_off[step]) < 2e-2 * losses_off[step], (losses_on, losses_off)
 
 
+def test_turbo_dispatch_trains_like_torchtitan_expert_parallel_all_to_all(tmp_path, turbo_run):
+    """EP=2: turbo moe_dispatch / moe_combine vs TorchTitan's ExpertParallel all-to-all, everything else the
+    same turbo modules: same losses and grad norms for 5 steps (fp32; with top-2 routing every token's two
+    weighted expert rows are added once either way, so they agree to rounding). The step-1 backend report
+    proves which exchange ran: a dispatcher that silently stopped being used fails here."""
+    out_on, _, on = turbo_run
+    assert re.search(r"turbo\.dispatch\s+active\s+\S+ExpertParallel\._apply\s+-- 2 MoE", out_on)
+    assert _op_backends(out_on).get("MoEDispatchCombine") == "NCCL", _op_backends(out_on)
+    off = tmp_path / "dispatch_off.jsonl"
+    rc, out_off, _ = torchrun("train.steps=5", "turbo.dispatch=false", f"train.metrics_file={off}")
+    assert rc == 0, out_off[-4000:]
+    assert re.search(r"turbo\.dispatch\s+off", out_off) and re.search(r"turbo\.permute\s+active", out_off)
+    assert "MoEDispatchCombine" not in _op_backends(out_off), _op_backends(out_off)
+    for key in ("loss", "grad_norm"):
+        got, ref = _losses(on, key), _losses(off, key)
+        assert sorted(got) == sorted(ref) == [1, 2, 3, 4, 5]
+        for step, value in ref.items():
+            assert abs(got[step] - value) <= 1e-5 * abs(value), (key, step, got, ref)
+
+
 def test_requested_feature_that_cannot_apply_stops_the_run_under_strict():
-    rc, out, _ = torchrun("train.steps=2", "turbo.dispatch=true")
+    rc, out, _ = torchrun("recipe=tiny_dense", "parallel.tp=2", "parallel.sequence_parallel=true",
+                          "turbo.async_tp=true", "train.steps=2")  # fmt: skip
     assert rc != 0, out[-4000:]  # the rank exits 3; torchrun reports 1
-    assert "turbo.dispatch cannot serve this run" in out and "turbo.strict=false" in out
+    assert "turbo.async_tp cannot serve this run" in out and "turbo.strict=false" in out, out[-4000:]
     assert "step 1/" not in out
 
 
@@ -131,12 +166,36 @@ def test_deepseek_moe_fp8_trains_with_turbo_fp8_on_gpu(tmp_path):
 
 @pytest.mark.multigpu
 def test_deepseek_moe_bf16_expert_parallel_on_two_gpus(tmp_path):
+    """EP=2 with turbo.dispatch (default backend: NCCL, or DEEP_EP where deep_ep is installed) tracks the same
+    turbo run on TorchTitan's ExpertParallel all-to-all (turbo.dispatch=false) within 2% at step 10 (bf16)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    path = tmp_path / "ep2.jsonl"
-    overrides = ["recipe=deepseek_moe_bf16", "parallel.ep=2", "train.steps=10", f"train.metrics_file={path}"]
-    rc, out, _ = torchrun(*overrides, nproc=2, timeout=600, gpu=True)
+    on, off = tmp_path / "ep2.jsonl", tmp_path / "ep2_a2a.jsonl"
+    common = ["recipe=deepseek_moe_bf16", "parallel.ep=2", "train.steps=10"]
+    rc, out, _ = torchrun(*common, f"train.metrics_file={on}", nproc=2, timeout=600, gpu=True)
     assert rc == 0, out[-4000:]
+    assert re.search(r"turbo\.dispatch\s+active", out)
+    assert _op_backends(out).get("MoEDispatchCombine") in ("NCCL", "DEEP_EP"), _op_backends(out)
+    losses = _losses(on)
+    assert all(math.isfinite(v) for v in losses.values()) and losses[10] <= losses[1] + 0.05, losses
+    rc, out, _ = torchrun(*common, "turbo.dispatch=false", f"train.metrics_file={off}", nproc=2, timeout=600,
+                          gpu=True)  # fmt: skip
+    assert rc == 0, out[-4000:]
+    ref = _losses(off)
+    assert abs(losses[10] - ref[10]) < 0.02 * ref[10], (losses, ref)
+
+
+@pytest.mark.multigpu
+def test_deepseek_moe_bf16_turbo_dispatch_sync_free_backend_on_two_gpus(tmp_path):
+    """turbo.dispatch pinned to the TURBO backend (symmetric-memory kernels, no host sync per dispatch)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    path = tmp_path / "ep2_turbo.jsonl"
+    env = {"PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND": "TURBO", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    rc, out, _ = torchrun("recipe=deepseek_moe_bf16", "parallel.ep=2", "train.steps=10",
+                          f"train.metrics_file={path}", nproc=2, timeout=600, gpu=True, env=env)  # fmt: skip
+    assert rc == 0, out[-4000:]
+    assert _op_backends(out).get("MoEDispatchCombine") == "TURBO", _op_backends(out)
     losses = _losses(path)
     assert all(math.isfinite(v) for v in losses.values()) and losses[10] <= losses[1] + 0.05, losses
 

@@ -56,6 +56,20 @@ def test_permute_unpermute(form, pad_multiple, capacity, drop_frac, device):
     assert_close(p.grad, ref_gp, torch.float32)
 
 
+def test_zero_fill_zeroes_the_rows_after_the_last_group(device):
+    """Indices with -1 routes give an upper-bound buffer; zero_fill=True makes its tail rows (and probs) zero,
+    so a grouped GEMM may take them into the last group (TorchTitan's TurboEPMoE does)."""
+    t, e, k, h = 29, 8, 3, 40
+    indices, probs = _routing(t, e, k, device, drop_frac=0.4)
+    junk = torch.full((t * k, h), float("nan"), device=device)  # freed memory the output may reuse
+    del junk
+    out, out_probs, _, tpe = token_permute(torch.randn(t, h, device=device), indices, probs, num_experts=e,
+                                           zero_fill=True)  # fmt: skip
+    n = int(tpe.sum())
+    assert out.shape[0] == t * k > n
+    assert (out[n:] == 0).all() and (out_probs[n:] == 0).all()
+
+
 @pytest.mark.parametrize("form", ["indices", "map"])
 def test_unpermute_with_merging_probs(form, device):
     t, e, k, h = 31, 6, 2, 24

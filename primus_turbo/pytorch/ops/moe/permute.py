@@ -9,11 +9,11 @@ e.g. an expert on another EP rank). Rows of the permuted buffer are grouped by e
 order within an expert; ``tokens_per_expert`` (a device tensor, int32) gives each group's size.
 
 Sizes and host syncs: with indices, the output has T * K rows (an upper bound when some indices are
--1: rows after the last expert group are unspecified); with a routing map, pass ``num_out_tokens``
-(the routed count), or the op reads it from the device once (a host sync). ``pad_multiple`` rounds
-every expert group up to a multiple (16 or 128 for FP8 grouped GEMM) with zero rows; ``capacity``
-keeps at most that many tokens per expert (later tokens are dropped) and pads every group to
-exactly ``capacity`` rows.
+-1: rows after the last expert group are unspecified, or zeros with ``zero_fill=True``); with a
+routing map, pass ``num_out_tokens`` (the routed count), or the op reads it from the device once (a
+host sync). ``pad_multiple`` rounds every expert group up to a multiple (16 or 128 for FP8 grouped
+GEMM) with zero rows; ``capacity`` keeps at most that many tokens per expert (later tokens are
+dropped) and pads every group to exactly ``capacity`` rows.
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ def token_permute(
     *,
     num_experts: int | None = None,
     capacity: int | None = None,
+    zero_fill: bool = False,
 ):
     """Permute tokens (and probs) into expert-grouped order.
 
@@ -146,6 +147,8 @@ def token_permute(
         pad_multiple: pad every expert group to a multiple of this (zero rows), e.g. 16 / 128 for FP8.
         num_experts: required with indices.
         capacity: per-expert capacity (drop-and-pad mode): output is exactly E * capacity rows.
+        zero_fill: rows after the last expert group (an upper-bound ``num_out_tokens``) are zeros
+            (and their probs 0), so a grouped GEMM may cover them, e.g. as part of the last group.
 
     Returns:
         (permuted_tokens [N, H], permuted_probs [N] or None, row_id_map [T, K or E] int32,
@@ -160,8 +163,8 @@ def token_permute(
         routing, num_experts, num_out_tokens, pad_multiple, capacity
     )
     # Padding rows inside expert groups must be zero (grouped GEMMs read them); rows after the last
-    # group (an upper-bound size with -1 routes) are outside every group and left unwritten.
-    zero_fill = pad_multiple > 1 or capacity is not None
+    # group (an upper-bound size with -1 routes) are outside every group: unwritten unless zero_fill.
+    zero_fill = zero_fill or pad_multiple > 1 or capacity is not None
     out, out_probs = _Permute.apply(
         tokens, probs.contiguous() if probs is not None else None, row_id_map, num_rows, zero_fill
     )
