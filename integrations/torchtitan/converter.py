@@ -52,6 +52,7 @@ class TurboOptions:
     dispatch: bool = False
     async_tp: bool = False
     fp8_recipe: str | None = None  # None = bf16; tensorwise | rowwise | blockwise | delayed
+    fp8_wgrad: str = "fp8"  # fp8 | bf16 (Float8QuantConfig.high_precision_wgrad)
     tp: int = 1
     ep: int = 1
     cp: int = 1
@@ -70,7 +71,8 @@ def options_from_cfg(cfg) -> TurboOptions:
     flags = {k: bool(t[k]) for k in ("enabled", "strict", "gemm", "grouped_gemm", "attention", "rmsnorm",
                                        "router", "permute", "dispatch", "async_tp")}  # fmt: skip
     fp8 = cfg.fp8.recipe if cfg.fp8.enabled else None
-    return TurboOptions(**flags, fp8_recipe=fp8, tp=p.tp, ep=p.ep, cp=p.cp)
+    wgrad = cfg.fp8.get("wgrad", "fp8")
+    return TurboOptions(**flags, fp8_recipe=fp8, fp8_wgrad=wgrad, tp=p.tp, ep=p.ep, cp=p.cp)
 
 
 def set_options(options: TurboOptions | None) -> None:
@@ -143,8 +145,10 @@ def _fp8(ctx) -> str:
     recipe = ctx.options.fp8_recipe
     granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
     fmt = Format.E4M3 if recipe == "blockwise" else Format.HYBRID
-    ctx.fp8_config = Float8QuantConfig(format=fmt, granularity=granularity)
-    return f"turbo linears/experts run FP8 GEMMs: {fmt.value} {granularity.value} current scaling"
+    hp_wgrad = ctx.options.fp8_wgrad == "bf16"
+    ctx.fp8_config = Float8QuantConfig(format=fmt, granularity=granularity, high_precision_wgrad=hp_wgrad)
+    wgrad = "; weight gradients in bf16" if hp_wgrad else ""
+    return f"turbo linears/experts run FP8 GEMMs: {fmt.value} {granularity.value} current scaling" + wgrad
 
 
 # ---- module swaps ----------------------------------------------------------------------------------------

@@ -137,8 +137,15 @@ def test_fp8_recipe_swaps_float8_linears_and_fp8_experts_keeping_head_bf16():
     assert type(model.output) is tm.TitanLinear  # LM head stays bf16
     assert sum(type(m) is tm.TitanFloat8Linear for m in model.modules()) == 14
     assert tm.EXPERTS_FP8_CONFIG is not None and tm.EXPERTS_FP8_CONFIG.granularity.name == "ROWWISE"
+    assert not tm.EXPERTS_FP8_CONFIG.high_precision_wgrad
     conv.convert_model(torch.nn.Sequential(), _options(cfg))  # resets the expert FP8 config
     assert tm.EXPERTS_FP8_CONFIG is None
+    _, model = _build(cfg)
+    rows = conv.convert_model(model, _options(cfg, fp8_recipe="rowwise", fp8_wgrad="bf16"))  # fp8.wgrad=bf16
+    assert "weight gradients in bf16" in {r.name: r.detail for r in rows}["turbo.fp8"]
+    assert tm.EXPERTS_FP8_CONFIG.high_precision_wgrad
+    linears = [m for m in model.modules() if type(m) is tm.TitanFloat8Linear]
+    assert linears and all(m.config.high_precision_wgrad for m in linears)
 
 
 def test_fp8_delayed_is_refused_under_strict():
