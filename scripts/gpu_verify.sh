@@ -4,6 +4,8 @@
 # $OUT/results.tgz after every step: a call cut off by the device's time limit still returns what ran.
 #
 #   TESTS="tests/..." [TEST_TIMEOUT=90]        pytest -m "not multigpu" on those paths (TEST_JOBS=8 workers)
+#   SERIAL_TESTS="tests/..." [SERIAL_TIMEOUT=300]  the same, one test at a time (GPU training runs: in
+#                                              parallel they run out of memory on one GPU)
 #   DIST_TESTS="tests/..." [DIST_TIMEOUT=120]  pytest --dist-only (2-GPU tests)
 #   TRAIN="bf16_on bf16_off" (default)         Megatron deepseek_moe_bf16 8 steps turbo on / off; TRAIN=none skips
 #   E2E="recipe=deepseek_moe_fp8 turbo=on"     benchmark/e2e/compare.py with these options (E2E_TIMEOUT=120 each);
@@ -68,6 +70,11 @@ if [ -n "${TESTS:-}" ]; then
   fi
   step "${TEST_TIMEOUT:-90}" tests python3 -m pytest -n "${TEST_JOBS:-8}" -q --timeout=600 -p no:cacheprovider -m "not multigpu" $TESTS
   grep -E "FAILED|ERROR|passed|failed" "$WORK/tests.log" | tail -30
+fi
+if [ -n "${SERIAL_TESTS:-}" ]; then  # one at a time: training runs that each take a large share of the GPU
+  step "${SERIAL_TIMEOUT:-300}" serial_tests python3 -m pytest -p no:xdist -q --timeout=600 -p no:cacheprovider \
+    -m "not multigpu" $SERIAL_TESTS
+  grep -E "FAILED|ERROR|passed|failed" "$WORK/serial_tests.log" | tail -20
 fi
 if [ -n "${DIST_TESTS:-}" ]; then
   step "${DIST_TIMEOUT:-120}" dist python3 -m pytest --dist-only -q --timeout=600 -p no:cacheprovider $DIST_TESTS

@@ -4,7 +4,10 @@ with the device's copy bandwidth measured in the same run.
     python benchmark/ops/bench_quantization.py --quick   # 1 shape, < 60 s on an H200
     python benchmark/ops/bench_quantization.py           # 3 shapes
 
-Rows: granularity x {plain, +transpose (both K-major copies, one call)}. "two-pass" is what a
+Rows: granularity x {plain, +transpose (both K-major copies, one call)}; "rowwise csrc" is the CUDA C++
+rowwise kernel (backend "turbo", the default on CUDA when the extension is built) where "rowwise" is
+the Triton one. "host us" is the host time to issue one call (no sync): what a training step pays
+when the GPU is not the bottleneck. "two-pass" is what a
 caller does without the fused variant: quantize x, then quantize x.t().contiguous().
 GB/s counts logical bytes: bf16 read once + FP8 written (once, or twice with the transpose) +
 scales. Targets (H200): turbo >= 1.0x torch.compile and >= 90% of copy bandwidth (copy ~4.2 TB/s);
@@ -14,6 +17,7 @@ fused transpose faster than two-pass.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import bench_ms, bench_parser, gbps, out_dir, print_table, write_csv  # noqa: E402
 
+from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION  # noqa: E402
 from primus_turbo.pytorch.kernels.quantization import quantization_impl as impl  # noqa: E402
 from primus_turbo.pytorch.ops.quantization import normalize_spec  # noqa: E402
 
@@ -44,6 +49,7 @@ COLUMNS = [
     "vs compile",
     "% of copy",
     "two-pass GB/s",
+    "host us",
 ]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke runs only
@@ -66,41 +72,57 @@ def _check(turbo_out, torch_out) -> str:
     return "PASS"
 
 
+def _host_us(fn, n: int = 50) -> float:
+    fn()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - start) * 1e6 / n
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return host
+
+
 def run_shape(m: int, k: int, quick: bool = False) -> list[dict]:
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     copy_ms, _ = bench_ms(lambda: x.clone())
     copy_bw = gbps(2 * x.numel() * 2, copy_ms)
     rows = []
-    for name, spec in SPECS.items():
-        for transpose in (False, True):
-            turbo_fn = _quantizer(spec, transpose, "triton")
-            torch_fn = _quantizer(spec, transpose, "torch")
-            # --quick compiles the plain variants only (each torch.compile costs seconds)
-            compiled = None if (quick and transpose) else torch.compile(torch_fn, dynamic=False)
-            out_bytes = x.numel() * (2 if transpose else 1)
-            nbytes = x.numel() * 2 + out_bytes
-            t_ms, _ = bench_ms(lambda f=turbo_fn: f(x))
-            e_ms, _ = bench_ms(lambda f=torch_fn: f(x))
-            c_ms = bench_ms(lambda f=compiled: f(x))[0] if compiled else float("nan")
-            row = {
-                "label": f"{name}{'+transpose' if transpose else ''}",
-                "shape": f"{m}x{k}",
-                "dtype": "bf16->e4m3",
-                "Check": _check(turbo_fn(x), torch_fn(x)),
-                "Forward GB/s": gbps(nbytes, t_ms),
-                "Forward Time (ms)": t_ms,
-                "torch GB/s": gbps(nbytes, e_ms),
-                "compile GB/s": gbps(nbytes, c_ms),
-                "copy GB/s": copy_bw,
-                "vs compile": c_ms / t_ms,
-                "% of copy": 100 * gbps(nbytes, t_ms) / copy_bw,
-            }
-            if transpose:
-                plain = _quantizer(spec, False, "triton")
-                two_ms, _ = bench_ms(lambda plain=plain: (plain(x), plain(x.t().contiguous())))
-                row["two-pass GB/s"] = gbps(nbytes, two_ms)
-            rows.append(row)
-            print_table([row], COLUMNS)
+    variants = [(name, spec, t, "triton") for name, spec in SPECS.items() for t in (False, True)]
+    if HAS_CPP_EXTENSION and DEVICE == "cuda":
+        variants.insert(2, ("rowwise csrc", SPECS["rowwise"], False, "turbo"))
+    for name, spec, transpose, backend in variants:
+        turbo_fn = _quantizer(spec, transpose, backend)
+        torch_fn = _quantizer(spec, transpose, "torch")
+        # --quick compiles the plain variants only (each torch.compile costs seconds)
+        compiled = None if (quick and transpose) else torch.compile(torch_fn, dynamic=False)
+        out_bytes = x.numel() * (2 if transpose else 1)
+        nbytes = x.numel() * 2 + out_bytes
+        t_ms, _ = bench_ms(lambda f=turbo_fn: f(x))
+        e_ms, _ = bench_ms(lambda f=torch_fn: f(x))
+        c_ms = bench_ms(lambda f=compiled: f(x))[0] if compiled else float("nan")
+        row = {
+            "label": f"{name}{'+transpose' if transpose else ''}",
+            "shape": f"{m}x{k}",
+            "dtype": "bf16->e4m3",
+            "Check": _check(turbo_fn(x), torch_fn(x)),
+            "Forward GB/s": gbps(nbytes, t_ms),
+            "Forward Time (ms)": t_ms,
+            "torch GB/s": gbps(nbytes, e_ms),
+            "compile GB/s": gbps(nbytes, c_ms),
+            "copy GB/s": copy_bw,
+            "vs compile": c_ms / t_ms,
+            "% of copy": 100 * gbps(nbytes, t_ms) / copy_bw,
+            "host us": _host_us(lambda f=turbo_fn: f(x)),
+        }
+        if transpose:
+            plain = _quantizer(spec, False, "triton")
+            two_ms, _ = bench_ms(lambda plain=plain: (plain(x), plain(x.t().contiguous())))
+            row["two-pass GB/s"] = gbps(nbytes, two_ms)
+        rows.append(row)
+        print_table([row], COLUMNS)
     return rows
 
 

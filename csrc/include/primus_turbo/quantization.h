@@ -1,0 +1,21 @@
+// FP8 quantization CUDA launchers (csrc/kernels/quantization/quantize_rowwise.cu). Plain pointers +
+// cudaStream_t, no torch types: the torch glue is csrc/pytorch/quantization_bindings.cpp.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "primus_turbo/dtype.h"
+
+namespace primus_turbo {
+
+// Row-wise FP8 quantization of a contiguous [rows, cols] tensor: per row, amax = max |x| over the finite
+// elements (inf/NaN ignored), scale = fp8_max / amax (IEEE division; 1 when amax == 0; capped at FLT_MAX;
+// with pow2 only its exponent bits), q = fp8(clamp(x * scale, +-fp8_max)) rounded to nearest (NaN stays
+// NaN), scale_inv[row] = 1 / scale. Bit for bit the Triton kernel's and the torch reference's rules.
+// e5m2: float8_e5m2 output, else float8_e4m3fn. `aligned`: x and q 16-byte aligned (vector path).
+cudaError_t quantize_rowwise_fp8_launch(const void* x, void* q, float* scale_inv, int64_t rows, int64_t cols,
+                                        DType dtype, bool e5m2, bool pow2, bool aligned, cudaStream_t stream);
+
+}  // namespace primus_turbo

@@ -1,0 +1,121 @@
+// Row-wise FP8 quantization (see primus_turbo/quantization.h for the numerics contract).
+//
+// One block per row, two passes over the row: the amax pass reads it from HBM, the cast pass re-reads
+// it (from L2: a block's row is at most a few tens of KB and a wave of blocks fits the 50 MB L2) and
+// writes q. Inputs move as 16-byte vectors when the row length and both pointers allow it. The point of
+// this kernel over the Triton one is the host: one C++ op call instead of a Python launch path, which
+// dominates a training step's FP8 overhead on a slow host (benchmark/NOTES.md, session 7).
+#include <cuda_fp8.h>
+
+#include <cfloat>
+
+#include "primus_turbo/common.h"
+#include "primus_turbo/quantization.h"
+
+namespace primus_turbo {
+namespace {
+
+constexpr int kMaxThreads = 256;
+
+__device__ __forceinline__ float finite_abs(float v) {
+    const float a = fabsf(v);
+    return a < INFINITY ? a : 0.0f;  // false for inf and NaN
+}
+
+__device__ __forceinline__ float block_max(float v, float* smem) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) smem[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : 0.0f;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+        if (lane == 0) smem[0] = v;
+    }
+    __syncthreads();
+    return smem[0];
+}
+
+template <bool E5M2>
+__device__ __forceinline__ uint8_t to_fp8(float x, float scale, float fp8_max) {
+    float y = fminf(fmaxf(x * scale, -fp8_max), fp8_max);
+    if (x != x) y = x;  // fminf/fmaxf drop NaN: put it back
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3));
+}
+
+template <typename T, int VEC, bool E5M2>
+__global__ void __launch_bounds__(kMaxThreads) quantize_rowwise_kernel(const T* __restrict__ x,
+                                                                       uint8_t* __restrict__ q,
+                                                                       float* __restrict__ scale_inv, int64_t cols,
+                                                                       bool pow2) {
+    __shared__ float smem[kMaxThreads / 32];
+    const int64_t row = blockIdx.x;
+    const int64_t nvec = cols / VEC;
+    const auto* xv = reinterpret_cast<const Vec<T, VEC>*>(x + row * cols);
+    auto* qv = reinterpret_cast<Vec<uint8_t, VEC>*>(q + row * cols);
+    constexpr float kMax = E5M2 ? 57344.0f : 448.0f;
+
+    float amax = 0.0f;
+    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+        const Vec<T, VEC> v = xv[i];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, finite_abs(to_float(v.v[j])));
+    }
+    amax = block_max(amax, smem);
+    float scale = amax > 0.0f ? __fdiv_rn(kMax, amax) : 1.0f;
+    scale = fminf(scale, FLT_MAX);
+    if (pow2) scale = __int_as_float(__float_as_int(scale) & 0x7F800000);
+    if (threadIdx.x == 0) scale_inv[row] = __fdiv_rn(1.0f, scale);
+
+    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+        const Vec<T, VEC> v = xv[i];
+        Vec<uint8_t, VEC> out;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out.v[j] = to_fp8<E5M2>(to_float(v.v[j]), scale, kMax);
+        qv[i] = out;
+    }
+}
+
+template <typename T, int VEC>
+cudaError_t launch_typed(const void* x, void* q, float* scale_inv, int64_t rows, int64_t cols, bool e5m2,
+                         bool pow2, cudaStream_t stream) {
+    const int64_t nvec = cols / VEC;
+    int threads = static_cast<int>(((nvec + 31) / 32) * 32);
+    threads = threads < 32 ? 32 : (threads > kMaxThreads ? kMaxThreads : threads);
+    const dim3 grid(static_cast<unsigned>(rows));
+    const T* xt = static_cast<const T*>(x);
+    uint8_t* qt = static_cast<uint8_t*>(q);
+    if (e5m2)
+        quantize_rowwise_kernel<T, VEC, true><<<grid, threads, 0, stream>>>(xt, qt, scale_inv, cols, pow2);
+    else
+        quantize_rowwise_kernel<T, VEC, false><<<grid, threads, 0, stream>>>(xt, qt, scale_inv, cols, pow2);
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_dtype(const void* x, void* q, float* scale_inv, int64_t rows, int64_t cols, bool e5m2,
+                         bool pow2, bool aligned, cudaStream_t stream) {
+    constexpr int kVec = 16 / sizeof(T);  // 16-byte loads; the fp8 store is kVec bytes
+    if (aligned && cols % kVec == 0) return launch_typed<T, kVec>(x, q, scale_inv, rows, cols, e5m2, pow2, stream);
+    return launch_typed<T, 1>(x, q, scale_inv, rows, cols, e5m2, pow2, stream);
+}
+
+}  // namespace
+
+cudaError_t quantize_rowwise_fp8_launch(const void* x, void* q, float* scale_inv, int64_t rows, int64_t cols,
+                                        DType dtype, bool e5m2, bool pow2, bool aligned, cudaStream_t stream) {
+    if (rows == 0) return cudaSuccess;
+    switch (dtype) {
+        case DType::kFloat32:
+            return launch_dtype<float>(x, q, scale_inv, rows, cols, e5m2, pow2, aligned, stream);
+        case DType::kFloat16:
+            return launch_dtype<__half>(x, q, scale_inv, rows, cols, e5m2, pow2, aligned, stream);
+        case DType::kBFloat16:
+            return launch_dtype<__nv_bfloat16>(x, q, scale_inv, rows, cols, e5m2, pow2, aligned, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace primus_turbo

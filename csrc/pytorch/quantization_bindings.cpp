@@ -1,0 +1,72 @@
+// Torch glue for the FP8 quantization CUDA kernels: schema, CUDA and Meta implementations.
+//
+//   torch.ops.primus_turbo_cpp_extension.quantize_fp8_rowwise(x, out_dtype, pow2) -> (q, scale_inv)
+//
+// x: contiguous 2-D fp32/fp16/bf16 [rows, cols]; q: [rows, cols] in out_dtype (float8_e4m3fn or
+// float8_e5m2); scale_inv: fp32 [rows, 1]. The Python layer (primus_turbo/pytorch/kernels/quantization/
+// quantization_impl.py) validates and reshapes; the checks here only guard against misuse of the raw op.
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "primus_turbo/quantization.h"
+
+namespace {
+
+using at::Tensor;
+
+primus_turbo::DType to_dtype(at::ScalarType t) {
+    switch (t) {
+        case at::kFloat:
+            return primus_turbo::DType::kFloat32;
+        case at::kHalf:
+            return primus_turbo::DType::kFloat16;
+        case at::kBFloat16:
+            return primus_turbo::DType::kBFloat16;
+        default:
+            TORCH_CHECK(false, "quantize_fp8_rowwise: x dtype ", t, " is not supported; accepted: float32, float16, ",
+                        "bfloat16");
+    }
+}
+
+void check_out_dtype(at::ScalarType out_dtype) {
+    TORCH_CHECK(out_dtype == at::kFloat8_e4m3fn || out_dtype == at::kFloat8_e5m2, "quantize_fp8_rowwise: out_dtype ",
+                out_dtype, " is not supported; accepted: float8_e4m3fn, float8_e5m2");
+}
+
+std::tuple<Tensor, Tensor> quantize_fp8_rowwise_cuda(const Tensor& x, at::ScalarType out_dtype, bool pow2) {
+    TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(),
+                "quantize_fp8_rowwise: x must be a contiguous 2-D CUDA tensor, got ", x.sizes());
+    check_out_dtype(out_dtype);
+    const auto dtype = to_dtype(x.scalar_type());
+    const c10::cuda::CUDAGuard guard(x.device());
+    Tensor q = at::empty(x.sizes(), x.options().dtype(out_dtype));
+    Tensor scale_inv = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
+    const bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0;
+    C10_CUDA_CHECK(primus_turbo::quantize_rowwise_fp8_launch(
+        x.data_ptr(), q.data_ptr(), scale_inv.data_ptr<float>(), x.size(0), x.size(1), dtype,
+        out_dtype == at::kFloat8_e5m2, pow2, aligned, c10::cuda::getCurrentCUDAStream()));
+    return {q, scale_inv};
+}
+
+std::tuple<Tensor, Tensor> quantize_fp8_rowwise_meta(const Tensor& x, at::ScalarType out_dtype, bool) {
+    check_out_dtype(out_dtype);
+    return {at::empty_like(x, x.options().dtype(out_dtype)),
+            at::empty_symint({x.sym_size(0), 1}, x.options().dtype(at::kFloat))};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(primus_turbo_cpp_extension, m) {
+    m.def("quantize_fp8_rowwise(Tensor x, ScalarType out_dtype, bool pow2) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, CUDA, m) { m.impl("quantize_fp8_rowwise", &quantize_fp8_rowwise_cuda); }
+
+TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, Meta, m) { m.impl("quantize_fp8_rowwise", &quantize_fp8_rowwise_meta); }
