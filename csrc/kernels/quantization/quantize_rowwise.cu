@@ -1,10 +1,10 @@
 // Row-wise FP8 quantization (see primus_turbo/quantization.h for the numerics contract).
 //
-// One block per row, two passes over the row: the amax pass reads it from HBM, the cast pass re-reads
-// it (from L2: a block's row is at most a few tens of KB and a wave of blocks fits the 50 MB L2) and
-// writes q. Inputs move as 16-byte vectors when the row length and both pointers allow it. The point of
-// this kernel over the Triton one is the host: one C++ op call instead of a Python launch path, which
-// dominates a training step's FP8 overhead on a slow host (benchmark/NOTES.md, session 7).
+// One block per row. Rows up to 4 vectors per thread (8192 bf16 elements at 256 threads) are read once
+// into registers; longer rows take two passes, the cast pass re-reading the row from L2. Inputs move as
+// 16-byte vectors when the row length and both pointers allow it. The point of this kernel over the
+// Triton one is the host: one C++ op call instead of a Python launch path, which dominates a training
+// step's FP8 overhead on a slow host (benchmark/NOTES.md, session 7).
 #include <cuda_fp8.h>
 
 #include <cfloat>
@@ -45,7 +45,16 @@ __device__ __forceinline__ uint8_t to_fp8(float x, float scale, float fp8_max) {
     return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3));
 }
 
-template <typename T, int VEC, bool E5M2>
+__device__ __forceinline__ float row_scale(float amax, float fp8_max, bool pow2) {
+    float scale = amax > 0.0f ? __fdiv_rn(fp8_max, amax) : 1.0f;
+    scale = fminf(scale, FLT_MAX);
+    if (pow2) scale = __int_as_float(__float_as_int(scale) & 0x7F800000);
+    return scale;
+}
+
+// NV > 0: the row is read once into registers (NV vectors per thread, rows up to blockDim * NV * VEC
+// elements). NV == 0: any length, two passes (the second from L2).
+template <typename T, int VEC, int NV, bool E5M2>
 __global__ void __launch_bounds__(kMaxThreads) quantize_rowwise_kernel(const T* __restrict__ x,
                                                                        uint8_t* __restrict__ q,
                                                                        float* __restrict__ scale_inv, int64_t cols,
@@ -58,24 +67,56 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_rowwise_kernel(const T* 
     constexpr float kMax = E5M2 ? 57344.0f : 448.0f;
 
     float amax = 0.0f;
-    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-        const Vec<T, VEC> v = xv[i];
+    if constexpr (NV > 0) {
+        Vec<T, VEC> v[NV];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, finite_abs(to_float(v.v[j])));
+        for (int k = 0; k < NV; ++k) {
+            const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+            if (i < nvec) {
+                v[k] = xv[i];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, finite_abs(to_float(v[k].v[j])));
+            }
+        }
+        const float scale = row_scale(block_max(amax, smem), kMax, pow2);
+        if (threadIdx.x == 0) scale_inv[row] = __fdiv_rn(1.0f, scale);
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+            const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+            if (i < nvec) {
+                Vec<uint8_t, VEC> out;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) out.v[j] = to_fp8<E5M2>(to_float(v[k].v[j]), scale, kMax);
+                qv[i] = out;
+            }
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+            const Vec<T, VEC> v = xv[i];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, finite_abs(to_float(v.v[j])));
+        }
+        const float scale = row_scale(block_max(amax, smem), kMax, pow2);
+        if (threadIdx.x == 0) scale_inv[row] = __fdiv_rn(1.0f, scale);
+        for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+            const Vec<T, VEC> v = xv[i];
+            Vec<uint8_t, VEC> out;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) out.v[j] = to_fp8<E5M2>(to_float(v.v[j]), scale, kMax);
+            qv[i] = out;
+        }
     }
-    amax = block_max(amax, smem);
-    float scale = amax > 0.0f ? __fdiv_rn(kMax, amax) : 1.0f;
-    scale = fminf(scale, FLT_MAX);
-    if (pow2) scale = __int_as_float(__float_as_int(scale) & 0x7F800000);
-    if (threadIdx.x == 0) scale_inv[row] = __fdiv_rn(1.0f, scale);
+}
 
-    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-        const Vec<T, VEC> v = xv[i];
-        Vec<uint8_t, VEC> out;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) out.v[j] = to_fp8<E5M2>(to_float(v.v[j]), scale, kMax);
-        qv[i] = out;
-    }
+template <typename T, int VEC, int NV>
+cudaError_t launch_kernel(const T* x, uint8_t* q, float* scale_inv, int64_t rows, int64_t cols, int threads,
+                          bool e5m2, bool pow2, cudaStream_t stream) {
+    const dim3 grid(static_cast<unsigned>(rows));
+    if (e5m2)
+        quantize_rowwise_kernel<T, VEC, NV, true><<<grid, threads, 0, stream>>>(x, q, scale_inv, cols, pow2);
+    else
+        quantize_rowwise_kernel<T, VEC, NV, false><<<grid, threads, 0, stream>>>(x, q, scale_inv, cols, pow2);
+    return cudaGetLastError();
 }
 
 template <typename T, int VEC>
@@ -84,14 +125,13 @@ cudaError_t launch_typed(const void* x, void* q, float* scale_inv, int64_t rows,
     const int64_t nvec = cols / VEC;
     int threads = static_cast<int>(((nvec + 31) / 32) * 32);
     threads = threads < 32 ? 32 : (threads > kMaxThreads ? kMaxThreads : threads);
-    const dim3 grid(static_cast<unsigned>(rows));
+    const int64_t per_thread = (nvec + threads - 1) / threads;
     const T* xt = static_cast<const T*>(x);
     uint8_t* qt = static_cast<uint8_t*>(q);
-    if (e5m2)
-        quantize_rowwise_kernel<T, VEC, true><<<grid, threads, 0, stream>>>(xt, qt, scale_inv, cols, pow2);
-    else
-        quantize_rowwise_kernel<T, VEC, false><<<grid, threads, 0, stream>>>(xt, qt, scale_inv, cols, pow2);
-    return cudaGetLastError();
+    if (per_thread <= 1) return launch_kernel<T, VEC, 1>(xt, qt, scale_inv, rows, cols, threads, e5m2, pow2, stream);
+    if (per_thread <= 2) return launch_kernel<T, VEC, 2>(xt, qt, scale_inv, rows, cols, threads, e5m2, pow2, stream);
+    if (per_thread <= 4) return launch_kernel<T, VEC, 4>(xt, qt, scale_inv, rows, cols, threads, e5m2, pow2, stream);
+    return launch_kernel<T, VEC, 0>(xt, qt, scale_inv, rows, cols, threads, e5m2, pow2, stream);
 }
 
 template <typename T>
