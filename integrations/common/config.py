@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
-FP8_WGRAD = ("fp8", "bf16")  # bf16: weight gradients from the high-precision tensors (Float8QuantConfig)
+FP8_WGRAD = ("bf16", "fp8")  # bf16: weight gradients from the high-precision tensors (Float8QuantConfig)
 DTYPES = ("auto", "bf16", "fp32")
 DATA_KINDS = ("synthetic", "text")
 DISPATCHERS = ("alltoall", "flex")
@@ -110,7 +110,7 @@ def _check_precision(cfg: DictConfig) -> None:
     _require(cfg.fp8.recipe in FP8_RECIPES, f"fp8.recipe={cfg.fp8.recipe!r}: expected one of {FP8_RECIPES}")
     emulate = cfg.fp8.get("emulate", False)
     _require(isinstance(emulate, bool), f"fp8.emulate={emulate!r}: expected true or false")
-    wgrad = cfg.fp8.get("wgrad", "fp8")
+    wgrad = cfg.fp8.get("wgrad", "bf16")
     _require(wgrad in FP8_WGRAD, f"fp8.wgrad={wgrad!r}: expected one of {FP8_WGRAD}")
     if not cfg.fp8.enabled:
         return

@@ -228,7 +228,7 @@ def _fp8(ctx) -> str:
     )
 
     recipe = ctx.cfg.fp8.recipe
-    hp_wgrad = ctx.cfg.fp8.get("wgrad", "fp8") == "bf16"
+    hp_wgrad = ctx.cfg.fp8.get("wgrad", "bf16") == "bf16"
     wgrad = "; weight gradients in bf16" if hp_wgrad else ""
     if recipe == "delayed":
         # Linears keep a per-module amax history (DelayedScalingState); grouped_gemm_fp8 has no delayed

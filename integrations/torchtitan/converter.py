@@ -52,7 +52,7 @@ class TurboOptions:
     dispatch: bool = False
     async_tp: bool = False
     fp8_recipe: str | None = None  # None = bf16; tensorwise | rowwise | blockwise | delayed
-    fp8_wgrad: str = "fp8"  # fp8 | bf16 (Float8QuantConfig.high_precision_wgrad)
+    fp8_wgrad: str = "bf16"  # bf16 | fp8 (bf16: Float8QuantConfig.high_precision_wgrad)
     tp: int = 1
     ep: int = 1
     cp: int = 1
@@ -71,7 +71,7 @@ def options_from_cfg(cfg) -> TurboOptions:
     flags = {k: bool(t[k]) for k in ("enabled", "strict", "gemm", "grouped_gemm", "attention", "rmsnorm",
                                        "router", "permute", "dispatch", "async_tp")}  # fmt: skip
     fp8 = cfg.fp8.recipe if cfg.fp8.enabled else None
-    wgrad = cfg.fp8.get("wgrad", "fp8")
+    wgrad = cfg.fp8.get("wgrad", "bf16")
     return TurboOptions(**flags, fp8_recipe=fp8, fp8_wgrad=wgrad, tp=p.tp, ep=p.ep, cp=p.cp)
 
 

@@ -178,18 +178,43 @@ def test_custom_ops_opcheck(device):
 
     lens = make_group_lens(24, 3, "skewed", device)
     a = torch.randn(24, 16, device=device)
-    torch.library.opcheck(grouped_gemm_impl, (a, torch.randn(3, 16, 8, device=device), lens, False))
-    torch.library.opcheck(grouped_gemm_impl, (a, torch.randn(3, 8, 16, device=device), lens, True))
-    torch.library.opcheck(grouped_gemm_variable_k_impl, (a, torch.randn(24, 8, device=device), lens))
+    torch.library.opcheck(grouped_gemm_impl.custom_op, (a, torch.randn(3, 16, 8, device=device), lens, False))
+    torch.library.opcheck(grouped_gemm_impl.custom_op, (a, torch.randn(3, 8, 16, device=device), lens, True))
+    torch.library.opcheck(grouped_gemm_variable_k_impl.custom_op, (a, torch.randn(24, 8, device=device), lens))
     # bf16 with precomputed torch._grouped_mm offsets (what the autograd Function passes)
     GlobalBackendManager.set_grouped_gemm_backend("CUTLASS")
     offs = cutlass_offsets(lens, 24)
     a16, b16 = a.bfloat16(), torch.randn(3, 8, 16, device=device, dtype=torch.bfloat16)
-    torch.library.opcheck(grouped_gemm_impl, (a16, b16, lens, True, offs))
+    torch.library.opcheck(grouped_gemm_impl.custom_op, (a16, b16, lens, True, offs))
     y16 = torch.randn(24, 8, device=device, dtype=torch.bfloat16)
-    torch.library.opcheck(grouped_gemm_variable_k_impl, (a16, y16, lens, offs))
+    torch.library.opcheck(grouped_gemm_variable_k_impl.custom_op, (a16, y16, lens, offs))
     assert_close(grouped_gemm_impl(a16, b16, lens, True, offs), grouped_gemm_ref(a16, b16, lens, True),
                  torch.bfloat16, msg="offs")  # fmt: skip
+
+
+def test_eager_calls_skip_the_custom_op_layer(device):
+    """Eager grouped_gemm runs the dispatcher directly (core.utils.eager_direct); the custom op is for
+    torch.compile. A dispatch mode sees every op that reaches the torch dispatcher."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import grouped_gemm_impl
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    lens = make_group_lens(24, 3, "skewed", device)
+    a = torch.randn(24, 16, device=device, requires_grad=True)
+    b = torch.randn(3, 8, 16, device=device, requires_grad=True)
+    with Record():
+        turbo.ops.grouped_gemm(a, b, lens, trans_b=True).sum().backward()
+    assert seen and not [op for op in seen if "primus_turbo" in op], seen
+    with Record():
+        grouped_gemm_impl.custom_op(a.detach(), b.detach(), lens, True)
+    assert any("primus_turbo.grouped_gemm" in op for op in seen), seen
 
 
 @pytest.mark.parametrize("elem_bytes", [1, 2, 4])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from primus_turbo.pytorch.core.utils import triton_can_run_on
+from primus_turbo.pytorch.core.utils import eager_direct, triton_can_run_on
 
 _ACTS = {"silu": 0, "gelu": 1}
 
@@ -18,6 +18,7 @@ def _eager_act(gate: torch.Tensor, act: str) -> torch.Tensor:
     return F.silu(gate) if act == "silu" else F.gelu(gate)
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::glu_fwd", mutates_args=())
 def glu_fwd(x: torch.Tensor, probs: torch.Tensor | None, act: str) -> torch.Tensor:
     n, two_h = x.shape
@@ -52,6 +53,7 @@ def _(x, probs, act):
     return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::glu_bwd", mutates_args=())
 def glu_bwd(
     grad_out: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, act: str

@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
-from primus_turbo.pytorch.core.utils import debug_checks_enabled, triton_can_run_on
+from primus_turbo.pytorch.core.utils import debug_checks_enabled, eager_direct, triton_can_run_on
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     VariableKTorchBackend,
     cutlass_offsets,
@@ -269,6 +269,7 @@ class GroupedGemmFP8VariableKDispatcher(AutoKernelDispatcher):
         return BackendType.TRITON
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::grouped_gemm_fp8", mutates_args=())
 def grouped_gemm_fp8_impl(
     a: torch.Tensor,
@@ -295,6 +296,7 @@ def _(a, b_view, a_scale, b_scale, group_lens, scale_mode, out_dtype):
     return a.new_empty(a.shape[0], b_view.shape[2], dtype=out_dtype)
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::grouped_gemm_fp8_variable_k", mutates_args=())
 def grouped_gemm_fp8_variable_k_impl(
     x: torch.Tensor,

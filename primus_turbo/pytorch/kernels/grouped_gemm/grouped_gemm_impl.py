@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
-from primus_turbo.pytorch.core.utils import triton_can_run_on
+from primus_turbo.pytorch.core.utils import eager_direct, triton_can_run_on
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     launch_grouped_gemm,
     launch_grouped_gemm_variable_k,
@@ -198,6 +198,7 @@ class GroupedGemmVariableKDispatcher(AutoKernelDispatcher):
 
 
 # -- custom ops (torch.compile traces through these) ----------------------------------------------
+@eager_direct
 @torch.library.custom_op("primus_turbo::grouped_gemm", mutates_args=())
 def grouped_gemm_impl(
     a: torch.Tensor,
@@ -216,6 +217,7 @@ def _(a, b, group_lens, trans_b, offs=None):
     return a.new_empty(a.shape[0], n)
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::grouped_gemm_variable_k", mutates_args=())
 def grouped_gemm_variable_k_impl(
     x: torch.Tensor, y: torch.Tensor, group_lens: torch.Tensor, offs: torch.Tensor | None = None

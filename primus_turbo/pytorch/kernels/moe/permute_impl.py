@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
-from primus_turbo.pytorch.core.utils import ceil_div, triton_can_run_on
+from primus_turbo.pytorch.core.utils import ceil_div, eager_direct, triton_can_run_on
 
 
 def build_row_id_map(
@@ -203,6 +203,7 @@ class PermuteDispatcher(AutoKernelDispatcher):
 # -- custom ops ---------------------------------------------------------------------------------
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::moe_permute_fwd", mutates_args=())
 def moe_permute_fwd(
     x: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None, num_rows: int, zero_fill: bool
@@ -223,6 +224,7 @@ def _(x, row_id_map, probs, num_rows, zero_fill):
     )
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::moe_unpermute_fwd", mutates_args=())
 def moe_unpermute_fwd(
     y: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None, num_tokens: int
@@ -237,6 +239,7 @@ def _(y, row_id_map, probs, num_tokens):
     return y.new_empty((num_tokens, y.shape[1]))
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::moe_unpermute_bwd_probs", mutates_args=())
 def moe_unpermute_bwd_probs(
     grad_out: torch.Tensor, y: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor
@@ -270,6 +273,7 @@ def _(grad_out, y, row_id_map, probs):
     return torch.empty_like(y), y.new_empty(row_id_map.shape, dtype=torch.float32)
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::moe_permute_fp8_rowwise", mutates_args=())
 def moe_permute_fp8_rowwise(
     x: torch.Tensor, row_id_map: torch.Tensor, num_rows: int, fp8_dtype: torch.dtype

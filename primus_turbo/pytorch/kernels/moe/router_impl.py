@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.utils import ceil_div, triton_can_run_on
+from primus_turbo.pytorch.core.utils import ceil_div, eager_direct, triton_can_run_on
 
 SCORES = {"softmax": 0, "pre_softmax": 1, "sigmoid": 2}
 NORM_FLAG = 4  # score code bit: renormalise the selected scores (pre_softmax, sigmoid)
@@ -52,6 +52,7 @@ def router_forward_eager(logits, topk, score, num_groups, topk_groups, scaling, 
     return (probs * scaling).to(logits.dtype), chosen, idx
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::router_fwd", mutates_args=())
 def router_fwd(
     logits: torch.Tensor,
@@ -109,6 +110,7 @@ def _(logits, expert_bias, topk, score, num_groups, topk_groups, scaling):
     )
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::router_bwd", mutates_args=())
 def router_bwd(
     grad_probs: torch.Tensor,
@@ -170,6 +172,7 @@ def _(grad_probs, logits, routing_map, topk, score, scaling):
     return torch.empty_like(logits)
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::router_zloss_lse", mutates_args=())
 def zloss_lse(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise logsumexp in fp32."""
@@ -193,6 +196,7 @@ def _(logits):
     return logits.new_empty((logits.shape[0],), dtype=torch.float32)
 
 
+@eager_direct
 @torch.library.custom_op("primus_turbo::router_zloss_bwd", mutates_args=())
 def zloss_bwd(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, coeff: float) -> torch.Tensor:
     t, e = logits.shape
