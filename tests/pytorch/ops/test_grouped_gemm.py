@@ -180,7 +180,8 @@ def test_custom_ops_opcheck(device):
     a = torch.randn(24, 16, device=device)
     torch.library.opcheck(grouped_gemm_impl.custom_op, (a, torch.randn(3, 16, 8, device=device), lens, False))
     torch.library.opcheck(grouped_gemm_impl.custom_op, (a, torch.randn(3, 8, 16, device=device), lens, True))
-    torch.library.opcheck(grouped_gemm_variable_k_impl.custom_op, (a, torch.randn(24, 8, device=device), lens))
+    vark = grouped_gemm_variable_k_impl.custom_op
+    torch.library.opcheck(vark, (a, torch.randn(24, 8, device=device), lens))
     # bf16 with precomputed torch._grouped_mm offsets (what the autograd Function passes)
     GlobalBackendManager.set_grouped_gemm_backend("CUTLASS")
     offs = cutlass_offsets(lens, 24)
