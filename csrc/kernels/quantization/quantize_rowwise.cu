@@ -38,29 +38,11 @@ __device__ __forceinline__ float block_max(float v, float* smem) {
     return smem[0];
 }
 
-// fp8(x * scale) rounded to nearest. The satfinite conversion clamps to +-fp8_max exactly as clamping
-// first would (a finite value above fp8_max, or inf, becomes fp8_max) and keeps NaN, so no separate clamp.
 template <bool E5M2>
-__device__ __forceinline__ uint8_t to_fp8(float x, float scale) {
-    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x * scale, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3));
-}
-
-// VEC elements at once; pairs through the packed conversion (one cvt per two values, low byte first).
-template <typename T, int VEC, bool E5M2>
-__device__ __forceinline__ Vec<uint8_t, VEC> cast_vec(const Vec<T, VEC>& v, float scale) {
-    Vec<uint8_t, VEC> out;
-    if constexpr (VEC % 2 == 0) {
-        auto* pairs = reinterpret_cast<__nv_fp8x2_storage_t*>(out.v);
-#pragma unroll
-        for (int j = 0; j < VEC; j += 2) {
-            const float2 f = make_float2(to_float(v.v[j]) * scale, to_float(v.v[j + 1]) * scale);
-            pairs[j / 2] = __nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3);
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) out.v[j] = to_fp8<E5M2>(to_float(v.v[j]), scale);
-    }
-    return out;
+__device__ __forceinline__ uint8_t to_fp8(float x, float scale, float fp8_max) {
+    float y = fminf(fmaxf(x * scale, -fp8_max), fp8_max);
+    if (x != x) y = x;  // fminf/fmaxf drop NaN: put it back
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3));
 }
 
 __device__ __forceinline__ float row_scale(float amax, float fp8_max, bool pow2) {
@@ -101,7 +83,12 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_rowwise_kernel(const T* 
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
             const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-            if (i < nvec) qv[i] = cast_vec<T, VEC, E5M2>(v[k], scale);
+            if (i < nvec) {
+                Vec<uint8_t, VEC> out;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) out.v[j] = to_fp8<E5M2>(to_float(v[k].v[j]), scale, kMax);
+                qv[i] = out;
+            }
         }
     } else {
         for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
@@ -112,7 +99,11 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_rowwise_kernel(const T* 
         const float scale = row_scale(block_max(amax, smem), kMax, pow2);
         if (threadIdx.x == 0) scale_inv[row] = __fdiv_rn(1.0f, scale);
         for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-            qv[i] = cast_vec<T, VEC, E5M2>(xv[i], scale);
+            const Vec<T, VEC> v = xv[i];
+            Vec<uint8_t, VEC> out;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) out.v[j] = to_fp8<E5M2>(to_float(v.v[j]), scale, kMax);
+            qv[i] = out;
         }
     }
 }
