@@ -64,6 +64,8 @@ class TokenDispatcher(nn.Module):
         # Upper bound on local (token, expert) pairs without a host sync: each received row has at
         # most min(topk, local experts) local routes.
         num_out = x.shape[0] * min(self.topk, self.num_local_experts)
+        # After an EP dispatch num_out is an upper bound: the rows after the last group are zeroed, since
+        # FP8 experts quantize the whole buffer (a tensorwise amax or column scales would read garbage).
         expert_in, expert_probs, row_id_map, tokens_per_expert = token_permute(
             x,
             indices,
@@ -71,6 +73,7 @@ class TokenDispatcher(nn.Module):
             num_out,
             pad_multiple=self.pad_multiple,
             num_experts=self.num_local_experts,
+            zero_fill=handle is not None,
         )
         self._state = {"shape": shape, "handle": handle, "row_id_map": row_id_map, "probs": probs}
         return expert_in, tokens_per_expert, expert_probs
