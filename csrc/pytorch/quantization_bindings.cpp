@@ -14,25 +14,12 @@
 
 #include <tuple>
 
+#include "torch_dtype.h"
 #include "primus_turbo/quantization.h"
 
 namespace {
 
 using at::Tensor;
-
-primus_turbo::DType to_dtype(at::ScalarType t) {
-    switch (t) {
-        case at::kFloat:
-            return primus_turbo::DType::kFloat32;
-        case at::kHalf:
-            return primus_turbo::DType::kFloat16;
-        case at::kBFloat16:
-            return primus_turbo::DType::kBFloat16;
-        default:
-            TORCH_CHECK(false, "quantize_fp8_rowwise: x dtype ", t, " is not supported; accepted: float32, float16, ",
-                        "bfloat16");
-    }
-}
 
 void check_out_dtype(at::ScalarType out_dtype) {
     TORCH_CHECK(out_dtype == at::kFloat8_e4m3fn || out_dtype == at::kFloat8_e5m2, "quantize_fp8_rowwise: out_dtype ",
@@ -43,7 +30,7 @@ std::tuple<Tensor, Tensor> quantize_fp8_rowwise_cuda(const Tensor& x, at::Scalar
     TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(),
                 "quantize_fp8_rowwise: x must be a contiguous 2-D CUDA tensor, got ", x.sizes());
     check_out_dtype(out_dtype);
-    const auto dtype = to_dtype(x.scalar_type());
+    const auto dtype = primus_turbo::to_dtype(x.scalar_type(), "quantize_fp8_rowwise: x");
     const c10::cuda::CUDAGuard guard(x.device());
     Tensor q = at::empty(x.sizes(), x.options().dtype(out_dtype));
     Tensor scale_inv = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));

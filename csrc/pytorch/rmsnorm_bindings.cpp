@@ -17,25 +17,12 @@
 #include <optional>
 #include <tuple>
 
+#include "torch_dtype.h"
 #include "primus_turbo/rmsnorm.h"
 
 namespace {
 
 using at::Tensor;
-
-primus_turbo::DType to_dtype(at::ScalarType t) {
-    switch (t) {
-        case at::kFloat:
-            return primus_turbo::DType::kFloat32;
-        case at::kHalf:
-            return primus_turbo::DType::kFloat16;
-        case at::kBFloat16:
-            return primus_turbo::DType::kBFloat16;
-        default:
-            TORCH_CHECK(false, "primus_turbo rmsnorm: dtype ", t,
-                        " is not supported; accepted: float32, float16, bfloat16");
-    }
-}
 
 bool aligned16(std::initializer_list<const void*> ptrs) {
     for (const void* p : ptrs)
@@ -72,7 +59,7 @@ std::tuple<Tensor, Tensor, Tensor> fwd_impl(const Tensor& x, const std::optional
     const void* res_ptr = residual ? residual->data_ptr() : nullptr;
     void* sum_ptr = residual ? sum.data_ptr() : nullptr;
     const bool aligned = aligned16({x.data_ptr(), res_ptr, weight.data_ptr(), y.data_ptr(), sum_ptr});
-    const auto dtype = to_dtype(x.scalar_type());
+    const auto dtype = primus_turbo::to_dtype(x.scalar_type(), "primus_turbo rmsnorm");
     TORCH_CHECK(x.size(1) <= primus_turbo::rmsnorm_max_hidden(x.size(1), dtype, aligned),
                 "rmsnorm (TURBO): hidden size ", x.size(1), " exceeds the register-resident maximum ",
                 primus_turbo::rmsnorm_max_hidden(x.size(1), dtype, aligned), "; use the TRITON backend");
@@ -108,7 +95,7 @@ std::tuple<Tensor, Tensor> rmsnorm_bwd_cuda(const Tensor& dy, const Tensor& x, c
     Tensor dx = at::empty_like(x);
     const void* ds_ptr = dsum ? dsum->data_ptr() : nullptr;
     const bool aligned = aligned16({dy.data_ptr(), x.data_ptr(), weight.data_ptr(), ds_ptr, dx.data_ptr()});
-    const auto dtype = to_dtype(x.scalar_type());
+    const auto dtype = primus_turbo::to_dtype(x.scalar_type(), "primus_turbo rmsnorm");
     TORCH_CHECK(x.size(1) <= primus_turbo::rmsnorm_max_hidden(x.size(1), dtype, aligned),
                 "rmsnorm (TURBO): hidden size ", x.size(1), " too large; use the TRITON backend");
     if (x.size(0) == 0) return {dx, at::zeros_like(weight)};
