@@ -41,15 +41,25 @@ def eager_direct(op):
     graph node with its fake; eager calls run the op's Python body directly. The custom-op layer costs
     ~10 us of host time per call on a fast host and up to ~0.3 ms on the H100 machines (cProfile,
     benchmark/results/h100/profile_host_60cb5c1.txt), more than many of the kernels it launches.
+    Tensor subclasses (DTensor, functional collectives' AsyncCollectiveTensor, ...) still go through the
+    op, whose dispatch unwraps them: the body's kernels need real storage.
     ``register_fake`` and ``custom_op`` (the op itself) stay reachable on the wrapper."""
     body = op._init_fn
 
     @functools.wraps(body)
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not _plain_tensors(args, kwargs):
             return op(*args, **kwargs)
         return body(*args, **kwargs)
 
     call.custom_op = op
     call.register_fake = op.register_fake
     return call
+
+
+def _plain_tensors(args, kwargs) -> bool:
+    """No argument is a torch.Tensor subclass instance."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
+            return False
+    return True

@@ -217,6 +217,14 @@ def test_eager_calls_skip_the_custom_op_layer(device):
         grouped_gemm_impl.custom_op(a.detach(), b.detach(), lens, True)
     assert any("primus_turbo.grouped_gemm" in op for op in seen), seen
 
+    class Sub(torch.Tensor):  # subclasses (DTensor, AsyncCollectiveTensor) keep the op: it unwraps them
+        pass
+
+    seen.clear()
+    with Record():
+        grouped_gemm_impl(a.detach().as_subclass(Sub), b.detach(), lens, True)
+    assert any("primus_turbo.grouped_gemm" in op for op in seen), seen
+
 
 @pytest.mark.parametrize("elem_bytes", [1, 2, 4])
 def test_gpu_configs_fit_shared_memory(elem_bytes):
