@@ -89,14 +89,21 @@ class GemmFunction(torch.autograd.Function):
             else:
                 grad_a = gemm_forward(grad, b, False, not trans_b, a.dtype)
         if ctx.needs_input_grad[1]:
-            # wgrad operands: dB = op(a)^T @ dC, or dC^T @ op(a) when b is stored transposed
-            lhs, rhs, t_lhs, t_rhs = (grad, a, True, trans_a) if trans_b else (a, grad, not trans_a, False)
-            if ctx.accumulate_into_main_grad:
-                gemm_accumulate_(ctx.weight.main_grad, lhs, rhs, t_lhs, t_rhs)
-                grad_b = wgrad_placeholder(ctx.weight)
-            else:
-                grad_b = gemm_forward(lhs, rhs, t_lhs, t_rhs, b.dtype)
+            weight = ctx.weight if ctx.accumulate_into_main_grad else None
+            grad_b = gemm_wgrad(a, grad, trans_a, trans_b, b.dtype, weight)
         return grad_a, grad_b, None, None, None, None
+
+
+def gemm_wgrad(a, grad, trans_a: bool, trans_b: bool, out_dtype: torch.dtype, weight=None):
+    """b's gradient from a (physical, op(a) = a^T with trans_a) and dC, in a's precision: dB = op(a)^T @ dC,
+    stored dC^T @ op(a) when b is [N, K] (trans_b). With ``weight`` (the Python object carrying an fp32
+    ``main_grad``) the GEMM accumulates into ``weight.main_grad`` and the DDP placeholder is returned."""
+    grad = grad if grad.dtype == a.dtype else grad.to(a.dtype)
+    lhs, rhs, t_lhs, t_rhs = (grad, a, True, trans_a) if trans_b else (a, grad, not trans_a, False)
+    if weight is not None:
+        gemm_accumulate_(weight.main_grad, lhs, rhs, t_lhs, t_rhs)
+        return wgrad_placeholder(weight)
+    return gemm_forward(lhs, rhs, t_lhs, t_rhs, out_dtype)
 
 
 def gemm(

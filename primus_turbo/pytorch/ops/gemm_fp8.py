@@ -39,15 +39,15 @@ from primus_turbo.pytorch.core.low_precision import (
     ScalingGranularity,
     ScalingStrategy,
 )
-from primus_turbo.pytorch.core.main_grad import check_main_grad, wgrad_placeholder
+from primus_turbo.pytorch.core.main_grad import check_main_grad
 from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_impl
-from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_accumulate_, gemm_forward
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     finite_amax,
     quantize_fp8_impl,
     quantize_fp8_tensorwise_static_impl,
     quantize_fp8_with_transpose_impl,
 )
+from primus_turbo.pytorch.ops.gemm import gemm_wgrad
 from primus_turbo.pytorch.ops.quantization import normalize_spec, quantize_fp8, quantize_fp8_with_transpose
 
 __all__ = ["gemm_fp8"]
@@ -151,7 +151,7 @@ class _GemmFP8Function(torch.autograd.Function):
         need_da, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_a = grad_b = None
         if ctx.hp_wgrad:
-            grad_b = _hp_wgrad(ctx, grad_out, a_t)
+            grad_b = gemm_wgrad(a_t, grad_out, ctx.trans_a, ctx.trans_b, ctx.grad_dtypes[1], ctx.weight)
             need_db = False
             if not need_da:
                 return grad_a, grad_b, None, None, None, None, None, None, None, None
@@ -174,20 +174,6 @@ class _GemmFP8Function(torch.autograd.Function):
             else:  # dB[K, N] = A^T[K, M] @ dC^T[N, M]^T
                 grad_b = gemm_fp8_impl(a_t, a_t_s, *g.bwd, wmode, bs or 0, ctx.grad_dtypes[1])
         return grad_a, grad_b, None, None, None, None, None, None, None, None
-
-
-def _hp_wgrad(ctx, grad_out, a):
-    """The weight gradient from the high-precision a (physical, op(a) = a^T when trans_a) and dC, in
-    a's precision: dB = op(a)^T @ dC, stored dC^T @ op(a) when b is [N, K] (turbo.ops.gemm's wgrad)."""
-    grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
-    if ctx.trans_b:
-        lhs, rhs, t_lhs, t_rhs = grad, a, True, ctx.trans_a
-    else:
-        lhs, rhs, t_lhs, t_rhs = a, grad, not ctx.trans_a, False
-    if ctx.weight is not None:
-        gemm_accumulate_(ctx.weight.main_grad, lhs, rhs, t_lhs, t_rhs)
-        return wgrad_placeholder(ctx.weight)
-    return gemm_forward(lhs, rhs, t_lhs, t_rhs, ctx.grad_dtypes[1])
 
 
 def _check_operand(x, name: str, trans: bool, config: Float8QuantConfig, is_b: bool):

@@ -110,23 +110,27 @@ class GroupedGemmFunction(torch.autograd.Function):
         trans_b = ctx.trans_b
         grad_out = grad_out.contiguous()  # no-op (no copy) for the usual contiguous gradient
         grad_a = grad_b = None
-        if b.shape[0] == 1:
-            b0 = b[0]
-            if ctx.needs_input_grad[0]:
-                grad_a = grad_out @ (b0 if trans_b else b0.t())
-            if ctx.needs_input_grad[1]:
-                grad_b = (grad_out.t() @ a if trans_b else a.t() @ grad_out).unsqueeze(0)
-            return grad_a, grad_b, None, None
         if ctx.needs_input_grad[0]:
-            # dA = dC @ B_g^T: the same grouped kernel with b read the other way round
-            grad_a = grouped_gemm_impl(grad_out, b, group_lens, not trans_b, offs)
+            if b.shape[0] == 1:
+                grad_a = grad_out @ (b[0] if trans_b else b[0].t())
+            else:  # dA = dC @ B_g^T: the same grouped kernel with b read the other way round
+                grad_a = grouped_gemm_impl(grad_out, b, group_lens, not trans_b, offs)
         if ctx.needs_input_grad[1]:
-            # dB_g = A_g^T @ dC_g ([K, N]) or dC_g^T @ A_g ([N, K] when trans_b): variable-K
-            if trans_b:
-                grad_b = grouped_gemm_variable_k_impl(grad_out, a, group_lens, offs)
-            else:
-                grad_b = grouped_gemm_variable_k_impl(a, grad_out, group_lens, offs)
+            grad_b = grouped_wgrad(a, grad_out, group_lens, trans_b, b.shape[0], offs)
         return grad_a, grad_b, None, None
+
+
+def grouped_wgrad(a, grad_out, group_lens, trans_b: bool, groups: int, offs=None) -> torch.Tensor:
+    """The weight gradient of a grouped GEMM in a's precision: dB_g = A_g^T @ dC_g ([G, K, N]), or
+    dC_g^T @ A_g ([G, N, K]) when trans_b; variable-K over each expert's rows (a dense GEMM for G = 1).
+    ``offs``: torch._grouped_mm offsets, built here when not given (CUDA bf16)."""
+    grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
+    if groups == 1:  # one expert: a dense GEMM, group_lens[0] == M by contract
+        return (grad.t() @ a if trans_b else a.t() @ grad).unsqueeze(0)
+    if offs is None and a.is_cuda and a.dtype == torch.bfloat16:
+        offs = cutlass_offsets(group_lens, a.shape[0])
+    x, y = (grad, a) if trans_b else (a, grad)
+    return grouped_gemm_variable_k_impl(x, y, group_lens, offs)
 
 
 def grouped_gemm(

@@ -40,11 +40,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     grouped_gemm_fp8_impl,
     grouped_gemm_fp8_variable_k_impl,
 )
-from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
-    cutlass_offsets,
-    grouped_gemm_variable_k_impl,
-)
-from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm, validate_grouped_gemm_args
+from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm, grouped_wgrad, validate_grouped_gemm_args
 from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_transpose
 
 __all__ = ["grouped_gemm_fp8", "GroupedFloat8Weight", "quantize_grouped_weight"]
@@ -249,7 +245,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 b_scale = sw.expand(groups) if mode == SCALE_TENSORWISE else sw
             grad_a = grouped_gemm_fp8_impl(qg, b_view, sg, b_scale, group_lens, mode, ctx.a_dtype)
         if ctx.hp_wgrad:
-            grad_b = _hp_wgrad(qa_t, grad_out, group_lens, trans_b, groups).to(ctx.b_dtype)
+            grad_b = grouped_wgrad(qa_t, grad_out, group_lens, trans_b, groups).to(ctx.b_dtype)
         elif ctx.needs_input_grad[1]:
             wmode = SCALE_TENSORWISE if mode == SCALE_TENSORWISE else SCALE_ROWWISE
             if wmode == SCALE_TENSORWISE:
@@ -265,17 +261,6 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                     qa_t, qg_t, sx, sg_t, group_lens, wmode, ctx.b_dtype
                 )
         return grad_a, grad_b, None, None, None, None, None
-
-
-def _hp_wgrad(a, grad_out, group_lens, trans_b, groups):
-    """dW_g = dC_g^T @ A_g ([N, K] with trans_b) or A_g^T @ dC_g ([K, N]) in a's precision: the
-    bf16 variable-K grouped GEMM (torch._grouped_mm on CUDA), as ``turbo.ops.grouped_gemm``'s wgrad."""
-    grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
-    if groups == 1:  # one expert: a dense GEMM, group_lens[0] == M by contract
-        return (grad.t() @ a if trans_b else a.t() @ grad).unsqueeze(0)
-    offs = cutlass_offsets(group_lens, a.shape[0]) if a.is_cuda and a.dtype == torch.bfloat16 else None
-    x, y = (grad, a) if trans_b else (a, grad)
-    return grouped_gemm_variable_k_impl(x, y, group_lens, offs)
 
 
 def _check_config(config) -> Float8QuantConfig:
