@@ -13,14 +13,14 @@ All of them work on the meta device (TorchTitan converts the model before ``to_e
   stacked ``w1/w2/w3`` [G, ...] parameters.
 - ``TurboTopKRouter``: ``TokenChoiceTopKRouter`` over ``turbo.ops.fused_topk_routing``.
 - ``TurboMoE``: ``MoE.forward`` with the token reorder in ``token_permute`` / ``token_unpermute``.
-- ``TurboEPMoE``: ``TurboMoE`` whose expert-parallel token exchange is ``moe_dispatch`` / ``moe_combine``
+- ``TurboEPMoE``: ``TurboMoE`` whose expert-parallel token exchange is ``TokenDispatcher`` (``moe_dispatch`` /
+  ``moe_combine``)
   (``leave_token_exchange_to_turbo`` keeps TorchTitan's ExpertParallel from adding its own all-to-all).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_module
@@ -28,8 +28,8 @@ from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 
 from primus_turbo.pytorch.modules import Float8Linear, Linear, RMSNorm, TurboAttention
+from primus_turbo.pytorch.modules.token_dispatcher import TokenDispatcher
 from primus_turbo.pytorch.ops import fused_topk_routing, gemm, grouped_gemm, grouped_gemm_fp8
-from primus_turbo.pytorch.ops.moe.dispatch import moe_combine, moe_dispatch
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute
 
 
@@ -182,70 +182,59 @@ class TurboMoE(MoE):
         top_scores, selected, num_tokens_per_expert = self.router(x, self.expert_bias)
         with torch.no_grad():  # expert-bias balancing / usage counts, as the stock forward keeps them
             self.tokens_per_expert.add_(num_tokens_per_expert)
-        k = self.router.top_k
+        out_experts = self._routed_experts(x, top_scores, selected)
+        if self.shared_experts is None:
+            return out_experts.reshape(bs, slen, dim)
+        return (self.shared_experts(x) + out_experts).reshape(bs, slen, dim)
+
+    def _routed_experts(self, x, top_scores, selected) -> torch.Tensor:
         before = self.score_before_experts
         routed_input, routed_scores, row_id_map, tokens_per_expert = token_permute(
-            x, selected, top_scores if before else None, num_out_tokens=x.shape[0] * k,
+            x, selected, top_scores if before else None, num_out_tokens=x.shape[0] * self.router.top_k,
             num_experts=self.router.num_experts,
         )  # fmt: skip
         if before:
             routed_input = (routed_input.float() * routed_scores.reshape(-1, 1)).to(x.dtype)
         routed_output = self.experts(routed_input, tokens_per_expert)
-        out = self.shared_experts(x) if self.shared_experts is not None else None
-        merging = None if before else top_scores
-        out_experts = token_unpermute(routed_output, row_id_map, merging).to(x.dtype)
-        if out is None:
-            return out_experts.reshape(bs, slen, dim)
-        return (out + out_experts).reshape(bs, slen, dim)
+        return token_unpermute(routed_output, row_id_map, None if before else top_scores).to(x.dtype)
 
 
 class TurboEPMoE(TurboMoE):
-    """``TurboMoE`` with expert parallelism done here: ``moe_dispatch`` sends each token once to every EP
-    rank owning one of its top-k experts (with its local expert ids and probs), ``token_permute`` groups the
-    received rows by local expert, and ``moe_combine`` returns each rank's per-token partial sum (the probs
-    already merged by ``token_unpermute``, or applied to the rows before the experts) to be summed at the
-    source.
+    """``TurboMoE`` with expert parallelism done by ``turbo.modules.TokenDispatcher``: ``moe_dispatch`` sends
+    each token once to every EP rank owning one of its top-k experts (with its local expert ids and probs),
+    ``token_permute`` groups the received rows by local expert, and ``moe_combine`` returns each rank's
+    per-token partial sum (the probs merged in the unpermute, or applied to the rows before the experts).
 
     Replaces TorchTitan's ExpertParallel all-to-all (a host sync on the split sizes, one row per (token,
     expert) pair, a second permute on the receiver). The EP group is the one TorchTitan's ExpertParallel
     sharded the experts over (``leave_token_exchange_to_turbo``); backends: ``kernels/moe/dispatch_impl.py``
     (NCCL: one host sync per dispatch; TURBO: none)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed_experts(self, x, top_scores, selected) -> torch.Tensor:
         group = getattr(self.experts, "ep_group", None)
         if group is None:
             raise RuntimeError(
                 "TurboEPMoE: the experts carry no EP group, so TorchTitan's ExpertParallel._apply did not "
                 "shard them with turbo.dispatch (another EP style ran?); refusing to run the MoE rank-locally"
             )
-        bs, slen, dim = x.shape
-        x = x.view(-1, dim)
-        top_scores, selected, num_tokens_per_expert = self.router(x, self.expert_bias)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(num_tokens_per_expert)
-        num_experts, before = self.router.num_experts, self.score_before_experts
-        num_local = num_experts // dist.get_world_size(group)
-        recv_x, recv_idx, recv_probs, _, handle = moe_dispatch(x, selected, top_scores, num_experts, group)
-        # Upper bound on the local (token, expert) pairs, known without a host sync; the rows after the last
-        # group are zeros and join the last expert's group, so the grouped GEMMs see exactly their rows
-        # (zero rows add nothing to outputs, weight gradients or FP8 amax).
-        routed_input, routed_scores, row_id_map, tokens_per_expert = token_permute(
-            recv_x, recv_idx, recv_probs if before else None,
-            num_out_tokens=recv_x.shape[0] * min(self.router.top_k, num_local), num_experts=num_local,
-            zero_fill=True,
-        )  # fmt: skip
+        before = self.score_before_experts
+        cached = getattr(self, "_turbo_ep_dispatcher", None)  # a tuple: not registered as a submodule
+        if cached is None or cached[0] is not group:
+            dispatcher = TokenDispatcher(
+                self.router.num_experts, self.router.top_k, group, probs_in_experts=before
+            )
+            cached = self._turbo_ep_dispatcher = (group, dispatcher)
+        dispatcher = cached[1]
+        routed_input, tokens_per_expert, routed_scores = dispatcher.token_dispatch(x, top_scores, selected)
         if before:
             routed_input = (routed_input.float() * routed_scores.reshape(-1, 1)).to(x.dtype)
+        # The buffer is an upper bound on the local (token, expert) pairs (no host sync); its rows after the
+        # last group are zeros and join the last expert's group, so the grouped GEMMs see exactly their rows
+        # (zero rows add nothing to outputs, weight gradients or FP8 amax).
         group_lens = tokens_per_expert.to(torch.int64)
         tail = routed_input.shape[0] - group_lens.sum()
         group_lens = torch.cat([group_lens[:-1], group_lens[-1:] + tail])
-        routed_output = self.experts(routed_input, group_lens)
-        out = self.shared_experts(x) if self.shared_experts is not None else None
-        partial = token_unpermute(routed_output, row_id_map, None if before else recv_probs).to(x.dtype)
-        out_experts = moe_combine(partial, group, handle)
-        if out is None:
-            return out_experts.reshape(bs, slen, dim)
-        return (out + out_experts).reshape(bs, slen, dim)
+        return dispatcher.token_combine(self.experts(routed_input, group_lens)).to(x.dtype)
 
 
 _STOCK_EP_APPLY = ExpertParallel._apply

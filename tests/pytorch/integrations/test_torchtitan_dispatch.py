@@ -4,7 +4,7 @@ inputs:
 
   stock      MoE + ExpertParallel (all_to_all_single_autograd + permute, the reference)
   turbo off  converter with turbo.dispatch=false: TurboMoE + TurboGroupedExperts, ExpertParallel's all-to-all
-  turbo on   converter with turbo.dispatch=true: TurboEPMoE (moe_dispatch / token_permute / moe_combine)
+  turbo on   converter with turbo.dispatch=true: TurboEPMoE over TokenDispatcher (moe_dispatch / permute / combine)
 
 Forward outputs and every gradient (router gate, expert shards, shared experts) agree: turbo on vs off at
 1e-5 (only the fp32 summation order of the expert outputs differs), vs stock at the project fp32 tolerance.
@@ -83,9 +83,11 @@ def _body(rank, world, device):
 
     apply_cpu_shims()  # integer histc and TorchTitan's CPU permute indices for the stock path
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    import primus_turbo.pytorch.modules.token_dispatcher as td  # TurboEPMoE dispatches through it
+
     calls = []
-    stock_dispatch = tm.moe_dispatch
-    tm.moe_dispatch = lambda *a, **k: calls.append(1) or stock_dispatch(*a, **k)
+    stock_dispatch = td.moe_dispatch
+    td.moe_dispatch = lambda *a, **k: calls.append(1) or stock_dispatch(*a, **k)
     # balanced: the router's own choice; skewed: the expert bias sends every token to rank 0's experts, so
     # rank 1 receives no rows at all (empty expert groups, zero-row grouped GEMMs, empty combine)
     cases = [(False, torch.zeros(NUM_EXPERTS)), (True, torch.zeros(NUM_EXPERTS)),
