@@ -4,7 +4,7 @@ inputs:
 
   stock      MoE + ExpertParallel (all_to_all_single_autograd + permute, the reference)
   turbo off  converter with turbo.dispatch=false: TurboMoE + TurboGroupedExperts, ExpertParallel's all-to-all
-  turbo on   converter with turbo.dispatch=true: TurboEPMoE over TokenDispatcher (moe_dispatch / permute / combine)
+  turbo on   converter with turbo.dispatch=true: TurboEPMoE over TokenDispatcher (dispatch/permute/combine)
 
 Forward outputs and every gradient (router gate, expert shards, shared experts) agree: turbo on vs off at
 1e-5 (only the fp32 summation order of the expert outputs differs), vs stock at the project fp32 tolerance.
