@@ -4,11 +4,13 @@ with the device's copy bandwidth measured in the same run.
     python benchmark/ops/bench_quantization.py --quick   # 1 shape, < 60 s on an H200
     python benchmark/ops/bench_quantization.py           # 3 shapes
 
-Rows: granularity x {plain, +transpose (both K-major copies, one call)}; "rowwise csrc" is the CUDA C++
-rowwise kernel (backend "turbo", the default on CUDA when the extension is built) where "rowwise" is
-the Triton one. "host us" is the host time to issue one call (no sync): what a training step pays
-when the GPU is not the bottleneck. "two-pass" is what a
-caller does without the fused variant: quantize x, then quantize x.t().contiguous().
+Rows: granularity x {plain, +transpose (both K-major copies, one call)}; "rowwise csrc" and "rowwise
+csrc+transpose" are the CUDA C++ kernels (backend "turbo", the default on CUDA when the extension is
+built) where "rowwise" is the Triton one. With the transpose, two reads of x are the floor (the column
+scales need the whole column before the first cast): at most 4/6 of copy bandwidth in these GB/s.
+"host us" is the host time to issue one call (no sync): what a training step pays when the GPU is not
+the bottleneck. "two-pass" is what a caller does without the fused variant: quantize x, then quantize
+x.t().contiguous().
 GB/s counts logical bytes: bf16 read once + FP8 written (once, or twice with the transpose) +
 scales. Targets (H200): turbo >= 1.0x torch.compile and >= 90% of copy bandwidth (copy ~4.2 TB/s);
 fused transpose faster than two-pass.
@@ -93,6 +95,7 @@ def run_shape(m: int, k: int, quick: bool = False) -> list[dict]:
     variants = [(name, spec, t, "triton") for name, spec in SPECS.items() for t in (False, True)]
     if HAS_CPP_EXTENSION and DEVICE == "cuda":
         variants.insert(2, ("rowwise csrc", SPECS["rowwise"], False, "turbo"))
+        variants.insert(5, ("rowwise csrc", SPECS["rowwise"], True, "turbo"))
     for name, spec, transpose, backend in variants:
         turbo_fn = _quantizer(spec, transpose, backend)
         torch_fn = _quantizer(spec, transpose, "torch")

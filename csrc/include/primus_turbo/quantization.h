@@ -1,4 +1,4 @@
-// FP8 quantization CUDA launchers (csrc/kernels/quantization/quantize_rowwise.cu). Plain pointers +
+// FP8 quantization CUDA launchers (csrc/kernels/quantization/quantize_rowwise*.cu). Plain pointers +
 // cudaStream_t, no torch types: the torch glue is csrc/pytorch/quantization_bindings.cpp.
 #pragma once
 
@@ -17,5 +17,14 @@ namespace primus_turbo {
 // e5m2: float8_e5m2 output, else float8_e4m3fn. `aligned`: x and q 16-byte aligned (vector path).
 cudaError_t quantize_rowwise_fp8_launch(const void* x, void* q, float* scale_inv, int64_t rows, int64_t cols,
                                         DType dtype, bool e5m2, bool pow2, bool aligned, cudaStream_t stream);
+
+// The row-wise quantization above (q [rows, cols], scale_inv [rows]) and, in the same two reads of x, the
+// transposed copy qt [cols, rows] scaled per column of x (scale_inv_t [cols]), same rules. workspace:
+// (rows + cols) * 4 bytes of device memory (the amaxes; zeroed here on `stream`). `aligned`: x, q and qt
+// 16-byte aligned. cudaErrorInvalidConfiguration when cols > 4194240 (grid limit).
+cudaError_t quantize_rowwise_transpose_fp8_launch(const void* x, void* q, void* qt, float* scale_inv,
+                                                  float* scale_inv_t, void* workspace, int64_t rows, int64_t cols,
+                                                  DType dtype, bool e5m2, bool pow2, bool aligned,
+                                                  cudaStream_t stream);
 
 }  // namespace primus_turbo

@@ -5,11 +5,8 @@
 // 16-byte vectors when the row length and both pointers allow it. The point of this kernel over the
 // Triton one is the host: one C++ op call instead of a Python launch path, which dominates a training
 // step's FP8 overhead on a slow host (benchmark/NOTES.md, session 7).
-#include <cuda_fp8.h>
-
-#include <cfloat>
-
 #include "primus_turbo/common.h"
+#include "primus_turbo/fp8_cast.h"
 #include "primus_turbo/quantization.h"
 
 namespace primus_turbo {
@@ -17,39 +14,18 @@ namespace {
 
 constexpr int kMaxThreads = 256;
 
-__device__ __forceinline__ float finite_abs(float v) {
-    const float a = fabsf(v);
-    return a < INFINITY ? a : 0.0f;  // false for inf and NaN
-}
-
 __device__ __forceinline__ float block_max(float v, float* smem) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    v = warp_max(v);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) smem[warp] = v;
     __syncthreads();
     if (warp == 0) {
         v = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : 0.0f;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+        v = warp_max(v);
         if (lane == 0) smem[0] = v;
     }
     __syncthreads();
     return smem[0];
-}
-
-template <bool E5M2>
-__device__ __forceinline__ uint8_t to_fp8(float x, float scale, float fp8_max) {
-    float y = fminf(fmaxf(x * scale, -fp8_max), fp8_max);
-    if (x != x) y = x;  // fminf/fmaxf drop NaN: put it back
-    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3));
-}
-
-__device__ __forceinline__ float row_scale(float amax, float fp8_max, bool pow2) {
-    float scale = amax > 0.0f ? __fdiv_rn(fp8_max, amax) : 1.0f;
-    scale = fminf(scale, FLT_MAX);
-    if (pow2) scale = __int_as_float(__float_as_int(scale) & 0x7F800000);
-    return scale;
 }
 
 // NV > 0: the row is read once into registers (NV vectors per thread, rows up to blockDim * NV * VEC
@@ -64,7 +40,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_rowwise_kernel(const T* 
     const int64_t nvec = cols / VEC;
     const auto* xv = reinterpret_cast<const Vec<T, VEC>*>(x + row * cols);
     auto* qv = reinterpret_cast<Vec<uint8_t, VEC>*>(q + row * cols);
-    constexpr float kMax = E5M2 ? 57344.0f : 448.0f;
+    constexpr float kMax = fp8_max_of<E5M2>();
 
     float amax = 0.0f;
     if constexpr (NV > 0) {
@@ -78,7 +54,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_rowwise_kernel(const T* 
                 for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, finite_abs(to_float(v[k].v[j])));
             }
         }
-        const float scale = row_scale(block_max(amax, smem), kMax, pow2);
+        const float scale = fp8_scale_from_amax(block_max(amax, smem), kMax, pow2);
         if (threadIdx.x == 0) scale_inv[row] = __fdiv_rn(1.0f, scale);
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
@@ -96,7 +72,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_rowwise_kernel(const T* 
 #pragma unroll
             for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, finite_abs(to_float(v.v[j])));
         }
-        const float scale = row_scale(block_max(amax, smem), kMax, pow2);
+        const float scale = fp8_scale_from_amax(block_max(amax, smem), kMax, pow2);
         if (threadIdx.x == 0) scale_inv[row] = __fdiv_rn(1.0f, scale);
         for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
             const Vec<T, VEC> v = xv[i];

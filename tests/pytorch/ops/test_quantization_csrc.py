@@ -1,6 +1,7 @@
-"""ROWWISE FP8 quantization through the CUDA C++ kernel (backend "turbo", the CUDA default when the
-extension is built): bit for bit the torch reference's scales and FP8 values, inf/NaN rules, the
-unaligned scalar path, and the dispatch (auto takes it; a pin on a machine without it is an error)."""
+"""ROWWISE FP8 quantization through the CUDA C++ kernels (backend "turbo", the CUDA default when the
+extension is built), plain and with the transposed column-scaled copy: bit for bit the torch
+reference's scales and FP8 values, inf/NaN rules, the unaligned scalar paths, partial tiles, and the
+dispatch (auto takes them; a pin on a machine without the extension is an error)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ref.quantization_ref import FP8_MAX
 from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity as G
 from primus_turbo.pytorch.kernels.quantization import quantization_impl as impl
-from primus_turbo.pytorch.ops.quantization import quantize_fp8
+from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_transpose
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 needs_extension = pytest.mark.skipif(not HAS_CPP_EXTENSION, reason="the CUDA extension is not built")
@@ -19,6 +20,22 @@ needs_extension = pytest.mark.skipif(not HAS_CPP_EXTENSION, reason="the CUDA ext
 
 def _rowwise(x, dtype, pow2, backend):
     return impl.quantize_fp8_impl(x, dtype, "rowwise", -1, 0, 0, pow2, backend)
+
+
+def _rowwise_t(x, dtype, pow2, backend):
+    return impl.quantize_fp8_with_transpose_impl(x, dtype, "rowwise", 0, 0, pow2, backend)
+
+
+def _assert_same_transpose(x, out_dtype, pow2):
+    q, s, qt, st = _rowwise_t(x, out_dtype, pow2, "turbo")
+    q_ref, s_ref, qt_ref, st_ref = _rowwise_t(x, out_dtype, pow2, "torch")
+    rows, cols = x.shape
+    assert q.shape == (rows, cols) and qt.shape == (cols, rows) and q.dtype == qt.dtype == out_dtype
+    assert s.shape == (rows, 1) and st.shape == (cols, 1)
+    assert torch.equal(s, s_ref), (s - s_ref).abs().max()
+    assert torch.equal(st, st_ref), (st - st_ref).abs().max()
+    assert torch.equal(_bits(q), _bits(q_ref)), (_bits(q) != _bits(q_ref)).float().mean()
+    assert torch.equal(_bits(qt), _bits(qt_ref)), (_bits(qt) != _bits(qt_ref)).float().mean()
 
 
 def _bits(q):
@@ -94,3 +111,62 @@ def test_pinned_turbo_without_the_extension_or_off_cuda_is_an_error():
     x = torch.randn(4, 32)
     with pytest.raises((RuntimeError, ValueError), match="turbo|TURBO"):
         _rowwise(x, E4M3, False, "turbo")
+
+
+@pytest.mark.gpu
+@needs_extension
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("out_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    # (8192, 4096): the vector paths; (4097, 1000) and (130, 520): rows % 16 != 0 (byte stores of qt) and
+    # partial tiles; (256, 136): 16-byte qt stores with a partial column tile; (3, 7), (7, 3000): the
+    # scalar path (cols % 8 != 0); (24576, 2048): a DeepSeek-V2-Lite expert activation
+    "shape",
+    [(8192, 4096), (4097, 1000), (130, 520), (256, 136), (3, 7), (1, 1), (7, 3000), (24576, 2048)]
+    + [(16, 65536)],
+)
+def test_turbo_transpose_matches_the_torch_reference_bit_for_bit(shape, in_dtype, out_dtype, pow2):
+    # rows and columns of different magnitudes: row scales and column scales both differ
+    rows, cols = shape
+    x = torch.randn(shape, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]
+    x = x * torch.logspace(-2, 2, cols, device="cuda")[None, :]
+    _assert_same_transpose(x.to(in_dtype), out_dtype, pow2)
+
+
+@pytest.mark.gpu
+@needs_extension
+def test_turbo_transpose_unaligned_input_and_inf_nan():
+    rows, cols = 96, 256
+    base = torch.randn(rows * cols + 1, device="cuda", dtype=torch.bfloat16)
+    x = base[1:].view(rows, cols)  # 2-byte offset: no 16-byte vectors
+    assert x.data_ptr() % 16 != 0
+    _assert_same_transpose(x, E4M3, False)
+    y = torch.randn(64, 48, device="cuda")
+    y[0, 3], y[1, 5], y[2, 7] = float("inf"), float("-inf"), float("nan")
+    y[4] = 0.0  # a zero row: scale 1
+    y[:, 9] = 0.0  # a zero column: scale 1
+    _assert_same_transpose(y, E5M2, False)
+    q, s, qt, st = _rowwise_t(y, E5M2, False, "turbo")
+    assert s[4].item() == 1.0 and st[9].item() == 1.0
+    assert torch.isnan(q.float()).sum() == 1 and torch.isnan(qt.float()).sum() == 1
+
+
+@pytest.mark.gpu
+@needs_extension
+def test_auto_dispatch_takes_the_cuda_transpose_kernel(monkeypatch):
+    def no_triton(*args, **kwargs):
+        raise AssertionError("the Triton rowwise+transpose kernel ran; auto should take the CUDA C++ one")
+
+    monkeypatch.setattr(impl, "_rowwise_with_transpose_triton", no_triton)
+    x = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
+    q, s, qt, st = quantize_fp8_with_transpose(x, E4M3, G.ROWWISE)
+    q_ref, s_ref, qt_ref, st_ref = _rowwise_t(x, E4M3, False, "torch")
+    assert torch.equal(_bits(qt), _bits(qt_ref)) and torch.equal(st.reshape(-1), st_ref.reshape(-1))
+    assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(s.reshape(-1), s_ref.reshape(-1))
+
+
+def test_pinned_turbo_transpose_without_the_extension_or_off_cuda_is_an_error():
+    x = torch.randn(4, 32)
+    with pytest.raises((RuntimeError, ValueError), match="turbo|TURBO"):
+        _rowwise_t(x, E4M3, False, "turbo")

@@ -11,10 +11,11 @@ Everything here takes already-validated arguments (ops/quantization.py validates
 
 Backend choice: Triton on CUDA tensors, the torch reference on CPU (the interpreter is correct but
 slow, and its fp32->fp8 conversion does not produce NaN; tests call the Triton path explicitly).
-ROWWISE along the last axis on CUDA takes the CUDA C++ kernel (``backend="turbo"``,
-csrc/kernels/quantization) when the extension is built: same numbers bit for bit, one C++ op call
-instead of the Python launch path (~0.3 ms of host time per call on the H100 hosts, more than the
-kernel itself for a 64 MB activation). ``backend`` values: auto | turbo | triton | torch.
+ROWWISE along the last axis, with or without the transposed copy, on CUDA takes the CUDA C++ kernels
+(``backend="turbo"``, csrc/kernels/quantization) when the extension is built: same numbers bit for
+bit, one C++ op call instead of the Python launch path (~0.1-0.2 ms of host time per call on the H100
+hosts, more than the kernel itself for a 64 MB activation). ``backend`` values: auto | turbo | triton |
+torch.
 """
 
 from __future__ import annotations
@@ -409,6 +410,8 @@ def quantize_fp8_with_transpose_impl(
         q, s = quantize_fp8_impl(x, out_dtype, "tensorwise", None, 0, 0, pow2, "torch")
         return q, s, q.t().contiguous(), s
     if granularity == "rowwise":
+        if x.numel() and use_cpp_rowwise(x, backend):
+            return cpp_ops().quantize_fp8_rowwise_transpose(x, out_dtype, pow2)
         if triton_ok:
             return _rowwise_with_transpose_triton(x, out_dtype, pow2)
         q, s = quantize_fp8_impl(x, out_dtype, "rowwise", -1, 0, 0, pow2, "torch")

@@ -1,0 +1,193 @@
+// Row-wise FP8 quantization with the transposed, column-scaled copy (see primus_turbo/quantization.h).
+//
+// Two reads of x, two kernels after one memset of the amax workspace:
+//  1. amax: each block reduces a (kAmaxRows x 32*VEC) tile to per-row and per-column maxima and folds
+//     them into the workspace with integer atomicMax (non-negative floats order like their bit
+//     patterns, and max is order independent: the result is deterministic).
+//  2. cast: each block turns a (kTile x kTile) tile into q (row scales, vector stores) and, through
+//     shared memory, into qt = the transposed tile with column scales (16-byte stores when the row
+//     count allows), and writes the scale_inv entries its first row/column of tiles owns.
+// The point over the Triton version is the host: one C++ op call instead of four Python kernel
+// launches (~0.2 ms of host time per call on the H100 hosts, benchmark/NOTES.md session 8).
+#include "primus_turbo/common.h"
+#include "primus_turbo/fp8_cast.h"
+#include "primus_turbo/quantization.h"
+
+namespace primus_turbo {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kAmaxRows = 128;
+constexpr int kUnroll = 4;  // rows a warp loads before reducing them (loads in flight)
+constexpr int kTile = 64;
+constexpr int kPitch = kTile + 4;  // bytes per shared row of the transposed tile: 2-way bank conflicts at most
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) rowcol_amax_kernel(const T* __restrict__ x, unsigned* __restrict__ row_amax,
+                                                               unsigned* __restrict__ col_amax, int64_t rows,
+                                                               int64_t cols) {
+    constexpr int kCols = 32 * VEC;
+    __shared__ float col_part[kWarps][kCols];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kAmaxRows;
+    const int64_t c = static_cast<int64_t>(blockIdx.y) * kCols + lane * VEC;
+    const bool col_ok = c < cols;  // VEC > 1 only when cols % VEC == 0: the whole vector is in range
+    float cmax[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) cmax[j] = 0.0f;
+    for (int base = 0; base < kAmaxRows; base += kWarps * kUnroll) {
+        Vec<T, VEC> v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t r = r0 + base + u * kWarps + warp;
+            if (col_ok && r < rows) v[u] = *reinterpret_cast<const Vec<T, VEC>*>(x + r * cols + c);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t r = r0 + base + u * kWarps + warp;
+            if (r >= rows) break;  // warp uniform
+            float rmax = 0.0f;
+            if (col_ok) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float a = finite_abs(to_float(v[u].v[j]));
+                    rmax = fmaxf(rmax, a);
+                    cmax[j] = fmaxf(cmax[j], a);
+                }
+            }
+            rmax = warp_max(rmax);
+            if (lane == 0 && rmax > 0.0f) atomicMax(row_amax + r, __float_as_uint(rmax));
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) col_part[warp][lane * VEC + j] = cmax[j];
+    __syncthreads();
+    for (int i = threadIdx.x; i < kCols; i += kThreads) {
+        float m = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) m = fmaxf(m, col_part[w][i]);
+        const int64_t col = static_cast<int64_t>(blockIdx.y) * kCols + i;
+        if (col < cols && m > 0.0f) atomicMax(col_amax + col, __float_as_uint(m));
+    }
+}
+
+// VEC_T: qt rows are written as 16-byte vectors (rows % 16 == 0 and qt 16-byte aligned).
+template <typename T, int VEC, bool E5M2, bool VEC_T>
+__global__ void __launch_bounds__(kThreads)
+    rowcol_cast_kernel(const T* __restrict__ x, const unsigned* __restrict__ row_amax,
+                       const unsigned* __restrict__ col_amax, uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                       float* __restrict__ scale_inv, float* __restrict__ scale_inv_t, int64_t rows, int64_t cols,
+                       bool pow2) {
+    constexpr float kMax = fp8_max_of<E5M2>();
+    constexpr int kVecPerRow = kTile / VEC;
+    __shared__ float rscale[kTile], cscale[kTile];
+    __shared__ __align__(16) uint8_t tile_t[kTile * kPitch];  // [col][row] of this tile
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile, c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+    if (threadIdx.x < kTile) {
+        const int64_t r = r0 + threadIdx.x;
+        const float s = fp8_scale_from_amax(r < rows ? __uint_as_float(row_amax[r]) : 0.0f, kMax, pow2);
+        rscale[threadIdx.x] = s;
+        if (blockIdx.y == 0 && r < rows) scale_inv[r] = __fdiv_rn(1.0f, s);
+    } else if (threadIdx.x < 2 * kTile) {
+        const int i = threadIdx.x - kTile;
+        const int64_t c = c0 + i;
+        const float s = fp8_scale_from_amax(c < cols ? __uint_as_float(col_amax[c]) : 0.0f, kMax, pow2);
+        cscale[i] = s;
+        if (blockIdx.x == 0 && c < cols) scale_inv_t[c] = __fdiv_rn(1.0f, s);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int idx = threadIdx.x; idx < kTile * kVecPerRow; idx += kThreads) {
+        const int i = idx / kVecPerRow, jv = idx % kVecPerRow;
+        const int64_t r = r0 + i, c = c0 + jv * VEC;
+        if (r < rows && c < cols) {
+            const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(x + r * cols + c);
+            Vec<uint8_t, VEC> out;
+            const float rs = rscale[i];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float f = to_float(v.v[j]);
+                out.v[j] = to_fp8<E5M2>(f, rs, kMax);
+                tile_t[(jv * VEC + j) * kPitch + i] = to_fp8<E5M2>(f, cscale[jv * VEC + j], kMax);
+            }
+            *reinterpret_cast<Vec<uint8_t, VEC>*>(q + r * cols + c) = out;
+        }
+    }
+    __syncthreads();
+    if constexpr (VEC_T) {  // 64 columns x 4 chunks of 16 rows: one 16-byte store per thread
+        const int ci = threadIdx.x / 4, chunk = threadIdx.x % 4;
+        const int64_t c = c0 + ci, r = r0 + chunk * 16;
+        if (c < cols && r < rows) {  // rows % 16 == 0: the whole chunk is in range
+            const auto* src = reinterpret_cast<const uint32_t*>(tile_t + ci * kPitch + chunk * 16);
+            *reinterpret_cast<uint4*>(qt + c * rows + r) = make_uint4(src[0], src[1], src[2], src[3]);
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < kTile * kTile; idx += kThreads) {
+            const int ci = idx / kTile, ri = idx % kTile;
+            if (c0 + ci < cols && r0 + ri < rows) qt[(c0 + ci) * rows + r0 + ri] = tile_t[ci * kPitch + ri];
+        }
+    }
+}
+
+template <typename T, int VEC, bool E5M2>
+cudaError_t launch_cast(const T* x, const unsigned* ws, uint8_t* q, uint8_t* qt, float* sinv, float* sinv_t,
+                        int64_t rows, int64_t cols, bool pow2, bool vec_t, cudaStream_t stream) {
+    const dim3 grid(ceil_div_int(rows, kTile), ceil_div_int(cols, kTile));
+    if (vec_t)
+        rowcol_cast_kernel<T, VEC, E5M2, true>
+            <<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, q, qt, sinv, sinv_t, rows, cols, pow2);
+    else
+        rowcol_cast_kernel<T, VEC, E5M2, false>
+            <<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, q, qt, sinv, sinv_t, rows, cols, pow2);
+    return cudaGetLastError();
+}
+
+template <typename T, int VEC>
+cudaError_t launch_vec(const void* xp, void* qp, void* qtp, float* sinv, float* sinv_t, unsigned* ws, int64_t rows,
+                       int64_t cols, bool e5m2, bool pow2, bool vec_t, cudaStream_t stream) {
+    const T* x = static_cast<const T*>(xp);
+    const dim3 grid(ceil_div_int(rows, kAmaxRows), ceil_div_int(cols, 32 * VEC));
+    if (grid.y > 65535 || ceil_div_int(cols, kTile) > 65535) return cudaErrorInvalidConfiguration;
+    rowcol_amax_kernel<T, VEC><<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, rows, cols);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    auto* q = static_cast<uint8_t*>(qp);
+    auto* qt = static_cast<uint8_t*>(qtp);
+    if (e5m2) return launch_cast<T, VEC, true>(x, ws, q, qt, sinv, sinv_t, rows, cols, pow2, vec_t, stream);
+    return launch_cast<T, VEC, false>(x, ws, q, qt, sinv, sinv_t, rows, cols, pow2, vec_t, stream);
+}
+
+template <typename T>
+cudaError_t launch_dtype(const void* x, void* q, void* qt, float* sinv, float* sinv_t, unsigned* ws, int64_t rows,
+                         int64_t cols, bool e5m2, bool pow2, bool aligned, cudaStream_t stream) {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec_t = aligned && rows % 16 == 0;
+    if (aligned && cols % kVec == 0)
+        return launch_vec<T, kVec>(x, q, qt, sinv, sinv_t, ws, rows, cols, e5m2, pow2, vec_t, stream);
+    return launch_vec<T, 1>(x, q, qt, sinv, sinv_t, ws, rows, cols, e5m2, pow2, vec_t, stream);
+}
+
+}  // namespace
+
+cudaError_t quantize_rowwise_transpose_fp8_launch(const void* x, void* q, void* qt, float* scale_inv,
+                                                  float* scale_inv_t, void* workspace, int64_t rows, int64_t cols,
+                                                  DType dtype, bool e5m2, bool pow2, bool aligned,
+                                                  cudaStream_t stream) {
+    if (rows == 0 || cols == 0) return cudaSuccess;
+    auto* ws = static_cast<unsigned*>(workspace);
+    const cudaError_t err = cudaMemsetAsync(ws, 0, static_cast<size_t>(rows + cols) * sizeof(unsigned), stream);
+    if (err != cudaSuccess) return err;
+    switch (dtype) {
+        case DType::kFloat32:
+            return launch_dtype<float>(x, q, qt, scale_inv, scale_inv_t, ws, rows, cols, e5m2, pow2, aligned, stream);
+        case DType::kFloat16:
+            return launch_dtype<__half>(x, q, qt, scale_inv, scale_inv_t, ws, rows, cols, e5m2, pow2, aligned, stream);
+        case DType::kBFloat16:
+            return launch_dtype<__nv_bfloat16>(x, q, qt, scale_inv, scale_inv_t, ws, rows, cols, e5m2, pow2, aligned,
+                                               stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace primus_turbo
