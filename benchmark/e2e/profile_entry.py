@@ -2,8 +2,8 @@
 
 compare.py launches this instead of train.py when ``profile=true`` (same Hydra overrides). Steps are marked
 by wrapping ``StepMetrics.record`` (called once per step on every rank), so train.py needs no hook. Rank 0
-writes ``$E2E_PROFILE_OUT`` (JSON): the profiled steps and the top ops by self device time (CUDA) or self
-CPU time (CPU runs), per step.
+writes ``$E2E_PROFILE_OUT`` (JSON), per profiled step: the wall time, the summed GPU kernel time and the
+top kernels (CUDA), the top host ops by self CPU time (both devices; on CPU runs they are ``top``).
 
     E2E_PROFILE_OUT=p.json E2E_PROFILE_WAIT=10 torchrun --nproc_per_node=1 benchmark/e2e/profile_entry.py \
         recipe=deepseek_moe_fp8 train.steps=20
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -40,27 +41,43 @@ def _self_time_us(event, device: bool) -> float:
     return 0.0
 
 
-def summarize(prof, steps: int) -> dict:
-    """Top ops by self time per profiled step; shares are of the summed self time of all ops."""
+def _is_kernel(event) -> bool:
+    """A GPU-side event (kernel, memcpy, memset). A CPU op's self device time repeats the time of the
+    kernels it launched, so summing every row would count each kernel twice."""
+    return event.device_type != torch.autograd.DeviceType.CPU
+
+
+def _top(events, steps: int, key, total: float) -> list[dict]:
+    events = sorted(events, key=key, reverse=True)[:TOP]
+    return [
+        {"op": e.key, "ms_per_step": key(e) / 1e3 / steps, "share": key(e) / total,
+         "calls_per_step": e.count / steps}
+        for e in events
+    ]  # fmt: skip
+
+
+def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
+    """Per profiled step: on CUDA, the top GPU kernels by time (``top``, shares of the summed kernel
+    time), the summed kernel time against the wall time (the rest is the GPU waiting on the host, or
+    overlap between streams), and the top host ops by self CPU time (``top_host``); on CPU, ``top``
+    holds the ops by self CPU time."""
     device = torch.cuda.is_available()
     events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
-    total = sum(_self_time_us(e, device) for e in events) or 1.0
-    events.sort(key=lambda e: _self_time_us(e, device), reverse=True)
-    return {
-        "clock": "self device time" if device else "self CPU time",
-        "steps": steps,
-        "first_step": WAIT + 2,
-        "total_ms_per_step": total / 1e3 / steps,
-        "top": [
-            {
-                "op": e.key,
-                "ms_per_step": _self_time_us(e, device) / 1e3 / steps,
-                "share": _self_time_us(e, device) / total,
-                "calls_per_step": e.count / steps,
-            }
-            for e in events[:TOP]
-        ],  # fmt: skip
-    }
+    host = [e for e in events if not _is_kernel(e)]
+    host_total = sum(e.self_cpu_time_total for e in host) or 1.0
+    out = {"clock": "GPU kernel time" if device else "self CPU time", "steps": steps, "first_step": WAIT + 2}
+    if wall_ms:
+        out["wall_ms_per_step"] = sum(wall_ms) / len(wall_ms)
+    if not device:
+        out["total_ms_per_step"] = host_total / 1e3 / steps
+        out["top"] = _top(host, steps, lambda e: e.self_cpu_time_total, host_total)
+        return out
+    kernels = [e for e in events if _is_kernel(e)]
+    total = sum(_self_time_us(e, True) for e in kernels) or 1.0
+    out["total_ms_per_step"] = total / 1e3 / steps  # summed kernel time
+    out["top"] = _top(kernels, steps, lambda e: _self_time_us(e, True), total)
+    out["top_host"] = _top(host, steps, lambda e: e.self_cpu_time_total, host_total)
+    return out
 
 
 @hydra.main(version_base="1.3", config_path=RECIPES_DIR, config_name="config")
@@ -69,9 +86,11 @@ def _entry(cfg) -> None:
     active = max(1, min(ACTIVE, cfg.train.steps - WAIT - 1))
     prof = profile(activities=activities, schedule=schedule(wait=WAIT, warmup=1, active=active, repeat=1))
     record = metrics.StepMetrics.record
+    stamps: list[float] = []  # wall clock at the end of every step
 
     def record_and_step(self, *args, **kwargs):
         row = record(self, *args, **kwargs)
+        stamps.append(time.perf_counter())
         prof.step()
         return row
 
@@ -85,7 +104,10 @@ def _entry(cfg) -> None:
     out = os.environ.get("E2E_PROFILE_OUT")
     if out and os.environ.get("RANK", "0") == "0":
         try:
-            summary = summarize(prof, active)
+            first = WAIT + 2  # 1-based: the first recorded step (after wait + one warm-up step)
+            ends = range(first, min(first + active, len(stamps) + 1))
+            wall = [1e3 * (stamps[i - 1] - stamps[i - 2]) for i in ends]
+            summary = summarize(prof, active, wall)
         except (AssertionError, RuntimeError) as err:  # the run ended before the profiled steps
             summary = {"error": f"no profile: {err or type(err).__name__}"}
         with open(out, "w") as f:

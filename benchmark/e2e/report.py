@@ -291,9 +291,23 @@ def _profile_section(results: list[RunResult], top: int = 10) -> list[str]:
             f"### {r.label}: {p['clock']}, {p['total_ms_per_step']:.1f} ms per step over {p['steps']} steps "
             f"from step {p['first_step']}", "",
         ]  # fmt: skip
+        wall = p.get("wall_ms_per_step")
+        if wall and p.get("top_host") is not None:
+            gpu = p["total_ms_per_step"]
+            busy = gpu / wall
+            lines += [
+                f"Wall {wall:.1f} ms per step (under the profiler), GPU kernels {gpu:.1f} ms: "
+                f"the GPU is busy {100 * busy:.0f}% of the step"
+                + (" (the rest it waits on the host: host bound)" if busy < 0.85 else "") + ".", "",
+            ]  # fmt: skip
         rows = [[op["op"][:90], f"{op['ms_per_step']:.2f}", f"{100 * op['share']:.1f}%",
                  f"{op['calls_per_step']:.0f}"] for op in p["top"][:top]]  # fmt: skip
         lines += [markdown_table(["op", "ms/step", "share", "calls/step"], rows), ""]
+        if p.get("top_host"):
+            rows = [[op["op"][:90], f"{op['ms_per_step']:.2f}", f"{100 * op['share']:.1f}%",
+                     f"{op['calls_per_step']:.0f}"] for op in p["top_host"][:top]]  # fmt: skip
+            lines += ["Host side, self CPU time:", "",
+                      markdown_table(["op", "ms/step", "share", "calls/step"], rows), ""]  # fmt: skip
     return lines
 
 

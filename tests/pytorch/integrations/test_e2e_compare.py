@@ -240,9 +240,43 @@ def test_profile_mode_reports_the_top_ops_of_the_profiled_steps(tmp_path):
     ops = {op["op"]: op for op in profile["top"]}
     assert "aten::mm" in ops and ops["aten::mm"]["calls_per_step"] >= 10, profile  # the layers' GEMMs ran
     assert sum(op["share"] for op in profile["top"]) <= 1.0 + 1e-9
+    assert profile["wall_ms_per_step"] > 0, profile
     section = (tmp_path / "report.md").read_text().split("## Where the time goes (torch.profiler)")[1]
     assert "megatron turbo bf16: self CPU time" in section and "| aten::mm |" in section
     assert len(json.loads((tmp_path / "results.json").read_text())["configurations"][0]["losses"]) == 4
+
+
+def test_profile_summary_counts_kernels_once_and_reports_gpu_busy_time(monkeypatch, tmp_path):
+    # key_averages() lists a CPU op (aten::mm, whose self device time repeats its kernel's) and the kernel
+    # itself: the GPU total must count the kernel once, and the host table holds the CPU ops only.
+    import profile_entry
+    import torch
+
+    class Event:
+        def __init__(self, key, cpu, device_us, on_gpu, count=3):
+            self.key, self.self_cpu_time_total, self.self_device_time_total = key, cpu, device_us
+            self.device_type = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
+            self.count = count
+
+    events = [Event("aten::mm", 300.0, 6000.0, False), Event("nvjet_gemm", 0.0, 6000.0, True),
+              Event("quantize_kernel", 0.0, 3000.0, True), Event("aten::copy_", 900.0, 0.0, False),
+              Event("ProfilerStep#7", 5000.0, 0.0, False)]  # fmt: skip
+
+    class Prof:
+        def key_averages(self):
+            return events
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    p = profile_entry.summarize(Prof(), steps=3, wall_ms=[10.0, 14.0])
+    assert p["clock"] == "GPU kernel time" and p["total_ms_per_step"] == pytest.approx(3.0)  # 9 ms / 3 steps
+    assert [op["op"] for op in p["top"]] == ["nvjet_gemm", "quantize_kernel"]
+    assert p["top"][0]["share"] == pytest.approx(2 / 3)
+    assert [op["op"] for op in p["top_host"]] == ["aten::copy_", "aten::mm"] and p["wall_ms_per_step"] == 12.0
+    result = report.RunResult("megatron", True, "fp8", status="ok", rows=_rows(400.0, 0.0))
+    result.profile = p
+    text = "\n".join(report._profile_section([result]))
+    assert "GPU kernels 3.0 ms: the GPU is busy 25% of the step (the rest it waits on the host" in text
+    assert "Host side, self CPU time:" in text and "| aten::copy_ |" in text
 
 
 def test_targets_section_names_the_dominant_op_when_a_target_is_missed(tmp_path):
