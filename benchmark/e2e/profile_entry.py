@@ -72,7 +72,10 @@ def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
         out["total_ms_per_step"] = host_total / 1e3 / steps
         out["top"] = _top(host, steps, lambda e: e.self_cpu_time_total, host_total)
         return out
-    kernels = [e for e in events if _is_kernel(e)]
+    # a record_function range (e.g. Optimizer.step#AdamW.step) also shows up on the GPU timeline, under
+    # its CPU name, spanning the kernels it launched: not a kernel
+    cpu_names = {e.key for e in host}
+    kernels = [e for e in events if _is_kernel(e) and e.key not in cpu_names]
     total = sum(_self_time_us(e, True) for e in kernels) or 1.0
     out["total_ms_per_step"] = total / 1e3 / steps  # summed kernel time
     out["top"] = _top(kernels, steps, lambda e: _self_time_us(e, True), total)

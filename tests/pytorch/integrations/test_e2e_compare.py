@@ -260,7 +260,10 @@ def test_profile_summary_counts_kernels_once_and_reports_gpu_busy_time(monkeypat
 
     events = [Event("aten::mm", 300.0, 6000.0, False), Event("nvjet_gemm", 0.0, 6000.0, True),
               Event("quantize_kernel", 0.0, 3000.0, True), Event("aten::copy_", 900.0, 0.0, False),
-              Event("ProfilerStep#7", 5000.0, 0.0, False)]  # fmt: skip
+              Event("ProfilerStep#7", 5000.0, 0.0, False),
+              # a record_function range: a CPU event and its GPU-timeline twin, which is not a kernel
+              Event("Optimizer.step#AdamW.step", 50.0, 0.0, False),
+              Event("Optimizer.step#AdamW.step", 0.0, 900.0, True)]  # fmt: skip
 
     class Prof:
         def key_averages(self):
@@ -271,7 +274,8 @@ def test_profile_summary_counts_kernels_once_and_reports_gpu_busy_time(monkeypat
     assert p["clock"] == "GPU kernel time" and p["total_ms_per_step"] == pytest.approx(3.0)  # 9 ms / 3 steps
     assert [op["op"] for op in p["top"]] == ["nvjet_gemm", "quantize_kernel"]
     assert p["top"][0]["share"] == pytest.approx(2 / 3)
-    assert [op["op"] for op in p["top_host"]] == ["aten::copy_", "aten::mm"] and p["wall_ms_per_step"] == 12.0
+    assert [op["op"] for op in p["top_host"]] == ["aten::copy_", "aten::mm", "Optimizer.step#AdamW.step"]
+    assert p["wall_ms_per_step"] == 12.0
     result = report.RunResult("megatron", True, "fp8", status="ok", rows=_rows(400.0, 0.0))
     result.profile = p
     text = "\n".join(report._profile_section([result]))
