@@ -10,6 +10,8 @@
 #   TRAIN="bf16_on bf16_off" (default)         Megatron deepseek_moe_bf16 8 steps turbo on / off; TRAIN=none skips
 #   E2E="recipe=deepseek_moe_fp8 turbo=on"     benchmark/e2e/compare.py with these options (E2E_TIMEOUT=120 each);
 #                                              "a=1 ...; b=2 ..." runs several, into e2e, e2e_2, ...
+#   SYNCS="recipe=deepseek_moe_fp8 train.steps=6"  host-sync sites per step (benchmark/e2e/find_syncs.py), one
+#                                              torchrun each; "a ...; b ..." runs several (SYNCS_TIMEOUT=150 each)
 #   BENCHES="bench_gemm bench_rmsnorm"         benchmark/ops/<name>.py --quick (async_tp/dispatch under torchrun -n 2);
 #                                              BENCH_QUICK=0: the full sweeps
 #   PARITY="recipe=deepseek_moe_fp8 steps=500" [PARITY_TIMEOUT=500]
@@ -92,6 +94,15 @@ for name in ${TRAIN:-bf16_on bf16_off}; do
     "train.metrics_file=$WORK/$name.jsonl"
   grep -E "step [0-9]+/|Error" "$WORK/train_$name.log" | tail -2
 done
+if [ -n "${SYNCS:-}" ]; then  # host-sync sites per step (benchmark/e2e/find_syncs.py); ';' separates runs
+  IFS=';' read -ra SYNC_SETS <<< "$SYNCS"; n=0
+  for opts in "${SYNC_SETS[@]}"; do
+    n=$((n + 1))
+    SYNC_OUT=$WORK/syncs_$n.json step "${SYNCS_TIMEOUT:-150}" "syncs_$n" \
+      torchrun --nproc_per_node=1 benchmark/e2e/find_syncs.py $opts
+    grep -A12 "^host syncs" "$WORK/syncs_$n.log"
+  done
+fi
 if [ -n "${E2E:-}" ]; then  # several comparisons: separate their option sets with ';' (folders e2e, e2e_2, ...)
   IFS=';' read -ra E2E_SETS <<< "$E2E"; n=0
   for opts in "${E2E_SETS[@]}"; do

@@ -397,3 +397,33 @@ def test_loss_gaps_table_per_window_and_clear_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         loss_gaps.main([ref, str(empty)])
     assert "empty.jsonl: no loss rows" in capsys.readouterr().err
+
+
+def test_find_syncs_groups_sync_warnings_by_their_caller_outside_torch():
+    import warnings
+
+    import find_syncs
+
+    counter = find_syncs.SyncCounter()
+
+    def sync_here():  # stands for a caller of .item() / .tolist() (the warning comes from inside torch)
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    old = warnings.showwarning
+    warnings.showwarning = counter.showwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = counter.showwarning
+            sync_here()  # not counted: the counter is off (warm-up steps)
+            counter.on = True
+            for _ in range(3):
+                sync_here()
+    finally:
+        warnings.showwarning = old
+    counter.steps = 2
+    summary = counter.summary()
+    assert summary["syncs_per_step"] == 1.5 and len(summary["sites"]) == 1, summary
+    site = summary["sites"][0]["site"]
+    assert site.startswith("tests/pytorch/integrations/test_e2e_compare.py:") and "sync_here" in site, site
+    assert "test_find_syncs_groups_sync_warnings" in site, site
