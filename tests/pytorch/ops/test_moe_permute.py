@@ -70,6 +70,28 @@ def test_zero_fill_zeroes_the_rows_after_the_last_group(device):
     assert (out[n:] == 0).all() and (out_probs[n:] == 0).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["indices", "map"])
+def test_permute_unpermute_fwd_bwd_with_probs_has_no_host_sync(form, device):
+    # A host sync per MoE layer drains the GPU queue every micro-batch: forward and backward must have none
+    # (a CPU zero-dim tensor in the probs backward was one: its copy to the GPU blocks).
+    t, e, k, h = 512, 16, 4, 256
+    indices, probs = _routing(t, e, k, device, drop_frac=0.0)
+    routing, probs_in = (indices, probs) if form == "indices" else indices_to_map(indices, e, probs)
+    tokens = torch.randn(t, h, device=device, requires_grad=True)
+    probs_in = probs_in.clone().requires_grad_(True)
+    kwargs = {"num_experts": e} if form == "indices" else {}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, out_probs, row_id_map, _ = token_permute(tokens, routing, probs_in, num_out_tokens=t * k, **kwargs)
+        y = token_unpermute(out * out_probs[:, None], row_id_map, num_tokens=t)
+        y.backward(torch.randn_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert tokens.grad is not None and probs_in.grad is not None and torch.isfinite(probs_in.grad).all()
+
+
 @pytest.mark.parametrize("form", ["indices", "map"])
 def test_unpermute_with_merging_probs(form, device):
     t, e, k, h = 31, 6, 2, 24

@@ -101,9 +101,8 @@ class _Permute(torch.autograd.Function):
         grad_in_probs = None
         if grad_probs is not None:
             idx = row_id_map.clamp(min=0).long()
-            grad_in_probs = torch.where(
-                row_id_map >= 0, grad_probs[idx], torch.zeros((), dtype=grad_probs.dtype)
-            )
+            # a Python 0.0, not a CPU zero-dim tensor: copying that to the GPU is a host sync per call
+            grad_in_probs = torch.where(row_id_map >= 0, grad_probs[idx], 0.0)
         return grad_tokens, grad_in_probs, None, None, None
 
 
