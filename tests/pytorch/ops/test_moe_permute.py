@@ -84,7 +84,7 @@ def test_permute_unpermute_fwd_bwd_with_probs_has_no_host_sync(form, device):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, out_probs, row_id_map, _ = token_permute(tokens, routing, probs_in, num_out_tokens=t * k, **kwargs)
+        out, out_probs, row_id_map, _ = token_permute(tokens, routing, probs_in, t * k, **kwargs)
         y = token_unpermute(out * out_probs[:, None], row_id_map, num_tokens=t)
         y.backward(torch.randn_like(y))
     finally:
