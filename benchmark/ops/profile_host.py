@@ -4,7 +4,8 @@
 
 Layers: bf16 nn.Linear, Float8Linear (HYBRID tensorwise / rowwise, FP8 or bf16 wgrad) at M=8192,
 N=K=4096, and grouped_gemm_fp8 (HYBRID rowwise, DeepSeek-V2-Lite fc1: 64 experts, 24576 rows). For each:
-host ms per step (the time to issue it) against GPU ms per step (do_bench), then the top functions by
+host ms per step (the time to issue it) against GPU ms per step (do_bench), the CUDA synchronize calls
+per step (profiler API events; a bare torch._scaled_mm row isolates torch's own), then the top functions by
 own time. Writes DIR/profile_host.txt. A diagnosis tool, not a benchmark of record.
 """
 
@@ -50,6 +51,33 @@ def _grouped_step(cfg):
     return step
 
 
+def sync_calls(step, steps: int = 3) -> str:
+    """CUDA runtime synchronize calls per step (torch.profiler's API events): the ones a sync debug mode
+    misses too, e.g. made inside a library."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    counts: dict[str, float] = {}
+    for e in prof.events():
+        if "Synchronize" in e.name and e.name != "cudaDeviceSynchronize":  # ours, after the loop
+            counts[e.name] = counts.get(e.name, 0) + 1 / steps
+    return ", ".join(f"{k} {v:.1f}" for k, v in sorted(counts.items())) or "none"
+
+
+def _scaled_mm_step():
+    """One bare rowwise torch._scaled_mm (E4M3, bf16 out): is a sync inside torch's op?"""
+    a = torch.randn(8192, 4096, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(4096, 4096, device="cuda").to(torch.float8_e4m3fn).t()
+    sa, sb = torch.ones(8192, 1, device="cuda"), torch.ones(1, 4096, device="cuda")
+    return lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+
 def profile(name: str, step, steps: int, report: io.StringIO) -> None:
     gpu_ms, _ = bench_ms(step)
     for _ in range(5):
@@ -66,7 +94,10 @@ def profile(name: str, step, steps: int, report: io.StringIO) -> None:
         step()
     prof.disable()
     torch.cuda.synchronize()
-    head = f"=== {name}: host {host_ms:.3f} ms/step (no profiler), GPU {gpu_ms:.3f} ms/step (do_bench)"
+    head = (
+        f"=== {name}: host {host_ms:.3f} ms/step (no profiler), GPU {gpu_ms:.3f} ms/step (do_bench); "
+        f"syncs per step: {sync_calls(step)}"
+    )
     print(head, flush=True)
     report.write(head + "\n")
     stats = io.StringIO()
@@ -86,6 +117,7 @@ def main() -> None:
     grad = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     report = io.StringIO()
     profile("bf16 nn.Linear", _linear_step(hp, x, grad), args.steps, report)
+    profile("torch._scaled_mm rowwise 8192x4096x4096", _scaled_mm_step(), args.steps, report)
     for gran, hp_wgrad in ((G.TENSORWISE, False), (G.ROWWISE, False), (G.ROWWISE, True)):
         cfg = Float8QuantConfig(Format.HYBRID, gran, high_precision_wgrad=hp_wgrad)
         layer = Float8Linear.from_float(hp, config=cfg)
