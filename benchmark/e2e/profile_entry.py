@@ -3,7 +3,8 @@
 compare.py launches this instead of train.py when ``profile=true`` (same Hydra overrides). Steps are marked
 by wrapping ``StepMetrics.record`` (called once per step on every rank), so train.py needs no hook. Rank 0
 writes ``$E2E_PROFILE_OUT`` (JSON), per profiled step: the wall time, the summed GPU kernel time and the
-top kernels (CUDA), the top host ops by self CPU time (both devices; on CPU runs they are ``top``).
+top kernels (CUDA), the top host ops by self CPU time (both devices; on CPU runs they are ``top``), and the
+blocking CUDA calls per step by the op that made them (``E2E_PROFILE_STACKS=1`` adds their Python callers).
 
     E2E_PROFILE_OUT=p.json E2E_PROFILE_WAIT=10 torchrun --nproc_per_node=1 benchmark/e2e/profile_entry.py \
         recipe=deepseek_moe_fp8 train.steps=20
@@ -56,6 +57,36 @@ def _top(events, steps: int, key, total: float) -> list[dict]:
     ]  # fmt: skip
 
 
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def _sync_site(event) -> str:
+    """The op that made a blocking CUDA call and, with E2E_PROFILE_STACKS=1, its first Python callers outside
+    torch (with_stack records Python frames as ancestor events named ``file.py(line): function``)."""
+    op, frames, node = "", [], event.cpu_parent
+    while node is not None and len(frames) < 3:
+        name = node.name
+        if "): " in name and name.split("(")[0].endswith(".py"):
+            if not name.startswith(("torch/", "<")):
+                frames.append(name)
+        elif not op and not name.startswith("<"):
+            op = name
+        node = node.cpu_parent
+    return " <- ".join([op or "(no op)", *frames])
+
+
+def sync_sites(prof, steps: int) -> tuple[float, list[dict]]:
+    """Blocking CUDA runtime calls per step (each drains the GPU queue), grouped by the op that made them:
+    these include the ones the sync debug mode does not see (made inside a library)."""
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        if e.name in _SYNC_CALLS:
+            site = _sync_site(e)
+            counts[site] = counts.get(site, 0) + 1
+    ordered = sorted(counts.items(), key=lambda kv: kv[1], reverse=True)[:TOP]
+    return sum(counts.values()) / steps, [{"site": k, "per_step": n / steps} for k, n in ordered]
+
+
 def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
     """Per profiled step: on CUDA, the top GPU kernels by time (``top``, shares of the summed kernel
     time), the summed kernel time against the wall time (the rest is the GPU waiting on the host, or
@@ -80,6 +111,7 @@ def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
     out["total_ms_per_step"] = total / 1e3 / steps  # summed kernel time
     out["top"] = _top(kernels, steps, lambda e: _self_time_us(e, True), total)
     out["top_host"] = _top(host, steps, lambda e: e.self_cpu_time_total, host_total)
+    out["syncs_per_step"], out["sync_sites"] = sync_sites(prof, steps)
     return out
 
 
@@ -87,7 +119,11 @@ def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
 def _entry(cfg) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     active = max(1, min(ACTIVE, cfg.train.steps - WAIT - 1))
-    prof = profile(activities=activities, schedule=schedule(wait=WAIT, warmup=1, active=active, repeat=1))
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=WAIT, warmup=1, active=active, repeat=1),
+        with_stack=os.environ.get("E2E_PROFILE_STACKS", "0") == "1",  # Python callers of the host syncs
+    )
     record = metrics.StepMetrics.record
     stamps: list[float] = []  # wall clock at the end of every step
 

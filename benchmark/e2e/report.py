@@ -308,6 +308,10 @@ def _profile_section(results: list[RunResult], top: int = 10) -> list[str]:
                      f"{op['calls_per_step']:.0f}"] for op in p["top_host"][:top]]  # fmt: skip
             lines += ["Host side, self CPU time:", "",
                       markdown_table(["op", "ms/step", "share", "calls/step"], rows), ""]  # fmt: skip
+        if p.get("sync_sites"):
+            rows = [[s["site"][:160], f"{s['per_step']:.1f}"] for s in p["sync_sites"][:top]]
+            head = f"Blocking CUDA calls (each drains the GPU queue): {p['syncs_per_step']:.1f} per step"
+            lines += [head, "", markdown_table(["made by", "per step"], rows), ""]
     return lines
 
 

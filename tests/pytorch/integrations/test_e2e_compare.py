@@ -265,9 +265,23 @@ def test_profile_summary_counts_kernels_once_and_reports_gpu_busy_time(monkeypat
               Event("Optimizer.step#AdamW.step", 50.0, 0.0, False),
               Event("Optimizer.step#AdamW.step", 0.0, 900.0, True)]  # fmt: skip
 
+    class Node:
+        def __init__(self, name, parent=None):
+            self.name, self.cpu_parent = name, parent
+
+    chain = None
+    for name in ["train.py(10): main", "torch/optim/optimizer.py(5): step",
+                 "megatron/core/optimizer/clip_grads.py(120): get_grad_norm", "<built-in method item>",
+                 "aten::item", "aten::_local_scalar_dense"]:  # fmt: skip
+        chain = Node(name, chain)
+    syncs = [Node("cudaStreamSynchronize", chain) for _ in range(6)] + [Node("cudaLaunchKernel", chain)]
+
     class Prof:
         def key_averages(self):
             return events
+
+        def events(self):
+            return syncs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     p = profile_entry.summarize(Prof(), steps=3, wall_ms=[10.0, 14.0])
@@ -275,12 +289,16 @@ def test_profile_summary_counts_kernels_once_and_reports_gpu_busy_time(monkeypat
     assert [op["op"] for op in p["top"]] == ["nvjet_gemm", "quantize_kernel"]
     assert p["top"][0]["share"] == pytest.approx(2 / 3)
     assert [op["op"] for op in p["top_host"]] == ["aten::copy_", "aten::mm", "Optimizer.step#AdamW.step"]
-    assert p["wall_ms_per_step"] == 12.0
+    assert p["wall_ms_per_step"] == 12.0 and p["syncs_per_step"] == 2.0
+    site = "aten::_local_scalar_dense <- megatron/core/optimizer/clip_grads.py(120): get_grad_norm"
+    site += " <- train.py(10): main"
+    assert p["sync_sites"] == [{"site": site, "per_step": 2.0}]
     result = report.RunResult("megatron", True, "fp8", status="ok", rows=_rows(400.0, 0.0))
     result.profile = p
     text = "\n".join(report._profile_section([result]))
     assert "GPU kernels 3.0 ms: the GPU is busy 25% of the step (the rest it waits on the host" in text
     assert "Host side, self CPU time:" in text and "| aten::copy_ |" in text
+    assert "Blocking CUDA calls (each drains the GPU queue): 2.0 per step" in text
 
 
 def test_targets_section_names_the_dominant_op_when_a_target_is_missed(tmp_path):
