@@ -198,3 +198,34 @@ def test_emulated_fp8_with_bf16_wgrad_runs_the_bf16_wgrad_on_cpu(tmp_path):
         assert ("weight gradients in bf16" in out) == (wgrad == "bf16"), out[-3000:]
     assert losses["bf16"][1] == losses["fp8"][1], losses
     assert losses["bf16"][3] != losses["fp8"][3], losses
+
+
+def test_megatron_torch_adam_fallback_is_switched_to_fused_adam():
+    # Without TE/Apex, Megatron steps with torch's foreach Adam(W), which reads each parameter's step counter
+    # with .item() (a host sync per parameter on a GPU): the trainer switches it to fused Adam(W), same math.
+    from types import SimpleNamespace
+
+    import torch
+    from primus_turbo.integrations.megatron.trainer import use_fused_adam
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 4)) for _ in range(3)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, weight_decay=0.1)
+    groups = [{"params": ref[:2]}, {"params": ref[2:]}]
+    ref_opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=True)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.randn(2))], lr=0.1)  # not Adam: left alone
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=o) for o in (opt, sgd)])
+    assert use_fused_adam(chained) == 2
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    assert not sgd.param_groups[0].get("fused")
+    for _ in range(3):
+        for p, r in zip(params, ref):
+            p.grad = torch.randn_like(p)
+            r.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    # an optimizer that has stepped keeps its implementation (its state was made by the other path)
+    assert use_fused_adam(SimpleNamespace(optimizer=ref_opt)) == 0
