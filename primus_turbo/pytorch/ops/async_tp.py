@@ -39,6 +39,7 @@ from primus_turbo.pytorch.core.low_precision import (
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
     all_gather_matmul_impl,
     matmul_reduce_scatter_impl,
+    out_dtype_codes,
     scaled_matmul,
 )
 
@@ -162,30 +163,36 @@ def _quantize_operands(a2d, bs, fp8_config: Float8QuantConfig, group_name):
     return a_q, a_scale, b_q, b_scales
 
 
-def _single_out_dtype(out_dtypes, n: int, default: torch.dtype) -> torch.dtype:
+def _out_dtype_list(out_dtypes, n: int, default: torch.dtype, rowwise_fp8: bool) -> list[torch.dtype]:
+    """One output dtype per b: None (the default), one dtype for all, or a list of n (None entries: default).
+    Row-wise FP8 GEMMs on CUDA (cuBLAS) produce bf16 only (``rowwise_fp8``: check that)."""
     if out_dtypes is None:
-        return default
+        return [default] * n
     dts = list(out_dtypes) if isinstance(out_dtypes, (list, tuple)) else [out_dtypes] * n
     dts = [default if d is None else d for d in dts]
-    if len(dts) != n or len(set(dts)) != 1 or dts[0] not in _FLOAT_DTYPES:
+    if len(dts) != n or any(d not in _FLOAT_DTYPES for d in dts):
         raise ValueError(
-            f"out_dtypes: expected one floating dtype (or a list of {n} equal ones), got {out_dtypes}"
+            f"out_dtypes: expected a dtype or a list of {n} (one per b) from bfloat16/float16/float32, "
+            f"got {out_dtypes}"
         )
-    return dts[0]
+    if rowwise_fp8 and any(d != torch.bfloat16 for d in dts):
+        raise ValueError(f"out_dtypes: row-wise FP8 GEMMs (cuBLAS) return bfloat16 only, got {out_dtypes}")
+    return dts
 
 
 # -- all-gather + matmul --------------------------------------------------------------------------
-def _all_gather_matmul_2d(a2d, bs, a_scale, b_scales, group_name, return_a, out_dtype, backend, num_splits):
+def _all_gather_matmul_2d(a2d, bs, a_scale, b_scales, group_name, return_a, out_dtypes, backend, num_splits):
+    """out_dtypes: one dtype per b (FP8), or None (bf16/fp16/fp32 GEMMs return the input dtype)."""
     world = _world(group_name)
     if world == 1:
-        outs = [
-            scaled_matmul(a2d, b, a_scale, s, out_dtype) for b, s in zip(bs, b_scales or [None] * len(bs))
-        ]
+        dts, scales = out_dtypes or [None] * len(bs), b_scales or [None] * len(bs)
+        outs = [scaled_matmul(a2d, b, a_scale, s, d) for b, s, d in zip(bs, scales, dts)]
         return (a2d if return_a else None), a_scale, outs
     if a2d.numel() == 0 or any(b.numel() == 0 for b in bs):
         backend = "NCCL"  # nothing to overlap
+    codes = out_dtype_codes(out_dtypes) if out_dtypes else []
     res = all_gather_matmul_impl(
-        a2d, bs, a_scale, b_scales, group_name, return_a, out_dtype, backend or "", num_splits or 0
+        a2d, bs, a_scale, b_scales, group_name, return_a, codes, backend or "", num_splits or 0
     )
     scale_full = res[1] if res[1].numel() else a_scale
     return (res[0] if return_a else None), scale_full, list(res[2:])
@@ -208,6 +215,9 @@ def fused_all_gather_matmul(
     With ``fp8_config`` the GEMMs run in FP8 (a_shard is quantized before the gather: half the
     bytes on the wire) and the returned ``a_full`` is the gathered *FP8* tensor; call
     ``fused_all_gather_scaled_matmul`` directly when the gathered scales are needed too.
+    ``out_dtypes``: one dtype for every output or a list with one per b (None entries: the default,
+    a_shard's dtype); bf16/fp16/fp32 GEMMs return the input dtype, FP8 ones any of bf16/fp16/fp32
+    (row-wise FP8 on CUDA: bf16 only, as cuBLAS).
     ``num_splits`` (TURBO): row blocks per pushed shard; None picks from a comm/GEMM time model.
     """
     group_name = _group_name(group)
@@ -215,21 +225,23 @@ def fused_all_gather_matmul(
     _check_operands(a_shard, bs, "a_shard", scaled=False)
     dim = _check_dim("gather_dim", gather_dim, a_shard)
     a2d, lead = _to_front_2d(a_shard, dim)
-    world = _world(group_name)
     if fp8_config is None:
-        out_dtype = _single_out_dtype(out_dtypes, len(bs), a_shard.dtype)
-        if out_dtype != a_shard.dtype:
-            raise ValueError(f"out_dtypes: bf16/fp16/fp32 GEMMs return the input dtype {a_shard.dtype}")
+        dts = _out_dtype_list(out_dtypes, len(bs), a_shard.dtype, False)
+        if any(d != a_shard.dtype for d in dts):
+            raise ValueError(
+                f"out_dtypes: bf16/fp16/fp32 GEMMs return the input dtype {a_shard.dtype}, got {out_dtypes}"
+            )
         a_full, _, outs = _all_gather_matmul_2d(
             a2d, bs, None, [], group_name, return_a, None, backend, num_splits
         )
     else:
-        out_dtype = _single_out_dtype(out_dtypes, len(bs), a_shard.dtype)
+        rowwise = getattr(fp8_config, "granularity", None) is ScalingGranularity.ROWWISE
+        dts = _out_dtype_list(out_dtypes, len(bs), a_shard.dtype, rowwise and a_shard.is_cuda)
         a_q, a_scale, b_q, b_scales = _quantize_operands(a2d, bs, fp8_config, group_name)
         a_full, _, outs = _all_gather_matmul_2d(
-            a_q, b_q, a_scale, b_scales, group_name, return_a, out_dtype, backend, num_splits
+            a_q, b_q, a_scale, b_scales, group_name, return_a, dts, backend, num_splits
         )
-    full_lead = [lead[0] * world, *lead[1:]]
+    full_lead = [lead[0] * _world(group_name), *lead[1:]]
     outs = [_from_front_2d(o, full_lead, dim) for o in outs]
     if a_full is not None:
         a_full = _from_front_2d(a_full, full_lead, dim)
@@ -269,9 +281,9 @@ def fused_all_gather_scaled_matmul(
             )
         a_scale = a_scale.movedim(dim, 0).contiguous().view(-1, 1)
     a_scale = a_scale.float()
-    out_dtype = _single_out_dtype(out_dtypes, len(bs), torch.bfloat16)
+    dts = _out_dtype_list(out_dtypes, len(bs), torch.bfloat16, a_scale.numel() > 1 and a_shard.is_cuda)
     a_full, scale_full, outs = _all_gather_matmul_2d(
-        a2d, bs, a_scale, [s.float() for s in b_scales], group_name, return_a, out_dtype, backend, num_splits
+        a2d, bs, a_scale, [s.float() for s in b_scales], group_name, return_a, dts, backend, num_splits
     )
     full_lead = [lead[0] * _world(group_name), *lead[1:]]
     outs = [_from_front_2d(o, full_lead, dim) for o in outs]

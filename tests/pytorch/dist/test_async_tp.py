@@ -78,6 +78,20 @@ def _check_fp8(rank, world, device, seed, backend):
         assert_snr(out.cpu(), ref, fp8_snr_gate(cfg.format), msg=f"RS fp8 {cfg.granularity.name} {backend}")
 
 
+def _check_fp8_out_dtypes(rank, world, device, seed, backend):
+    """One output dtype per b (FP8 GEMMs): each output in its own dtype, each product right."""
+    ins = rank_inputs(seed, world, (48, 64), (64, 40), dtype=torch.bfloat16)
+    a, b = ins[rank][0].to(device), ins[0][1].to(device)
+    cfg = Float8QuantConfig(format=Format.E4M3, granularity=ScalingGranularity.TENSORWISE)
+    _, outs = fused_all_gather_matmul(
+        a, [b, b[:, :24]], 0, fp8_config=cfg, out_dtypes=[torch.float32, None], backend=backend
+    )
+    _, ref = all_gather_matmul_ref([r[0] for r in ins], ins[0][1], 0)
+    assert [o.dtype for o in outs] == [torch.float32, torch.bfloat16], [o.dtype for o in outs]
+    assert_snr(outs[0].cpu(), ref, fp8_snr_gate(cfg.format), msg=f"AG fp8 out fp32 {backend}")
+    assert_snr(outs[1].cpu(), ref[:, :24], fp8_snr_gate(cfg.format), msg=f"AG fp8 out bf16 {backend}")
+
+
 def _check_scaled_variants(rank, world, device, seed, backend):
     """Pre-quantized operands: the scaled APIs must match dequantize-then-matmul exactly-ish."""
     ins = rank_inputs(seed, world, (2, 24, 64), (64, 48), dtype=torch.float32)
@@ -108,6 +122,7 @@ def _gloo_body(rank, world, device, seed):
         _check_reduce_scatter(rank, world, device, seed + 2, dtype, (6, 32), 40, "sum", 0, None)
         _check_reduce_scatter(rank, world, device, seed + 3, dtype, (3, 4, 32), 24, "avg", 1, "NCCL")
     _check_fp8(rank, world, device, seed + 4, "NCCL")
+    _check_fp8_out_dtypes(rank, world, device, seed + 6, "NCCL")
     _check_scaled_variants(rank, world, device, seed + 5, "NCCL")
     # zero-size: K = 0 gives zeros, M = 0 gives empty outputs
     a_full, (out,) = fused_all_gather_matmul(torch.zeros(3, 0), [torch.zeros(0, 8)], 0)
@@ -145,6 +160,23 @@ def test_dtype_mix_rejected():
         fused_all_gather_matmul(fp8, [fp8.t()], 0, "g")
     with pytest.raises(TypeError, match="float8"):
         fused_all_gather_scaled_matmul(torch.randn(4, 8), [fp8.t()], torch.ones(()), [torch.ones(())], 0, "g")
+
+
+def test_out_dtypes_validation():
+    from primus_turbo.pytorch.ops.async_tp import _out_dtype_list
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert _out_dtype_list(None, 2, bf16, False) == [bf16, bf16]
+    assert _out_dtype_list(fp32, 2, bf16, False) == [fp32, fp32]
+    assert _out_dtype_list([None, fp32], 2, bf16, False) == [bf16, fp32]
+    with pytest.raises(ValueError, match="list of 2"):
+        _out_dtype_list([fp32], 2, bf16, False)
+    with pytest.raises(ValueError, match="bfloat16/float16/float32"):
+        _out_dtype_list([torch.int32, fp32], 2, bf16, False)
+    with pytest.raises(ValueError, match="row-wise FP8 GEMMs"):
+        _out_dtype_list([bf16, fp32], 2, bf16, True)
+    with pytest.raises(ValueError, match="return the input dtype"):  # bf16 GEMMs: no other output dtype
+        fused_all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 4)], 0, "g", out_dtypes=[torch.bfloat16])
 
 
 def test_bad_dims_and_ops_rejected():
@@ -207,6 +239,7 @@ def _gpu_body(rank, world, device, seed):
             rank, world, device, seed, torch.bfloat16, (4, 256, 384), 512, "avg", 1, backend
         )
         _check_fp8(rank, world, device, seed + 1, backend)
+        _check_fp8_out_dtypes(rank, world, device, seed + 5, backend)
         _check_scaled_variants(rank, world, device, seed + 2, backend)
     # the pipeline's workspace is reused across calls and grows: results must stay right
     for rows in (64, 4096, 64):
@@ -252,7 +285,7 @@ def _compile_body(rank, world, device, seed):
     group_name = dist.group.WORLD.group_name
 
     def step(a, b):
-        res = all_gather_matmul_impl(a, [b], None, [], group_name, True, None, "", 0)
+        res = all_gather_matmul_impl(a, [b], None, [], group_name, True, [], "", 0)
         return (
             res[0],
             res[2],

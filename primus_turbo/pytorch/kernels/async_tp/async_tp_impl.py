@@ -3,7 +3,7 @@
 Entry points (torch.library custom ops with fake twins, called by ``turbo.ops.async_tp``):
 
     primus_turbo::all_gather_matmul(a_shard[m, K], bs[K, N_i], a_scale?, b_scales, group_name,
-                                    return_a, out_dtype, backend) -> [a_full, a_scale_full, *outs]
+                                    return_a, out_dtypes, backend) -> [a_full, a_scale_full, *outs]
     primus_turbo::matmul_reduce_scatter(a[M, K], b[K, N], a_scale?, b_scale?, reduce_op,
                                         group_name, out_dtype, backend) -> out[M / world, N]
 
@@ -12,7 +12,8 @@ operands already quantized (``a_scale``/``b_scales`` are the dequantization scal
 ``torch._scaled_mm``: tensor-wise scalars, or row-wise ``[rows, 1]`` / ``[1, N]``). A tensor-wise
 ``a_scale`` must be equal on every rank (the op layer all-reduces the amax to guarantee it).
 Unused outputs (``a_full`` when ``return_a`` is False, ``a_scale_full`` for bf16 / tensor-wise)
-come back as empty tensors.
+come back as empty tensors. ``out_dtypes``: one code per b (``OUT_DTYPES`` index; a custom-op schema
+has no list-of-dtypes type), or empty for the default (bf16 for FP8 operands, else the input dtype).
 
 Backends:
   NCCL      unfused: all_gather_into_tensor then GEMM / GEMM then reduce_scatter_tensor. Any group
@@ -134,6 +135,17 @@ def _out_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
     return torch.bfloat16 if a.element_size() == 1 else a.dtype
 
 
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # out_dtypes codes of all_gather_matmul
+
+
+def out_dtype_codes(dtypes: list[torch.dtype]) -> list[int]:
+    return [OUT_DTYPES.index(d) for d in dtypes]
+
+
+def _out_dtypes(a: torch.Tensor, codes: list[int], n: int) -> list[torch.dtype]:
+    return [OUT_DTYPES[c] for c in codes] if codes else [_out_dtype(a, None)] * n
+
+
 # -- all-gather + matmul backends -----------------------------------------------------------------
 def _ag_empty_extras(a_shard: torch.Tensor) -> torch.Tensor:
     return a_shard.new_empty(0)
@@ -150,7 +162,7 @@ class _AGNccl(KernelBackend):
         return True
 
     @staticmethod
-    def execute(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtype, **_) -> list[torch.Tensor]:
+    def execute(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtypes, **_) -> list[torch.Tensor]:
         group, world, _ = group_info(group_name)
         a_full = a_shard.new_empty((world * a_shard.shape[0], *a_shard.shape[1:]))
         dist.all_gather_into_tensor(_bytes_view(a_full), _bytes_view(a_shard), group=group)
@@ -159,8 +171,8 @@ class _AGNccl(KernelBackend):
             scale_full = a_scale.new_empty((world * a_scale.shape[0], 1))
             dist.all_gather_into_tensor(scale_full, a_scale.contiguous(), group=group)
         outs = [
-            scaled_matmul(a_full, b, scale_full, bs_scale, out_dtype)
-            for b, bs_scale in zip(bs, b_scales or [None] * len(bs))
+            scaled_matmul(a_full, b, scale_full, bs_scale, dtype if a_scale is not None else None)
+            for b, bs_scale, dtype in zip(bs, b_scales or [None] * len(bs), out_dtypes)
         ]
         extras = _ag_empty_extras(a_shard)
         return [
@@ -176,7 +188,7 @@ class _AGSymmMem(KernelBackend):
         return a_shard.is_cuda and symm_mem_available() and _nccl_group(group_name)
 
     @staticmethod
-    def execute(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtype, **_) -> list[torch.Tensor]:
+    def execute(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtypes, **_) -> list[torch.Tensor]:
         enable_symm_mem_for_group(group_name)
         extras = _ag_empty_extras(a_shard)
         if a_scale is None:
@@ -193,7 +205,7 @@ class _AGSymmMem(KernelBackend):
             group_name,
             [None] * len(bs),
             [None] * len(bs),
-            [_out_dtype(a_shard, out_dtype)] * len(bs),
+            list(out_dtypes),
             [False] * len(bs),
         )
         scale_full = _empty_scale(a_shard)
@@ -211,12 +223,11 @@ class _AGTurbo(KernelBackend):
 
     @staticmethod
     def execute(
-        a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtype, num_splits=None, **_
+        a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtypes, num_splits=None, **_
     ) -> list[torch.Tensor]:
         _, world, rank = group_info(group_name)
         rows = a_shard.shape[0]
-        dtype = _out_dtype(a_shard, out_dtype)
-        outs = [a_shard.new_empty((world * rows, b.shape[1]), dtype=dtype) for b in bs]
+        outs = [a_shard.new_empty((world * rows, b.shape[1]), dtype=dt) for b, dt in zip(bs, out_dtypes)]
         rowwise = _rowwise(a_scale)
         shards = [a_shard, a_scale.contiguous()] if rowwise else [a_shard]
         b_scales = list(b_scales) or [None] * len(bs)
@@ -224,7 +235,9 @@ class _AGTurbo(KernelBackend):
         def consume(block: list[torch.Tensor], row0: int) -> None:
             scale = block[1] if rowwise else a_scale
             for b, b_scale, out in zip(bs, b_scales, outs):
-                scaled_matmul(block[0], b, scale, b_scale, dtype, out=out[row0 : row0 + block[0].shape[0]])
+                rows_out = out[row0 : row0 + block[0].shape[0]]
+                dtype = out.dtype if scale is not None else None
+                scaled_matmul(block[0], b, scale, b_scale, dtype, out=rows_out)
 
         gathered = None
         extras = _ag_empty_extras(a_shard)
@@ -422,7 +435,7 @@ def all_gather_matmul_impl(
     b_scales: list[torch.Tensor],
     group_name: str,
     return_a: bool,
-    out_dtype: torch.dtype | None,
+    out_dtypes: list[int],
     backend: str,
     num_splits: int,
 ) -> list[torch.Tensor]:
@@ -435,22 +448,23 @@ def all_gather_matmul_impl(
         b_scales=list(b_scales),
         group_name=group_name,
         return_a=return_a,
-        out_dtype=out_dtype,
+        out_dtypes=_out_dtypes(a_shard, list(out_dtypes), len(bs)),
         num_splits=num_splits,
     )
 
 
 @all_gather_matmul_impl.register_fake
-def _(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtype, backend, num_splits):
+def _(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtypes, backend, num_splits):
     _, world, _ = group_info(group_name)
     rows = world * a_shard.shape[0]
-    dtype = _out_dtype(a_shard, out_dtype)
+    dtypes = _out_dtypes(a_shard, list(out_dtypes), len(bs))
     a_full = a_shard.new_empty((rows, *a_shard.shape[1:])) if return_a else a_shard.new_empty(0)
     rowwise = _rowwise(a_scale)
     scale_full = (
         a_scale.new_empty((rows, 1)) if (return_a and rowwise) else a_shard.new_empty(0, dtype=torch.float32)
     )
-    return [a_full, scale_full, *[a_shard.new_empty((rows, b.shape[1]), dtype=dtype) for b in bs]]
+    outs = [a_shard.new_empty((rows, b.shape[1]), dtype=dt) for b, dt in zip(bs, dtypes)]
+    return [a_full, scale_full, *outs]
 
 
 @torch.library.custom_op("primus_turbo::matmul_reduce_scatter", mutates_args=())
