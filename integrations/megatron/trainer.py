@@ -6,6 +6,7 @@ One function per stage, called in order by ``train``; read top to bottom.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -108,6 +109,10 @@ def build_run(cfg: DictConfig, device: torch.device) -> Run:
     )
     model = DistributedDataParallel(config, ddp_config, model)
     config.no_sync_func = model.no_sync
+    if cfg.turbo.enabled:  # turbo experts: no per-weight DDP hooks before the last micro-batch
+        from primus_turbo.integrations.megatron import turbo_layers
+
+        config.no_sync_func = functools.partial(turbo_layers.accumulating_microbatch, model.no_sync)
     config.finalize_model_grads_func = finalize_model_grads
 
     optimizer = get_megatron_optimizer(

@@ -209,6 +209,44 @@ def test_grouped_linear_accumulates_into_main_grad(megatron_world, expert_precis
         _check_against_reference(expert_precision, w.main_grad, ref_main_grads[i], f"weight{i}.main_grad")
 
 
+@pytest.mark.parametrize("expert_precision", list(_EXPERT_PRECISIONS), indirect=True)
+def test_microbatches_before_the_last_skip_the_per_weight_ddp_hooks(megatron_world, expert_precision):
+    """Inside DDP's no_sync (every micro-batch but the last; trainer: accumulating_microbatch) the experts add
+    their gradient into main_grad with no per-weight autograd edge: no hook, no placeholder. The last one
+    fires every weight's hook once, and main_grad holds the same sum as with a hook on every micro-batch."""
+    import contextlib
+
+    from primus_turbo.integrations.megatron import turbo_layers as tl
+
+    layer, plain = _experts(), _experts()
+    plain.load_state_dict(layer.state_dict())
+    weights = _attach_main_grads(layer, "ddp")
+    hook_calls = [0] * len(weights)
+    for i, w in enumerate(weights):
+        w.register_post_accumulate_grad_hook(lambda _, i=i: hook_calls.__setitem__(i, hook_calls[i] + 1))
+    splits = [[40, 0, 56], [8, 64, 24], [30, 30, 36]]
+    xs = [torch.randn(96, 128, dtype=torch.bfloat16) for _ in splits]
+    grads = [_expert_grad(96) for _ in splits]
+    tl.new_weight_step()
+    want = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
+    last = len(splits) - 1
+    for microbatch, (x, split, grad_out) in enumerate(zip(xs, splits, grads)):
+        no_sync = contextlib.nullcontext  # stands for DDP's no_sync
+        with tl.accumulating_microbatch(no_sync) if microbatch < last else no_sync():
+            assert tl._SKIP_EXPERT_GRAD_HOOKS == (microbatch < last)
+            out, dx = _expert_step(layer, x, split, grad_out)
+        assert not tl._SKIP_EXPERT_GRAD_HOOKS
+        out_plain, dx_plain = _expert_step(plain, x, split, grad_out)
+        assert torch.equal(out, out_plain) and torch.equal(dx, dx_plain)
+        for i, w in enumerate(weights):
+            want[i] += getattr(plain, f"weight{i}").grad.float()
+            assert hook_calls[i] == (1 if microbatch == last else 0), (microbatch, hook_calls)
+            assert (w.grad is None) == (microbatch < last)
+        plain.zero_grad(set_to_none=True)
+    for i, w in enumerate(weights):
+        assert torch.equal(w.main_grad, want[i]), f"weight{i}.main_grad != the per-micro-batch hooks' sum"
+
+
 def test_grouped_linear_main_grad_placeholders(megatron_world):
     """Megatron's placeholder rules, as for the dense linears: zeros with zero_out_wgrad, None without DDP's
     grad_added_to_main_grad attribute (main_grad is still accumulated)."""
