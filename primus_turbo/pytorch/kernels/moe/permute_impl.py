@@ -35,7 +35,10 @@ def build_row_id_map(
         valid = routing >= 0
         mask = torch.zeros((t, num_experts), dtype=torch.int32, device=dev)
         mask.scatter_add_(1, routing.clamp(min=0).long(), valid.to(torch.int32))
-    rank = torch.cumsum(mask, dim=0, dtype=torch.int32) - 1  # position of token within its expert
+    # position of token within its expert: a scan over tokens, run along the contiguous dim of the [E, T]
+    # transpose (one parallel scan per expert); along dim 0 of [T, E] torch's outer-dim scan kernel walks
+    # each column serially: 0.73 ms for 4096 x 64 on an H100, 24 calls per deepseek_moe_fp8 step
+    rank = (torch.cumsum(mask.t().contiguous(), dim=1, dtype=torch.int32) - 1).t()
     counts = mask.sum(0, dtype=torch.int32)
     if capacity is not None:
         slots = torch.full_like(counts, capacity)
