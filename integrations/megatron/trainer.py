@@ -222,12 +222,12 @@ def _sub_optimizers(optimizer) -> list:
 def use_fused_adam(optimizer) -> int:
     """Switch Megatron's torch Adam(W) fallback to torch's fused implementation; returns the groups switched.
 
-    Without Transformer Engine or Apex, Megatron-Core steps with torch's foreach Adam(W), which reads every
-    parameter's step counter with ``.item()``: one blocking call per parameter and step (the profile of
-    deepseek_moe_fp8 on an H100 showed ~150-450 per step, the GPU idle meanwhile). Fused Adam(W) keeps the
-    counters on the device and updates all tensors of a group in a few launches: it is the FusedAdam
-    Megatron expects from TE/Apex (same update rule). Called before the first step, so the state is created
-    by the fused path; groups on a device without fused kernels, or non-float parameters, stay as they are.
+    Without Transformer Engine or Apex, Megatron-Core steps with torch's foreach Adam(W): a dozen foreach
+    launches per group and a Python ``.item()`` of every parameter's (CPU) step counter, each step. Fused
+    Adam(W) keeps the counters on the device and updates a group in a few launches: it is the FusedAdam
+    Megatron expects from TE/Apex (same update rule; the per-parameter GPU syncs of that fallback setup came
+    from the gradient norm, see ``patches.fix.grad_norm_no_sync``). Called before the first step, so the state
+    is created by the fused path; groups on a device without fused kernels, or non-float parameters, stay.
     """
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 

@@ -231,3 +231,36 @@ def test_megatron_torch_adam_fallback_is_switched_to_fused_adam():
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
     # an optimizer that has stepped keeps its implementation (its state was made by the other path)
     assert use_fused_adam(SimpleNamespace(optimizer=ref_opt)) == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_grad_norm_fix_matches_megatron_fallback_without_host_syncs(device):
+    # fix.grad_norm_no_sync: Megatron's TE/Apex-less l2 norm built torch.tensor() from one CUDA norm per
+    # gradient (a host sync per parameter and step); the replacement keeps the norm on the device.
+    import torch
+    from megatron.core import utils
+    from primus_turbo.integrations.megatron.patches import _l2_norm_on_device, _scale_foreach
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 7, device=device), torch.randn(3, device=device), torch.randn(0, device=device),
+             torch.randn(64, 1024, device=device)]  # fmt: skip
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        norm, _ = _l2_norm_on_device(2048 * 32, None, [grads], False)
+        src, dst = [g.clone() for g in grads], [torch.empty_like(g) for g in grads]
+        _scale_foreach(2048 * 32, None, [src, dst], 0.5)
+        _scale_foreach(2048 * 32, None, [src, src], 2.0)  # in place (clip_grads passes [grads, grads])
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    assert norm.shape == (1,) and norm.dtype == torch.float32 and norm.device == grads[0].device
+    ref = torch.stack([g.double().norm() for g in grads]).norm()
+    torch.testing.assert_close(norm[0].double(), ref, rtol=1e-6, atol=0)
+    want = [torch.empty_like(g) for g in grads]
+    utils.local_multi_tensor_scale(2048 * 32, None, [grads, want], 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(dst, want))
+    assert all(torch.equal(a, g * 2.0) for a, g in zip(src, grads))
