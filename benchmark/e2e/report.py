@@ -228,6 +228,12 @@ def targets_section(results: list[RunResult], warmup: int) -> list[str]:
         if missed and r.profile and r.profile.get("top"):
             top = r.profile["top"][0]
             line += f". Dominant op ({r.profile['clock']}): {top['op'][:80]} at {100 * top['share']:.0f}%"
+            wall = r.profile.get("wall_ms_per_step")
+            if wall and r.profile.get("top_host") is not None:
+                busy = r.profile["total_ms_per_step"] / wall
+                line += f"; the GPU runs kernels {100 * busy:.0f}% of the step" + (
+                    " (host bound: see the host ops and blocking calls below)" if busy < 0.85 else ""
+                )
         elif missed:
             line += ". Rerun with profile=true to see which op dominates"
         lines.append(line)

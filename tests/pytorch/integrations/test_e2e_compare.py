@@ -313,6 +313,9 @@ def test_targets_section_names_the_dominant_op_when_a_target_is_missed(tmp_path)
     assert "speedup 1.25x vs stock bf16 (target >= 1.8x): BELOW" in lines[2]  # 1001 / 801
     assert "MFU 25.0% (target >= 40%): BELOW" in lines[2]
     assert lines[2].endswith("Dominant op (self device time): _grouped_gemm_kernel at 43%")
+    slow_fp8.profile.update(wall_ms_per_step=1400.0, top_host=[])  # a CUDA profile: kernels 700 of 1400 ms
+    line = report.targets_section([results[0], slow_fp8], warmup=1)[2]
+    assert "the GPU runs kernels 50% of the step (host bound: see the host ops" in line, line
     slow_fp8.profile = None
     assert report.targets_section([results[0], slow_fp8], warmup=1)[2].endswith("see which op dominates")
 
