@@ -91,13 +91,19 @@ def test_turbo_inf_nan_and_zero_rows(out_dtype):
     assert torch.isnan(qf).sum() == 1 and torch.all(qf[4] == 0) and s[4].item() == 1.0
 
 
+def _forbid_triton(monkeypatch, kernel: str) -> None:
+    """Make the Triton twin ``impl.<kernel>`` fail if it runs: auto must take the CUDA C++ kernel."""
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError(f"the Triton kernel {kernel} ran; auto should take the CUDA C++ one")
+
+    monkeypatch.setattr(impl, kernel, no_triton)
+
+
 @pytest.mark.gpu
 @needs_extension
 def test_auto_dispatch_uses_the_cuda_kernel(monkeypatch):
-    def no_triton(*args, **kwargs):
-        raise AssertionError("the Triton rowwise kernel ran; auto should take the CUDA C++ one")
-
-    monkeypatch.setattr(impl, "_rowwise_triton", no_triton)
+    _forbid_triton(monkeypatch, "_rowwise_triton")
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     q, s = quantize_fp8(x, E4M3, G.ROWWISE)
     q_ref, s_ref = _rowwise(x, E4M3, False, "torch")
@@ -107,10 +113,11 @@ def test_auto_dispatch_uses_the_cuda_kernel(monkeypatch):
     assert q.shape == (0, 256) and s.shape == (0, 1)
 
 
-def test_pinned_turbo_without_the_extension_or_off_cuda_is_an_error():
+@pytest.mark.parametrize("quantize", [_rowwise, _rowwise_t], ids=["plain", "transpose"])
+def test_pinned_turbo_without_the_extension_or_off_cuda_is_an_error(quantize):
     x = torch.randn(4, 32)
     with pytest.raises((RuntimeError, ValueError), match="turbo|TURBO"):
-        _rowwise(x, E4M3, False, "turbo")
+        quantize(x, E4M3, False, "turbo")
 
 
 @pytest.mark.gpu
@@ -155,18 +162,9 @@ def test_turbo_transpose_unaligned_input_and_inf_nan():
 @pytest.mark.gpu
 @needs_extension
 def test_auto_dispatch_takes_the_cuda_transpose_kernel(monkeypatch):
-    def no_triton(*args, **kwargs):
-        raise AssertionError("the Triton rowwise+transpose kernel ran; auto should take the CUDA C++ one")
-
-    monkeypatch.setattr(impl, "_rowwise_with_transpose_triton", no_triton)
+    _forbid_triton(monkeypatch, "_rowwise_with_transpose_triton")
     x = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
     q, s, qt, st = quantize_fp8_with_transpose(x, E4M3, G.ROWWISE)
     q_ref, s_ref, qt_ref, st_ref = _rowwise_t(x, E4M3, False, "torch")
     assert torch.equal(_bits(qt), _bits(qt_ref)) and torch.equal(st.reshape(-1), st_ref.reshape(-1))
     assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(s.reshape(-1), s_ref.reshape(-1))
-
-
-def test_pinned_turbo_transpose_without_the_extension_or_off_cuda_is_an_error():
-    x = torch.randn(4, 32)
-    with pytest.raises((RuntimeError, ValueError), match="turbo|TURBO"):
-        _rowwise_t(x, E4M3, False, "turbo")

@@ -37,7 +37,8 @@ def build_row_id_map(
         mask.scatter_add_(1, routing.clamp(min=0).long(), valid.to(torch.int32))
     # position of token within its expert: a scan over tokens, run along the contiguous dim of the [E, T]
     # transpose (one parallel scan per expert); along dim 0 of [T, E] torch's outer-dim scan kernel walks
-    # each column serially: 0.73 ms for 4096 x 64 on an H100, 24 calls per deepseek_moe_fp8 step
+    # each column serially (the H100 profile of deepseek_moe_fp8: int tensor_kernel_scan_outer_dim, 17.5 ms
+    # over the step's 24 calls, i.e. 0.73 ms each for the 4096 x 64 routing map)
     rank = (torch.cumsum(mask.t().contiguous(), dim=1, dtype=torch.int32) - 1).t()
     counts = mask.sum(0, dtype=torch.int32)
     if capacity is not None:
