@@ -18,6 +18,29 @@ PACKAGES += ["primus_turbo.integrations"] + [
 ]
 
 
+def _cublaslt(cuda_home: str):
+    """(include dir, library file) of cuBLASLt: the CUDA toolkit's, else the nvidia-cublas wheel that a
+    CUDA torch depends on (headers and libcublasLt.so.<major> under nvidia/cu<major>/ or nvidia/cublas/).
+    None when neither has cublasLt.h: the cached-plan FP8 GEMM is then left out (torch._scaled_mm serves)."""
+    roots = [os.path.join(cuda_home, "include")]
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            roots += sorted(glob.glob(os.path.join(base, "cu*", "include")))
+            roots.append(os.path.join(base, "cublas", "include"))
+    except ImportError:
+        pass
+    for inc in roots:
+        if not os.path.exists(os.path.join(inc, "cublasLt.h")):
+            continue
+        lib_dirs = [os.path.join(os.path.dirname(inc), d) for d in ("lib", "lib64")]
+        libs = [f for d in lib_dirs for f in sorted(glob.glob(os.path.join(d, "libcublasLt.so*")))]
+        if libs:
+            return inc, min(libs, key=len)  # libcublasLt.so when present, else libcublasLt.so.<major>
+    return None
+
+
 def _cuda_extension():
     try:
         import torch
@@ -39,14 +62,24 @@ def _cuda_extension():
     sources = sorted(
         glob.glob("csrc/kernels/**/*.cu", recursive=True) + glob.glob("csrc/pytorch/**/*.cpp", recursive=True)
     )
+    include_dirs, link_args, defines = [os.path.abspath("csrc/include")], [], []
+    lt = _cublaslt(CUDA_HOME)
+    if lt is None:
+        print("primus_turbo: cublasLt.h not found; building without the cached-plan FP8 GEMM op")
+        sources = [s for s in sources if "gemm_fp8_cublaslt" not in s]
+        defines = ["-DPRIMUS_TURBO_NO_CUBLASLT"]
+    else:
+        include_dirs.append(lt[0])
+        link_args = [lt[1], f"-Wl,-rpath,{os.path.dirname(lt[1])}"]
     ext = CUDAExtension(
         name="primus_turbo.pytorch._C",
         sources=sources,
-        include_dirs=[os.path.abspath("csrc/include")],
+        include_dirs=include_dirs,
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
-            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", *gencode],
+            "cxx": ["-O3", "-std=c++17", *defines],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", *gencode, *defines],
         },
+        extra_link_args=link_args,
     )
     return [ext], {"build_ext": BuildExtension}
 

@@ -6,7 +6,9 @@ Layers: bf16 nn.Linear, Float8Linear (HYBRID tensorwise / rowwise, FP8 or bf16 w
 N=K=4096, and grouped_gemm_fp8 (HYBRID rowwise, DeepSeek-V2-Lite fc1: 64 experts, 24576 rows). For each:
 host ms per step (the time to issue it) against GPU ms per step (do_bench), the CUDA synchronize calls
 per step (profiler API events; a bare torch._scaled_mm row isolates torch's own), then the top functions by
-own time. Writes DIR/profile_host.txt. A diagnosis tool, not a benchmark of record.
+own time. Then a host-cost table at M=1024, N=K=2048 (GPU time per call below the host's, so the loop
+measures the host): torch._scaled_mm row-wise vs the cached-plan cuBLASLt op vs the dispatcher, and a
+Float8Linear vs nn.Linear step. Writes DIR/profile_host.txt. A diagnosis tool, not a benchmark of record.
 """
 
 from __future__ import annotations
@@ -78,6 +80,55 @@ def _scaled_mm_step():
     return lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
+def host_us(fn, calls: int = 200) -> float:
+    """Host microseconds per call of fn issued back to back (no sync inside the timed loop)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) * 1e6 / calls
+    torch.cuda.synchronize()
+    return us
+
+
+def host_table(report: io.StringIO) -> None:
+    from primus_turbo.pytorch.core.cpp_extension import cpp_ops
+    from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import HAS_CUBLASLT_PLANS, gemm_fp8_impl
+
+    m, n, k = 1024, 2048, 2048
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(m, 1, device="cuda") + 0.5, torch.rand(n, 1, device="cuda") + 0.5
+    sb_row, bf16 = sb.reshape(1, -1), torch.bfloat16
+    rows = [("torch._scaled_mm rowwise", lambda: torch._scaled_mm(a, b.t(), sa, sb_row, out_dtype=bf16))]
+    if HAS_CUBLASLT_PLANS:
+        plan_op = cpp_ops().gemm_fp8_cublaslt
+        rows.append(("gemm_fp8_cublaslt (csrc, cached plan)", lambda: plan_op(a, sa, b, sb, 1, bf16, False)))
+    rows.append(("gemm_fp8_impl (dispatcher, CUBLAS)", lambda: gemm_fp8_impl(a, sa, b, sb, 1, 0, bf16)))
+    abf, bbf = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    rows.append(("torch.mm bf16", lambda: torch.mm(abf, bbf.t())))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    hp = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    rows.append(("nn.Linear bf16 fwd+bwd", _linear_step(hp, x, grad)))
+    for hp_wgrad in (False, True):
+        cfg = Float8QuantConfig(Format.HYBRID, G.ROWWISE, high_precision_wgrad=hp_wgrad)
+        layer = Float8Linear.from_float(hp, config=cfg)
+        layer.cache_weight = True
+        name = f"Float8Linear rowwise{' bf16-wgrad' if hp_wgrad else ''} fwd+bwd (cached W)"
+        rows.append((name, _linear_step(layer, x, grad)))
+    lines = [f"=== host cost per call, M={m} N={n} K={k} (no profiler)", "| call | host us | GPU us |"]
+    lines.append("|---|---|---|")
+    for name, fn in rows:
+        gpu_ms, _ = bench_ms(fn)
+        lines.append(f"| {name} | {host_us(fn):.1f} | {gpu_ms * 1e3:.1f} |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    report.write(text + "\n\n")
+
+
 def profile(name: str, step, steps: int, report: io.StringIO) -> None:
     gpu_ms, _ = bench_ms(step)
     for _ in range(5):
@@ -108,14 +159,21 @@ def profile(name: str, step, steps: int, report: io.StringIO) -> None:
 def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--table-only", action="store_true", help="only the small-shape host-cost table")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_host: needs a CUDA device")
     torch.manual_seed(0)
+    report = io.StringIO()
+    host_table(report)
+    if args.table_only:
+        path = out_dir(args) / "profile_host.txt"
+        path.write_text(report.getvalue())
+        print(f"wrote {path}")
+        return
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     hp = torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
-    report = io.StringIO()
     profile("bf16 nn.Linear", _linear_step(hp, x, grad), args.steps, report)
     profile("torch._scaled_mm rowwise 8192x4096x4096", _scaled_mm_step(), args.steps, report)
     for gran, hp_wgrad in ((G.TENSORWISE, False), (G.ROWWISE, False), (G.ROWWISE, True)):

@@ -33,8 +33,28 @@ def _cuda_include() -> Path | None:
     return None
 
 
+def _cublaslt_include() -> Path | None:
+    """cublasLt.h: $CUBLASLT_INCLUDE, the toolkit's, or the nvidia-cublas wheel's (a CUDA torch's
+    dependency; absent next to a CPU torch, where the cuBLASLt sources are skipped as setup.py does)."""
+    candidates = [os.environ.get("CUBLASLT_INCLUDE", "")]
+    if CUDA_INCLUDE is not None:
+        candidates.append(str(CUDA_INCLUDE))
+    try:
+        import nvidia
+
+        candidates += [str(p) for base in nvidia.__path__ for p in sorted(Path(base).glob("cu*/include"))]
+    except ImportError:
+        pass
+    for inc in candidates:
+        if inc and (Path(inc) / "cublasLt.h").exists():
+            return Path(inc)
+    return None
+
+
 CUDA_INCLUDE = _cuda_include()
+CUBLASLT_INCLUDE = _cublaslt_include()
 CU_SOURCES = sorted(CSRC.glob("kernels/**/*.cu"))
+CUBLASLT_SOURCES = [p for p in CU_SOURCES if "<cublasLt.h>" in p.read_text()]
 CPP_SOURCES = sorted(CSRC.glob("pytorch/**/*.cpp"))
 
 pytestmark = pytest.mark.skipif(
@@ -49,14 +69,17 @@ def _torch_includes() -> list[str]:
     return include_paths()
 
 
-def _commands(tmp_path: Path) -> dict[str, list[str]]:
+def _commands(tmp_path: Path, cu_sources: list[Path] | None = None) -> dict[str, list[str]]:
     stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
     stub.mkdir(parents=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     commands = {}
-    for src in CU_SOURCES:
+    if cu_sources is None:
+        cu_sources = [p for p in CU_SOURCES if CUBLASLT_INCLUDE is not None or p not in CUBLASLT_SOURCES]
+    for src in cu_sources:
+        extra = [f"-I{CUBLASLT_INCLUDE}"] if src in CUBLASLT_SOURCES else []
         commands[str(src.relative_to(ROOT))] = [
-            NVCC, "-c", str(src), "-o", str(tmp_path / (src.stem + "_cu.o")), f"-I{CSRC / 'include'}",
+            NVCC, "-c", str(src), "-o", str(tmp_path / (src.stem + "_cu.o")), f"-I{CSRC / 'include'}", *extra,
             "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
         ]  # fmt: skip
     includes = [CSRC / "include", *_torch_includes(), CUDA_INCLUDE, tmp_path / "stub",
@@ -83,6 +106,18 @@ def test_csrc_sources_compile(tmp_path):
         if proc.returncode != 0:
             failures.append(f"--- {name} (rc {proc.returncode})\n{err[-3000:]}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.skipif(
+    CUBLASLT_INCLUDE is None,
+    reason="cublasLt.h not found (set CUBLASLT_INCLUDE or install nvidia-cublas); setup.py skips them too",
+)
+def test_cublaslt_sources_compile(tmp_path):
+    assert CUBLASLT_SOURCES, "no csrc source includes <cublasLt.h>"
+    cmds = {k: v for k, v in _commands(tmp_path, CUBLASLT_SOURCES).items() if k.endswith(".cu")}
+    for name, cmd in cmds.items():
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"--- {name} (rc {proc.returncode})\n{proc.stderr[-3000:]}"
 
 
 def test_module_init_symbol_defined(tmp_path):

@@ -9,7 +9,7 @@ quantizer) in one of four modes (see primus_turbo/triton/gemm/gemm_fp8_kernel.py
     2 BLOCKWISE    a_s (M, K/bs)    b_s (N/bs, K/bs)    activations 1 x bs, weights bs x bs
     3 BLOCKWISE    a_s (M, K/bs)    b_s (N, K/bs)       1 x bs both (wgrad)
 
-Backends: ``CUBLAS`` (torch._scaled_mm; CUDA only), ``TRITON`` (persistent Hopper kernel; every
+Backends: ``CUBLAS`` (cuBLASLt; CUDA only), ``TRITON`` (persistent Hopper kernel; every
 mode, any M/N/K, E4M3/E5M2 mixes), ``TORCH`` (dequantize + fp32 matmul; the CPU default).
 Dispatcher op name "gemm" with precision "fp8", so ``PRIMUS_TURBO_GEMM_BACKEND=fp8:TRITON`` or
 ``GlobalBackendManager.set_gemm_backend("TRITON", precision="fp8")`` pin it.
@@ -20,11 +20,15 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops
 from primus_turbo.pytorch.core.utils import triton_can_run_on
 
-__all__ = ["GemmFP8Dispatcher", "gemm_fp8_impl", "dequantize_operand"]
+__all__ = ["GemmFP8Dispatcher", "gemm_fp8_impl", "dequantize_operand", "HAS_CUBLASLT_PLANS"]
 
 E4M3 = torch.float8_e4m3fn
+# The csrc cached-plan cuBLASLt op (csrc/kernels/gemm/gemm_fp8_cublaslt.cu); absent when the extension
+# was built without cublasLt.h.
+HAS_CUBLASLT_PLANS = HAS_CPP_EXTENSION and hasattr(cpp_ops(), "gemm_fp8_cublaslt")
 
 
 def dequantize_operand(x: torch.Tensor, s: torch.Tensor, mode: int, block: int, is_b: bool) -> torch.Tensor:
@@ -54,9 +58,14 @@ class GemmFP8TorchBackend(KernelBackend):
 
 
 class GemmFP8CublasBackend(KernelBackend):
-    """torch._scaled_mm (cuBLASLt). Needs K, N multiples of 16 (b is passed column-major), E4M3 for
-    rowwise and blockwise, bf16 output for rowwise, and for blockwise bs=128, K % 128 == 0 (and
-    K % 512 == 0 with 128x128 weight scales: torch versions differ on that scale's row stride)."""
+    """cuBLASLt. Needs K, N multiples of 16 (b is passed column-major), E4M3 for rowwise and blockwise,
+    bf16 output for rowwise, and for blockwise bs=128, K % 128 == 0 (and K % 512 == 0 with 128x128
+    weight scales: torch versions differ on that scale's row stride).
+
+    Tensor-wise and row-wise go through the csrc op ``gemm_fp8_cublaslt``, which caches descriptor,
+    layouts and algorithm per problem (~10 us of host per call instead of torch._scaled_mm's ~70 us,
+    which asks cuBLASLt's heuristic every time; same cuBLASLt kernels). Blockwise, a build without the
+    op, and problems the op's heuristic declines (answered once, cached) use torch._scaled_mm."""
 
     @staticmethod
     def can_handle(a, a_s, b, b_s, scale_mode, scale_block, out_dtype, **_) -> bool:
@@ -80,6 +89,13 @@ class GemmFP8CublasBackend(KernelBackend):
 
     @staticmethod
     def execute(a, a_s, b, b_s, scale_mode, scale_block, out_dtype, fast_accum=False, **_) -> torch.Tensor:
+        # Fast (FP8-internal) accumulation only for tensorwise forward GEMMs, as Transformer Engine
+        # does; gradients and the scaled recipes keep cuBLAS's split fp32 accumulation.
+        fast = bool(fast_accum) and scale_mode == 0
+        if scale_mode <= 1 and HAS_CUBLASLT_PLANS:
+            out, supported = cpp_ops().gemm_fp8_cublaslt(a, a_s, b, b_s, scale_mode, out_dtype, fast)
+            if supported:
+                return out
         a = a.contiguous()
         b_cm = b.contiguous().t()  # [K, N] column-major
         if scale_mode == 0:
@@ -89,9 +105,6 @@ class GemmFP8CublasBackend(KernelBackend):
         else:
             sa = a_s.t().contiguous().t()  # (M, K/128) column-major
             sb = b_s.contiguous().t() if scale_mode == 2 else b_s.t().contiguous()
-        # Fast (FP8-internal) accumulation only for tensorwise forward GEMMs, as Transformer Engine
-        # does; gradients and the scaled recipes keep cuBLAS's split fp32 accumulation.
-        fast = bool(fast_accum) and scale_mode == 0
         return torch._scaled_mm(a, b_cm, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast)
 
 
