@@ -12,8 +12,9 @@
 // other's pointers (cublasLtMatmul reads the descriptor while it enqueues, not later).
 #include <cublasLt.h>
 
-#include <cstring>
+#include <functional>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
 
 #include "primus_turbo/gemm_fp8.h"
@@ -33,14 +34,20 @@ struct PlanKey {
     int out_dtype, scale_mode;
     bool fast_accum;
     int align_a, align_b, align_c;
-    bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
+    auto fields() const {
+        return std::tie(device, m, n, k, a_e5m2, b_e5m2, out_dtype, scale_mode, fast_accum, align_a, align_b,
+                        align_c);
+    }
+    bool operator==(const PlanKey& o) const { return fields() == o.fields(); }
 };
 
 struct PlanKeyHash {
     size_t operator()(const PlanKey& key) const {
-        const auto* bytes = reinterpret_cast<const unsigned char*>(&key);
-        size_t h = 1469598103934665603ull;  // FNV-1a over the (zero-initialised, so padding-stable) key
-        for (size_t i = 0; i < sizeof(PlanKey); ++i) h = (h ^ bytes[i]) * 1099511628211ull;
+        size_t h = 1469598103934665603ull;
+        const int64_t parts[] = {key.device,     key.m,          key.n,          key.k,
+                                 key.a_e5m2,     key.b_e5m2,     key.out_dtype,  key.scale_mode,
+                                 key.fast_accum, key.align_a,    key.align_b,    key.align_c};
+        for (const int64_t v : parts) h = (h ^ std::hash<int64_t>{}(v)) * 1099511628211ull;
         return h;
     }
 };
@@ -170,7 +177,6 @@ Fp8GemmStatus gemm_fp8_cublaslt(const Fp8GemmProblem& problem, const void* a, co
                                 const float* a_scale, const float* b_scale, void* workspace, int device,
                                 cudaStream_t stream, std::string* error) {
     PlanKey key;
-    std::memset(&key, 0, sizeof(key));  // the hash and == read the padding bytes too
     key.device = device;
     key.m = problem.m;
     key.n = problem.n;

@@ -42,7 +42,9 @@ def _reference(a, a_s, b, b_s, scale_mode):
 def _check(out, ref, out_dtype):
     assert out.dtype == out_dtype and out.shape == ref.shape
     err = (out.float() - ref).norm() / ref.norm()
-    tol = 1e-5 if out_dtype == torch.float32 else 8e-3  # fp32 accumulate; bf16/fp16 output rounding
+    # fp32 out: ~1e-4 measured on H100, the FP8 tensor cores' accumulator (cuBLAS promotes it to fp32
+    # every few K blocks); bf16/fp16 out adds the output rounding
+    tol = 1e-3 if out_dtype == torch.float32 else 8e-3
     assert err < tol, f"relative error {err:.3e} >= {tol}"
 
 
@@ -110,9 +112,10 @@ def test_dispatcher_cublas_backend_runs_the_cached_plan_op():
     GlobalBackendManager.set_gemm_backend("CUBLAS", precision="fp8")
     try:
         out = gemm_fp8_impl(a, a_s, b, b_s, 1, 0, torch.bfloat16)
+        backend = GemmFP8Dispatcher.last_backend
     finally:
-        GlobalBackendManager.reset()
-    assert GemmFP8Dispatcher.last_backend is BackendType.CUBLAS
+        GlobalBackendManager.reset()  # also clears last_backend
+    assert backend is BackendType.CUBLAS
     assert _ops().gemm_fp8_cublaslt_plan_count() == before + 1
     _check(out, _reference(a, a_s, b, b_s, 1), torch.bfloat16)
 
@@ -151,7 +154,7 @@ def test_empty_problems():
         ("scale_count", "needs 64 a_scale and 32 b_scale values"),
         ("e5m2_both", "float8_e5m2 x float8_e5m2 has no cuBLAS kernel"),
         ("not_fp8", "must be float8_e4m3fn or float8_e5m2"),
-        ("mode", "scale_mode 2 is not supported; accepted: 0 (tensor-wise), 1 (row-wise)"),
+        ("mode", r"scale_mode 2 is not supported; accepted: 0 \(tensor-wise\), 1 \(row-wise\)"),
         ("out_dtype", "out_dtype Int is not supported; accepted: bfloat16, float16, float32"),
     ],
 )
