@@ -9,6 +9,7 @@ MAX_JOBS: parallel compile jobs (torch.utils.cpp_extension honours it).
 
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 
@@ -71,6 +72,12 @@ def _cuda_extension():
     else:
         include_dirs.append(lt[0])
         link_args = [lt[1], f"-Wl,-rpath,{os.path.dirname(lt[1])}"]
+    if sys.platform.startswith("linux"):
+        # The shared libstdc++ the process already has, never a static copy: a compiler whose own lib
+        # dir holds only libstdc++.a (seen: the GPU machine's /opt/gcc wrapper) otherwise links one into
+        # _C, and its uninitialised locale facets crash every error message that formats a number.
+        # Named before the driver's implicit -lstdc++, so the archive contributes nothing.
+        link_args.append("-l:libstdc++.so.6")
     ext = CUDAExtension(
         name="primus_turbo.pytorch._C",
         sources=sources,

@@ -160,6 +160,9 @@ def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--table-only", action="store_true", help="only the small-shape host-cost table")
+    parser.add_argument(
+        "--small", action="store_true", help="profile the linears at M=1024, N=K=2048 (host bound) instead"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_host: needs a CUDA device")
@@ -171,18 +174,20 @@ def main() -> None:
         path.write_text(report.getvalue())
         print(f"wrote {path}")
         return
-    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    hp = torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
-    profile("bf16 nn.Linear", _linear_step(hp, x, grad), args.steps, report)
-    profile("torch._scaled_mm rowwise 8192x4096x4096", _scaled_mm_step(), args.steps, report)
+    m, n = (1024, 2048) if args.small else (8192, 4096)
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    hp = torch.nn.Linear(n, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    profile(f"bf16 nn.Linear {m}x{n}x{n}", _linear_step(hp, x, grad), args.steps, report)
+    if not args.small:
+        profile("torch._scaled_mm rowwise 8192x4096x4096", _scaled_mm_step(), args.steps, report)
     for gran, hp_wgrad in ((G.TENSORWISE, False), (G.ROWWISE, False), (G.ROWWISE, True)):
         cfg = Float8QuantConfig(Format.HYBRID, gran, high_precision_wgrad=hp_wgrad)
         layer = Float8Linear.from_float(hp, config=cfg)
         layer.cache_weight = True  # the microbatch case: the weight is quantized once
-        name = f"Float8Linear {gran.name.lower()}{' bf16-wgrad' if hp_wgrad else ''} (cached W)"
+        name = f"Float8Linear {gran.name.lower()}{' bf16-wgrad' if hp_wgrad else ''} (cached W) {m}x{n}x{n}"
         profile(name, _linear_step(layer, x, grad), args.steps, report)
-    for hp_wgrad in (False, True):
+    for hp_wgrad in () if args.small else (False, True):
         cfg = Float8QuantConfig(Format.HYBRID, G.ROWWISE, high_precision_wgrad=hp_wgrad)
         name = f"grouped_gemm_fp8 rowwise hybrid{' bf16-wgrad' if hp_wgrad else ''} dsv2lite fc1"
         profile(name, _grouped_step(cfg), args.steps // 2, report)

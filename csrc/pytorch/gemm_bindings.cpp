@@ -61,7 +61,13 @@ std::tuple<Tensor, bool> gemm_fp8_cublaslt_cuda(const Tensor& a_in, const Tensor
                 kOp, ": a, b and their scales must be on one CUDA device");
     const c10::cuda::CUDAGuard guard(a_in.device());
     const Tensor a = a_in.contiguous(), b = b_in.contiguous();
-    const Tensor a_scale = a_scale_in.to(at::kFloat).contiguous(), b_scale = b_scale_in.to(at::kFloat).contiguous();
+    // cuBLASLt refuses scale vectors that are not 16-byte aligned (seen on H100 for a view at a 4-byte
+    // offset): such a view is copied (m or n floats).
+    const auto scale_operand = [](const Tensor& s) {
+        Tensor t = s.to(at::kFloat).contiguous();
+        return aligned16(t) ? t : t.clone();
+    };
+    const Tensor a_scale = scale_operand(a_scale_in), b_scale = scale_operand(b_scale_in);
     const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
     Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
     if (m == 0 || n == 0) return {out, true};

@@ -221,9 +221,14 @@ Fp8GemmStatus gemm_fp8_cublaslt(const Fp8GemmProblem& problem, const void* a, co
                                              sizeof(a_scale)),
               "set B_SCALE_POINTER");
     const float alpha = 1.0f, beta = 0.0f;
-    PT_LT_TRY(cublasLtMatmul(handle, plan.desc, &alpha, b, plan.layout_a, a, plan.layout_b, &beta, c, plan.layout_c,
-                             c, plan.layout_c, &plan.algo, workspace, kWorkspaceBytes, stream),
-              "cublasLtMatmul");
+    const cublasStatus_t status = cublasLtMatmul(handle, plan.desc, &alpha, b, plan.layout_a, a, plan.layout_b, &beta,
+                                                 c, plan.layout_c, c, plan.layout_c, &plan.algo, workspace,
+                                                 kWorkspaceBytes, stream);
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED) {  // the heuristic's algorithm declined at run time: ask no more
+        plan.supported = false;
+        return Fp8GemmStatus::kUnsupported;
+    }
+    PT_LT_TRY(status, "cublasLtMatmul");
     return Fp8GemmStatus::kOk;
 }
 
