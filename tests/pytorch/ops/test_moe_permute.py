@@ -403,3 +403,55 @@ def test_permute_unpermute_bitwise_deterministic(device):
         (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
         runs.append((y, gx))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("form", ["indices", "map"])
+@pytest.mark.parametrize(
+    "t, e, k, pad_multiple, capacity, pass_num_out",
+    [
+        (37, 8, 3, 0, None, True),
+        (300, 16, 4, 16, None, False),
+        (300, 16, 4, 0, 9, True),
+        (1, 4, 2, 128, None, True),
+    ],
+)
+def test_triton_row_id_map_equals_the_torch_reference(
+    form, t, e, k, pad_multiple, capacity, pass_num_out, device
+):
+    """The three-launch Triton map and the torch reference agree integer for integer (dropped routes,
+    padding, capacity, the routing-map form with and without num_out_tokens)."""
+    from primus_turbo.pytorch.kernels.moe.permute_impl import (
+        _build_row_id_map_torch,
+        _build_row_id_map_triton,
+    )
+
+    torch.manual_seed(t * e + k)
+    indices, probs = _routing(t, e, k, device, drop_frac=0.25)
+    rmap, _ = indices_to_map(indices, e, probs)
+    routing = indices if form == "indices" else rmap.to(device)
+    num_out = int((indices >= 0).sum()) if pass_num_out else None
+    got = _build_row_id_map_triton(routing, e, num_out, pad_multiple, capacity)
+    ref = _build_row_id_map_torch(routing, e, num_out, pad_multiple, capacity)
+    assert got[2] == ref[2]
+    assert torch.equal(got[1].cpu(), ref[1].cpu().to(torch.int32))
+    assert got[0].dtype == torch.int32 and torch.equal(got[0].cpu(), ref[0].cpu())
+
+
+@pytest.mark.gpu
+def test_triton_row_id_map_at_deepseek_v3_size():
+    from primus_turbo.pytorch.kernels.moe.permute_impl import (
+        _build_row_id_map_torch,
+        _build_row_id_map_triton,
+    )
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    t, e, k = 4096, 256, 8
+    indices, probs = _routing(t, e, k, "cuda", drop_frac=0.05)
+    rmap, _ = indices_to_map(indices, e, probs)
+    for routing in (indices, rmap.cuda()):
+        for pad, cap in ((0, None), (128, None), (0, 100)):
+            got = _build_row_id_map_triton(routing, e, t * k, pad, cap)
+            ref = _build_row_id_map_torch(routing, e, t * k, pad, cap)
+            assert got[2] == ref[2] and torch.equal(got[1], ref[1].to(torch.int32))
+            assert torch.equal(got[0], ref[0])

@@ -9,6 +9,7 @@ the benchmark pins each in turn.
 from __future__ import annotations
 
 import torch
+import triton
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
 from primus_turbo.pytorch.core.utils import ceil_div, eager_direct, triton_can_run_on
@@ -26,7 +27,72 @@ def build_row_id_map(
     ``routing`` is a bool routing map [T, E] or int indices [T, K] (-1 = no route). Rows are
     grouped by expert, tokens in order within an expert. Returns (row_id_map [T, K or E] int32,
     tokens_per_expert [E] int32 with padding/capacity applied, number of output rows).
+    Eager: Triton (three launches, primus_turbo/triton/moe/row_id_map_kernel.py) where it can run, else
+    torch; the two agree integer for integer. Under torch.compile the torch ops are traced (Inductor
+    fuses them).
     """
+    eager_triton = not torch.compiler.is_compiling() and triton_can_run_on(routing)
+    if eager_triton and routing.shape[0] > 0 and num_experts <= _MAX_TRITON_EXPERTS:
+        return _build_row_id_map_triton(routing, num_experts, num_out_tokens, pad_multiple, capacity)
+    return _build_row_id_map_torch(routing, num_experts, num_out_tokens, pad_multiple, capacity)
+
+
+_MAX_TRITON_EXPERTS = 8192  # one program holds every expert's count for the offsets scan
+_TILE = 4096  # elements per program tile in the rank and map kernels
+
+
+def _num_out_tokens(routing: torch.Tensor, counts: torch.Tensor, num_out_tokens: int | None) -> int:
+    if num_out_tokens is not None:
+        return num_out_tokens
+    if routing.dtype == torch.bool:
+        # The only host sync of the op: the output size of a routing-map permute. Pass
+        # num_out_tokens (Megatron knows it) to avoid it.
+        return int(counts.sum().item())
+    return routing.numel()  # upper bound; exact when no route is -1
+
+
+def _build_row_id_map_triton(routing, num_experts, num_out_tokens, pad_multiple, capacity):
+    from primus_turbo.triton.moe.row_id_map_kernel import (
+        expert_offsets_kernel,
+        expert_rank_kernel,
+        row_id_map_kernel,
+    )
+
+    is_map = routing.dtype == torch.bool
+    src = routing.contiguous()
+    src = src.view(torch.uint8) if is_map else src
+    t, c = src.shape
+    dev = src.device
+    block_c = triton.next_power_of_2(max(c, 1))
+    block_t = max(1, min(1024, _TILE // block_c))
+    rank = torch.empty((t, c), dtype=torch.int32, device=dev)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    # the map form reads one column per program: a [BLOCK_T] tile, not [BLOCK_T, E]
+    rank_block_t = 1024 if is_map else block_t
+    expert_rank_kernel[(num_experts,)](
+        src, rank, counts, t, c, IS_MAP=is_map, BLOCK_T=rank_block_t, BLOCK_C=block_c
+    )
+    if capacity is not None:
+        num_rows = num_experts * capacity
+    else:
+        num_out = _num_out_tokens(routing, counts, num_out_tokens)
+        num_rows = num_out + (num_experts * (pad_multiple - 1) if pad_multiple > 1 else 0)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    tokens_per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    expert_offsets_kernel[(1,)](
+        counts, offsets, tokens_per_expert, num_experts, max(pad_multiple, 1), capacity or 0,
+        HAS_CAPACITY=capacity is not None, BLOCK_E=triton.next_power_of_2(num_experts),
+    )  # fmt: skip
+    dest = torch.empty((t, c), dtype=torch.int32, device=dev)
+    row_id_map_kernel[(triton.cdiv(t, block_t),)](
+        src, rank, offsets, dest, t, c, num_experts, num_rows, capacity or 0,
+        IS_MAP=is_map, HAS_CAPACITY=capacity is not None, BLOCK_T=block_t, BLOCK_C=block_c,
+    )  # fmt: skip
+    return dest, tokens_per_expert, num_rows
+
+
+def _build_row_id_map_torch(routing, num_experts, num_out_tokens, pad_multiple, capacity):
+    """The reference (and the CPU path without the Triton interpreter)."""
     t = routing.shape[0]
     dev = routing.device
     if routing.dtype == torch.bool:
@@ -53,13 +119,7 @@ def build_row_id_map(
         else:
             slots = counts
         tokens_per_expert = slots
-        if num_out_tokens is None:
-            if routing.dtype == torch.bool:
-                # The only host sync of the op: the output size of a routing-map permute. Pass
-                # num_out_tokens (Megatron knows it) to avoid it.
-                num_out_tokens = int(counts.sum().item())
-            else:
-                num_out_tokens = routing.numel()  # upper bound; exact when no route is -1
+        num_out_tokens = _num_out_tokens(routing, counts, num_out_tokens)
         num_rows = num_out_tokens + (num_experts * (pad_multiple - 1) if pad_multiple > 1 else 0)
     offsets = torch.cumsum(slots, 0, dtype=torch.int32) - slots
     dest = offsets.unsqueeze(0) + rank
