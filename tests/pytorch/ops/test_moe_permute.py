@@ -251,6 +251,30 @@ def _compile_all():
     compile_for_sm90(pk.unpermute_bwd_probs_kernel, BSIG, {"BLOCK_H": 1024})
     compile_for_sm90(pk.permute_fp8_rowwise_kernel, QSIG, {"FP8_MAX": 448.0, "BLOCK_H": 2048})
     _compile_ep()
+    _compile_row_id_map()
+
+
+def _compile_row_id_map():
+    """The row-id map kernels (primus_turbo/triton/moe/row_id_map_kernel.py), both routing forms."""
+    from primus_turbo.triton.moe import row_id_map_kernel as rk
+
+    for is_map, routing, block_t, block_c in ((False, "*i64", 512, 8), (True, "*u8", 16, 256)):
+        rsig = {"routing_ptr": routing, "rank_ptr": "*i32", "counts_ptr": "*i32", "T": "i32", "C": "i32"}
+        rsig |= dict.fromkeys(["IS_MAP", "BLOCK_T", "BLOCK_C"], "constexpr")
+        rank_t = 1024 if is_map else block_t
+        consts = {"IS_MAP": is_map, "BLOCK_T": rank_t, "BLOCK_C": block_c}
+        compile_for_sm90(rk.expert_rank_kernel, rsig, consts)
+        msig = {"routing_ptr": routing} | dict.fromkeys(["rank_ptr", "offsets_ptr", "dest_ptr"], "*i32")
+        msig |= dict.fromkeys(["T", "C", "E", "num_rows", "capacity"], "i32")
+        msig |= dict.fromkeys(["IS_MAP", "HAS_CAPACITY", "BLOCK_T", "BLOCK_C"], "constexpr")
+        for cap in (False, True):
+            consts = {"IS_MAP": is_map, "HAS_CAPACITY": cap, "BLOCK_T": block_t, "BLOCK_C": block_c}
+            compile_for_sm90(rk.row_id_map_kernel, msig, consts)
+    osig = dict.fromkeys(["counts_ptr", "offsets_ptr", "tokens_per_expert_ptr"], "*i32")
+    osig |= dict.fromkeys(["E", "pad_multiple", "capacity"], "i32")
+    osig |= dict.fromkeys(["HAS_CAPACITY", "BLOCK_E"], "constexpr")
+    for cap in (False, True):
+        compile_for_sm90(rk.expert_offsets_kernel, osig, {"HAS_CAPACITY": cap, "BLOCK_E": 256})
 
 
 def _compile_ep():
