@@ -129,6 +129,89 @@ def host_table(report: io.StringIO) -> None:
     report.write(text + "\n\n")
 
 
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def glue_table(report: io.StringIO) -> None:
+    """Host us per call of each layer of the FP8 linear path at M=256, N=K=1024 (GPU work ~5 us per
+    kernel, so the loops measure the host): where a Float8Linear step's host time goes."""
+    from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops
+    from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import GemmFP8Dispatcher, gemm_fp8_impl
+    from primus_turbo.pytorch.kernels.quantization.quantization_impl import quantize_fp8_impl
+    from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
+
+    m, n, k = 256, 1024, 1024
+    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    x = torch.randn(m, k, device="cuda", dtype=bf16, requires_grad=True)
+    xd = x.detach()
+    grad = torch.randn(m, n, device="cuda", dtype=bf16)
+    hp = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=bf16)
+    cfg = Float8QuantConfig(Format.HYBRID, G.ROWWISE, high_precision_wgrad=True)
+    layer = Float8Linear.from_float(hp, config=cfg)
+    layer.cache_weight = True
+    w8 = layer._quantized_weight(cfg)
+    xq, xs = quantize_fp8_impl(xd, e4m3, "rowwise", -1, 0, 0, False)
+    gkw = dict(a=xq, a_s=xs, b=w8.data, b_s=w8.scale_inv, scale_mode=1, scale_block=0, out_dtype=bf16)
+    gkw["fast_accum"] = False
+    rows = []
+    if HAS_CPP_EXTENSION:
+        ops = cpp_ops()
+        rows += [
+            ("torch.ops quantize_fp8_rowwise (packet)", lambda: ops.quantize_fp8_rowwise(xd, e4m3, False)),
+            ("torch.ops quantize_fp8_rowwise.default",
+             lambda: ops.quantize_fp8_rowwise.default(xd, e4m3, False)),  # fmt: skip
+        ]
+        if hasattr(ops, "gemm_fp8_cublaslt"):
+            args = (xq, xs, w8.data, w8.scale_inv, 1, bf16, False)
+            rows += [
+                ("torch.ops gemm_fp8_cublaslt (packet)", lambda: ops.gemm_fp8_cublaslt(*args)),
+                ("torch.ops gemm_fp8_cublaslt.default", lambda: ops.gemm_fp8_cublaslt.default(*args)),
+            ]
+    rows += [
+        ("quantize_fp8_impl rowwise", lambda: quantize_fp8_impl(xd, e4m3, "rowwise", -1, 0, 0, False)),
+        ("GemmFP8Dispatcher.resolve", lambda: GemmFP8Dispatcher.resolve(**gkw)),
+        ("gemm_fp8_impl (dispatch + op)", lambda: gemm_fp8_impl(xq, xs, w8.data, w8.scale_inv, 1, 0, bf16)),
+        ("torch.mm bf16", lambda: torch.mm(xd, hp.weight.t())),
+    ]
+
+    def no_grad_fwd():
+        with torch.no_grad():
+            gemm_fp8(x, w8, trans_b=True, out_dtype=bf16, config=cfg)
+
+    def fwd_bwd(fn):
+        def step():
+            x.grad = None
+            fn(x).backward(grad)
+
+        return step
+
+    rows += [
+        ("gemm_fp8(x, w8) under no_grad", no_grad_fwd),
+        ("gemm_fp8(x, w8) forward (graph built)",
+         lambda: gemm_fp8(x, w8, trans_b=True, out_dtype=bf16, config=cfg)),  # fmt: skip
+        ("Float8Linear forward (graph built)", lambda: layer(x)),
+        ("Float8Linear fwd+bwd", fwd_bwd(layer)),
+        ("nn.Linear forward (graph built)", lambda: hp(x)),
+        ("nn.Linear fwd+bwd", fwd_bwd(hp)),
+        ("identity autograd.Function fwd+bwd", fwd_bwd(lambda t: _Identity.apply(t) * 1.0)),
+        ("t * 1.0 fwd+bwd (no Function)", fwd_bwd(lambda t: t * 1.0)),
+    ]
+    lines = [f"=== FP8 linear glue, host us per call, M={m} N={n} K={k} (no profiler)", "| call | host us |"]
+    lines.append("|---|---|")
+    for name, fn in rows:
+        lines.append(f"| {name} | {host_us(fn, 300):.1f} |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    report.write(text + "\n\n")
+
+
 def profile(name: str, step, steps: int, report: io.StringIO) -> None:
     gpu_ms, _ = bench_ms(step)
     for _ in range(5):
@@ -160,6 +243,7 @@ def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--table-only", action="store_true", help="only the small-shape host-cost table")
+    parser.add_argument("--glue", action="store_true", help="host us of each layer of the FP8 linear path")
     parser.add_argument(
         "--small", action="store_true", help="profile the linears at M=1024, N=K=2048 (host bound) instead"
     )
@@ -168,8 +252,10 @@ def main() -> None:
         sys.exit("profile_host: needs a CUDA device")
     torch.manual_seed(0)
     report = io.StringIO()
+    if args.glue:
+        glue_table(report)
     host_table(report)
-    if args.table_only:
+    if args.table_only or args.glue:
         path = out_dir(args) / "profile_host.txt"
         path.write_text(report.getvalue())
         print(f"wrote {path}")
