@@ -180,6 +180,25 @@ def glue_table(report: io.StringIO) -> None:
         ("gemm_fp8_impl (dispatch + op)", lambda: gemm_fp8_impl(xq, xs, w8.data, w8.scale_inv, 1, 0, bf16)),
         ("torch.mm bf16", lambda: torch.mm(xd, hp.weight.t())),
     ]
+    from primus_turbo.pytorch.ops.gemm import gemm_wgrad
+
+    gq, gs = quantize_fp8_impl(grad, torch.float8_e5m2, "rowwise", -1, 0, 0, False)
+    w8n = w8.data_t, w8.scale_inv_t  # the dgrad reads B scaled along N
+    gemm_fp8_impl(gq, gs, *w8n, 1, 0, bf16)
+    dgrad_backend = GemmFP8Dispatcher.last_backend
+    rows += [
+        (f"gemm_fp8_impl dgrad E5M2 x E4M3 ({dgrad_backend.name if dgrad_backend else '?'})",
+         lambda: gemm_fp8_impl(gq, gs, *w8n, 1, 0, bf16)),  # fmt: skip
+        ("quantize_fp8_impl rowwise E5M2 (grad)",
+         lambda: quantize_fp8_impl(grad, torch.float8_e5m2, "rowwise", -1, 0, 0, False)),  # fmt: skip
+        ("gemm_wgrad bf16", lambda: gemm_wgrad(xd, grad, False, True, bf16)),
+    ]
+
+    def fp8_fwd_bwd():
+        x.grad = None
+        gemm_fp8(x, w8, trans_b=True, out_dtype=bf16, config=cfg).backward(grad)
+
+    rows.append(("gemm_fp8(x, w8) fwd+bwd", fp8_fwd_bwd))
 
     def no_grad_fwd():
         with torch.no_grad():
