@@ -165,8 +165,10 @@ def glue_table(report: io.StringIO) -> None:
         ops = cpp_ops()
         rows += [
             ("torch.ops quantize_fp8_rowwise (packet)", lambda: ops.quantize_fp8_rowwise(xd, e4m3, False)),
-            ("torch.ops quantize_fp8_rowwise.default",
-             lambda: ops.quantize_fp8_rowwise.default(xd, e4m3, False)),  # fmt: skip
+            (
+                "torch.ops quantize_fp8_rowwise.default",
+                lambda: ops.quantize_fp8_rowwise.default(xd, e4m3, False),
+            ),  # fmt: skip
         ]
         if hasattr(ops, "gemm_fp8_cublaslt"):
             args = (xq, xs, w8.data, w8.scale_inv, 1, bf16, False)
@@ -182,15 +184,26 @@ def glue_table(report: io.StringIO) -> None:
     ]
     from primus_turbo.pytorch.ops.gemm import gemm_wgrad
 
+    def fwd_bwd(fn):
+        def step():
+            x.grad = None
+            fn(x).backward(grad)
+
+        return step
+
     gq, gs = quantize_fp8_impl(grad, torch.float8_e5m2, "rowwise", -1, 0, 0, False)
     w8n = w8.data_t, w8.scale_inv_t  # the dgrad reads B scaled along N
     gemm_fp8_impl(gq, gs, *w8n, 1, 0, bf16)
     dgrad_backend = GemmFP8Dispatcher.last_backend
     rows += [
-        (f"gemm_fp8_impl dgrad E5M2 x E4M3 ({dgrad_backend.name if dgrad_backend else '?'})",
-         lambda: gemm_fp8_impl(gq, gs, *w8n, 1, 0, bf16)),  # fmt: skip
-        ("quantize_fp8_impl rowwise E5M2 (grad)",
-         lambda: quantize_fp8_impl(grad, torch.float8_e5m2, "rowwise", -1, 0, 0, False)),  # fmt: skip
+        (
+            f"gemm_fp8_impl dgrad E5M2 x E4M3 ({dgrad_backend.name if dgrad_backend else '?'})",
+            lambda: gemm_fp8_impl(gq, gs, *w8n, 1, 0, bf16),
+        ),  # fmt: skip
+        (
+            "quantize_fp8_impl rowwise E5M2 (grad)",
+            lambda: quantize_fp8_impl(grad, torch.float8_e5m2, "rowwise", -1, 0, 0, False),
+        ),  # fmt: skip
         ("gemm_wgrad bf16", lambda: gemm_wgrad(xd, grad, False, True, bf16)),
     ]
 
@@ -199,22 +212,36 @@ def glue_table(report: io.StringIO) -> None:
         gemm_fp8(x, w8, trans_b=True, out_dtype=bf16, config=cfg).backward(grad)
 
     rows.append(("gemm_fp8(x, w8) fwd+bwd", fp8_fwd_bwd))
+    out_fp8 = gemm_fp8(x, w8, trans_b=True, out_dtype=bf16, config=cfg)
+    rows.append(("gemm_fp8 backward only (retain_graph)", lambda: out_fp8.backward(grad, retain_graph=True)))
+    out_bf16 = hp(x)
+    rows.append(
+        ("nn.Linear backward only (retain_graph)", lambda: out_bf16.backward(grad, retain_graph=True))
+    )
+
+    def single_threaded(fn):
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                fn()
+
+        return run
+
+    rows += [
+        ("gemm_fp8(x, w8) fwd+bwd, autograd multithreading off", single_threaded(fp8_fwd_bwd)),
+        ("Float8Linear fwd+bwd, autograd multithreading off", single_threaded(fwd_bwd(layer))),
+        ("nn.Linear fwd+bwd, autograd multithreading off", single_threaded(fwd_bwd(hp))),
+    ]
 
     def no_grad_fwd():
         with torch.no_grad():
             gemm_fp8(x, w8, trans_b=True, out_dtype=bf16, config=cfg)
 
-    def fwd_bwd(fn):
-        def step():
-            x.grad = None
-            fn(x).backward(grad)
-
-        return step
-
     rows += [
         ("gemm_fp8(x, w8) under no_grad", no_grad_fwd),
-        ("gemm_fp8(x, w8) forward (graph built)",
-         lambda: gemm_fp8(x, w8, trans_b=True, out_dtype=bf16, config=cfg)),  # fmt: skip
+        (
+            "gemm_fp8(x, w8) forward (graph built)",
+            lambda: gemm_fp8(x, w8, trans_b=True, out_dtype=bf16, config=cfg),
+        ),  # fmt: skip
         ("Float8Linear forward (graph built)", lambda: layer(x)),
         ("Float8Linear fwd+bwd", fwd_bwd(layer)),
         ("nn.Linear forward (graph built)", lambda: hp(x)),
