@@ -193,15 +193,17 @@ def train_step(run: Run, step: int) -> tuple[float, object]:
     turbo_layers.new_weight_step()  # FP8 linears: one weight quantization per optimizer step
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=_forward_step_func(run, step),
-        data_iterator=iter(range(run.num_microbatches)),
-        model=[run.model],
-        num_microbatches=run.num_microbatches,
-        seq_length=run.cfg.model.seq_length,
-        micro_batch_size=run.cfg.data.micro_batch_size,
-        forward_only=False,
-    )
+    # train.autograd_threads=false: backward on this thread, no hand-off to torch's device worker thread
+    with torch.autograd.set_multithreading_enabled(bool(run.cfg.train.get("autograd_threads", True))):
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step_func(run, step),
+            data_iterator=iter(range(run.num_microbatches)),
+            model=[run.model],
+            num_microbatches=run.num_microbatches,
+            seq_length=run.cfg.model.seq_length,
+            micro_batch_size=run.cfg.data.micro_batch_size,
+            forward_only=False,
+        )
     _, grad_norm, _ = run.optimizer.step()
     run.scheduler.step(increment=1)
     # Loss lives on the last pipeline stage; sum it and the number of contributing ranks over the world.

@@ -157,6 +157,7 @@ def test_unavailable_turbo_feature_under_strict_stops_with_the_flag():
         (["precision=fp8", "fp8.emulate=true", "turbo.enabled=false"], "runs the turbo FP8 ops"),
         (["fp8.emulate=maybe"], "fp8.emulate='maybe': expected true or false"),
         (["fp8.wgrad=fp16"], "fp8.wgrad='fp16': expected one of ('bf16', 'fp8')"),
+        (["train.autograd_threads=maybe"], "train.autograd_threads='maybe': expected true or false"),
         (["parallel.ep=3"], "does not divide world size 2"),
         (["recipe=no_such_recipe"], "Could not find 'recipe/no_such_recipe'"),
     ],
