@@ -205,3 +205,38 @@ def test_parse_spec_forms():
         "fp8": BackendType.CUBLAS,
         "other": BackendType.TORCH,
     }
+
+
+class _CountingDefault(_ToyDispatcher):
+    """cache_default=True: the automatic choice is memoized per make_key."""
+
+    cache_default = True
+    asked = 0
+
+    @classmethod
+    def default_backend(cls, x, **kw):
+        cls.asked += 1
+        return BackendType.TRITON if x.shape[0] <= 64 else BackendType.CUBLAS
+
+
+def test_cached_default_is_asked_once_per_key_and_pins_still_win(monkeypatch):
+    _CountingDefault.clear_cache()
+    _CountingDefault.asked = 0
+    for _ in range(3):
+        assert _CountingDefault.resolve(x=_x(32)) is BackendType.TRITON
+    assert _CountingDefault.resolve(x=_x(128)) is BackendType.CUBLAS
+    assert _CountingDefault.asked == 2  # one per key
+    monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "torch")  # a pin after the cache filled
+    assert _CountingDefault.resolve(x=_x(32)) is BackendType.TORCH
+    monkeypatch.delenv("PRIMUS_TURBO_GEMM_BACKEND")
+    GlobalBackendManager.set_gemm_backend("TORCH")
+    assert _CountingDefault.resolve(x=_x(32)) is BackendType.TORCH
+    GlobalBackendManager.reset()  # also clears the memo
+    assert _CountingDefault.resolve(x=_x(32)) is BackendType.TRITON and _CountingDefault.asked == 3
+
+
+def test_dispatchers_without_cache_default_ask_every_time():
+    _ToyDispatcher.clear_cache()
+    for _ in range(3):
+        _ToyDispatcher.resolve(x=_x(32))
+    assert not _ToyDispatcher._default_cache

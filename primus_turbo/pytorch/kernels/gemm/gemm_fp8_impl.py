@@ -152,6 +152,7 @@ class GemmFP8TritonBackend(KernelBackend):
 
 class GemmFP8Dispatcher(AutoKernelDispatcher):
     op_name = "gemm"
+    cache_default = True  # every can_handle above reads only make_key's fields (device included)
     backends = {
         BackendType.CUBLAS: GemmFP8CublasBackend,
         BackendType.TRITON: GemmFP8TritonBackend,
@@ -164,7 +165,7 @@ class GemmFP8Dispatcher(AutoKernelDispatcher):
 
     @classmethod
     def make_key(cls, a, b, scale_mode, scale_block, out_dtype, **_) -> tuple:
-        return (*a.shape, b.shape[0], a.dtype, b.dtype, scale_mode, scale_block, out_dtype, a.device.type)
+        return (*a.shape, b.shape[0], a.dtype, b.dtype, scale_mode, scale_block, out_dtype, a.device)
 
     @classmethod
     def default_backend(cls, a, **kw) -> BackendType:
