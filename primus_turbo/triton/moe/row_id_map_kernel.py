@@ -15,8 +15,8 @@ kernels reproduce it integer for integer.
 3. ``row_id_map_kernel``, grid (cdiv(T, BLOCK_T),): dest = offsets[expert] + rank where the route is
    kept (rank < capacity, dest < num_rows), else -1.
 
-On H100 the torch path took ~0.18 ms of a 0.38 ms permute forward at 4096 tokens x 256 experts top-8
-(bench_moe_ops, session 9), mostly launches of 4 MB int32 passes.
+On H100 (bench_moe_ops, session 9, 4096 tokens x 256 experts top-8) the permute forward with the torch map
+took 0.376 ms against 0.20 ms for its kernel alone; with these kernels the forward takes 0.28 ms.
 """
 
 from __future__ import annotations

@@ -42,6 +42,14 @@ def _bits(q):
     return q.view(torch.uint8)
 
 
+def _unaligned_bf16(rows, cols):
+    """A [rows, cols] bf16 CUDA view at a 2-byte offset: the kernels' scalar (no 16-byte vector) path."""
+    base = torch.randn(rows * cols + 1, device="cuda", dtype=torch.bfloat16)
+    x = base[1:].view(rows, cols)
+    assert x.data_ptr() % 16 != 0
+    return x
+
+
 @pytest.mark.gpu
 @needs_extension
 @pytest.mark.parametrize("pow2", [False, True])
@@ -67,9 +75,7 @@ def test_turbo_matches_the_torch_reference_bit_for_bit(shape, in_dtype, out_dtyp
 @needs_extension
 def test_unaligned_input_takes_the_scalar_path_and_agrees():
     rows, cols = 257, 4096
-    base = torch.randn(rows * cols + 1, device="cuda", dtype=torch.bfloat16)
-    x = base[1:].view(rows, cols)  # 2-byte offset: no 16-byte vectors
-    assert x.data_ptr() % 16 != 0
+    x = _unaligned_bf16(rows, cols)
     q, s = _rowwise(x, E4M3, False, "turbo")
     q_ref, s_ref = _rowwise(x, E4M3, False, "torch")
     assert torch.equal(s, s_ref) and torch.equal(_bits(q), _bits(q_ref))
@@ -145,9 +151,7 @@ def test_turbo_transpose_matches_the_torch_reference_bit_for_bit(shape, in_dtype
 @needs_extension
 def test_turbo_transpose_unaligned_input_and_inf_nan():
     rows, cols = 96, 256
-    base = torch.randn(rows * cols + 1, device="cuda", dtype=torch.bfloat16)
-    x = base[1:].view(rows, cols)  # 2-byte offset: no 16-byte vectors
-    assert x.data_ptr() % 16 != 0
+    x = _unaligned_bf16(rows, cols)
     _assert_same_transpose(x, E4M3, False)
     y = torch.randn(64, 48, device="cuda")
     y[0, 3], y[1, 5], y[2, 7] = float("inf"), float("-inf"), float("nan")
