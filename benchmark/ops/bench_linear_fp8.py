@@ -16,13 +16,21 @@ Python/launch overhead.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import GEMM_COLUMNS, bench_ms, bench_parser, out_dir, print_table, tflops, write_csv  # noqa: E402
+from bench_utils import (  # noqa: E402
+    GEMM_COLUMNS,
+    bench_ms,
+    bench_parser,
+    host_ms,
+    out_dir,
+    print_table,
+    tflops,
+    write_csv,
+)
 
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity  # noqa: E402
 from primus_turbo.pytorch.modules.float8_linear import Float8Linear  # noqa: E402
@@ -54,21 +62,7 @@ def _step_ms(layer, x, grad, drop_cache: bool) -> tuple[float, float, float, flo
 
     fwd_ms, _ = bench_ms(fwd)
     total_ms, sd = bench_ms(step)
-    return fwd_ms, total_ms, sd, _host_ms(step)
-
-
-def _host_ms(step, n: int = 10) -> float:
-    """Host time to issue one step (no sync inside): when it reaches the GPU time, the step is
-    host bound and do_bench's number is Python overhead, not kernels."""
-    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
-    step()
-    sync()
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    host = (time.perf_counter() - start) * 1e3 / n
-    sync()
-    return host
+    return fwd_ms, total_ms, sd, host_ms(step)
 
 
 def run_shape(n: int, k: int) -> list[dict]:

@@ -5,14 +5,16 @@ plus the measured device-to-device copy bandwidth of this GPU in the same run.
     python benchmark/ops/bench_rmsnorm.py --quick   # 2 shapes, < 60 s on an H200 incl. compiles
     python benchmark/ops/bench_rmsnorm.py           # tokens {8192, 16384, 32768} x hidden
                                                     # {2048, 4096, 7168, 8192} + residual variant
+    python benchmark/ops/bench_rmsnorm.py --shapes 8192x2048,8192x4096   # these only
 
 Bytes moved (each input read once, each output written once): forward x, weight -> y, rstd;
 backward dy, x, weight, rstd -> dx, dweight; the residual variant adds residual (read) and
 x + residual (written) forward, d(sum) (read) backward. Backward time is the autograd backward
 alone (retain_graph), for every label. "turbo auto" is backend=None (the dispatcher's per-stage
 pick). Check: turbo y, dx, dweight vs an fp32 reference at the bf16 tolerance (rtol = atol =
-1e-2). Targets (H200): TURBO >= 1.0x torch.compile and >= 85% of the copy bandwidth, forward and
-backward.
+1e-2). "host fwd/bwd us": the host time to issue one call (no sync): where it reaches the GPU time
+the row is bound by launch cost, not HBM. Targets (H200): TURBO >= 1.0x torch.compile and >= 85% of
+the copy bandwidth, forward and backward.
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import MEMORY_COLUMNS, bench_ms, bench_parser, gbps, out_dir, print_table, write_csv  # noqa: E402
+from bench_utils import (  # noqa: E402
+    MEMORY_COLUMNS,
+    bench_ms,
+    bench_parser,
+    gbps,
+    host_ms,
+    out_dir,
+    print_table,
+    write_csv,
+)
 
 import primus_turbo.pytorch as turbo  # noqa: E402
 from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION  # noqa: E402
@@ -127,7 +138,8 @@ def run_shape(tokens: int, hidden: int, residual: bool, dtype=torch.bfloat16) ->
         status = check([*out, *grads], ref_all) if label.startswith("turbo") else ""
         # forward as training runs it (grad enabled, rstd saved); no_grad would also recompile torch.compile
         fwd_ms, _ = bench_ms(lambda fn=fn: fn(x, r, w))
-        bwd_ms, _ = bench_ms(lambda out=out: torch.autograd.grad(out, inputs, grads_out, retain_graph=True))
+        bwd = lambda out=out: torch.autograd.grad(out, inputs, grads_out, retain_graph=True)  # noqa: E731
+        bwd_ms, _ = bench_ms(bwd)
         rows.append(
             {
                 "label": label,
@@ -138,6 +150,8 @@ def run_shape(tokens: int, hidden: int, residual: bool, dtype=torch.bfloat16) ->
                 "Forward Time (ms)": fwd_ms,
                 "Backward GB/s": gbps(bwd_bytes, bwd_ms),
                 "Backward Time (ms)": bwd_ms,
+                "host fwd us": 1e3 * host_ms(lambda fn=fn: fn(x, r, w)),
+                "host bwd us": 1e3 * host_ms(bwd),
             }
         )
     compiled = next(row for row in rows if row["label"] == "torch.compile")
@@ -148,22 +162,27 @@ def run_shape(tokens: int, hidden: int, residual: bool, dtype=torch.bfloat16) ->
 
 
 def main() -> None:
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+    parser = bench_parser(__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="", help="TOKENSxHIDDEN[,...]: only these (no residual variant)")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_rmsnorm: needs a CUDA device")
     copy_gbps = copy_bandwidth()
     rows = []
-    for tokens, hidden, residual in shapes(args.quick):
+    picked = [(*map(int, s.split("x")), False) for s in args.shapes.split(",") if s] or shapes(args.quick)
+    for tokens, hidden, residual in picked:
         rows += run_shape(tokens, hidden, residual)
     for row in rows:
         row["fwd %copy"] = 100 * row["Forward GB/s"] / copy_gbps
         row["bwd %copy"] = 100 * row["Backward GB/s"] / copy_gbps
     rows.append({"label": "copy (d2d, 1 GiB)", "shape": "1073741824 B", "dtype": "uint8", "Check": "",
                  "Forward GB/s": copy_gbps, "Backward GB/s": copy_gbps})  # fmt: skip
-    write_csv(out_dir(args) / ("rmsnorm_quick.csv" if args.quick else "rmsnorm.csv"), rows, MEMORY_COLUMNS)
+    name = "rmsnorm_shapes.csv" if args.shapes else "rmsnorm_quick.csv" if args.quick else "rmsnorm.csv"
+    write_csv(out_dir(args) / name, rows, MEMORY_COLUMNS + ["host fwd us", "host bwd us"])
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s")
     table = ["label", "shape", "Check", "Forward GB/s", "fwd %copy", "fwd vs compile"]
-    print_table(rows[:-1], table + ["Backward GB/s", "bwd %copy", "bwd vs compile"])
+    table += ["Backward GB/s", "bwd %copy", "bwd vs compile", "host fwd us", "host bwd us"]
+    print_table(rows[:-1], table)
 
 
 if __name__ == "__main__":

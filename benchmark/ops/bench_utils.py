@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -99,6 +100,20 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float]:
     times = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
     t = torch.tensor(times, dtype=torch.float64)
     return float(t.median()), float(t.std()) if t.numel() > 1 else 0.0
+
+
+def host_ms(step, n: int = 10) -> float:
+    """Host ms to issue one call of ``step`` (no sync inside the loop): when it reaches the GPU
+    time, the call is host bound and do_bench's number is Python overhead, not kernels."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    host = (time.perf_counter() - start) * 1e3 / n
+    sync()
+    return host
 
 
 def tflops(flop: float, ms: float) -> float:
