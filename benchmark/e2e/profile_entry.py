@@ -5,6 +5,9 @@ by wrapping ``StepMetrics.record`` (called once per step on every rank), so trai
 writes ``$E2E_PROFILE_OUT`` (JSON), per profiled step: the wall time, the summed GPU kernel time and the
 top kernels (CUDA), the top host ops by self CPU time (both devices; on CPU runs they are ``top``), and the
 blocking CUDA calls per step by the op that made them (``E2E_PROFILE_STACKS=1`` adds their Python callers).
+``E2E_PROFILE_PY=1``: cProfile instead of torch.profiler over the same steps (where the host's Python time
+goes: Megatron, turbo, torch); writes the top functions by own and by cumulative time to
+``$E2E_PROFILE_OUT`` with ``.py.txt`` appended. cProfile slows Python calls, so read shares, not wall time.
 
     E2E_PROFILE_OUT=p.json E2E_PROFILE_WAIT=10 torchrun --nproc_per_node=1 benchmark/e2e/profile_entry.py \
         recipe=deepseek_moe_fp8 train.steps=20
@@ -115,8 +118,47 @@ def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
     return out
 
 
+def _python_profile(cfg) -> None:
+    """E2E_PROFILE_PY=1: cProfile over the steps after WAIT + 1, top functions to $E2E_PROFILE_OUT.py.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    active = max(1, min(ACTIVE, cfg.train.steps - WAIT - 1))
+    prof, record, stamps = cProfile.Profile(), metrics.StepMetrics.record, []
+
+    def record_and_step(self, *args, **kwargs):
+        row = record(self, *args, **kwargs)
+        stamps.append(time.perf_counter())
+        if len(stamps) == WAIT + 1:
+            prof.enable()
+        elif len(stamps) == WAIT + 1 + active:
+            prof.disable()
+        return row
+
+    metrics.StepMetrics.record = record_and_step
+    try:
+        run(cfg)
+    finally:
+        prof.disable()
+        metrics.StepMetrics.record = record
+    out = os.environ.get("E2E_PROFILE_OUT")
+    if out and os.environ.get("RANK", "0") == "0" and len(stamps) > WAIT + 1:
+        last = min(WAIT + 1 + active, len(stamps))
+        wall = 1e3 * (stamps[last - 1] - stamps[WAIT]) / (last - WAIT - 1)
+        buf = io.StringIO()
+        buf.write(f"cProfile over {last - WAIT - 1} steps after step {WAIT + 1}: {wall:.1f} ms per step\n")
+        stats = pstats.Stats(prof, stream=buf)
+        for key in ("tottime", "cumulative"):
+            stats.sort_stats(key).print_stats(45)
+        with open(out + ".py.txt", "w") as f:
+            f.write(buf.getvalue())
+
+
 @hydra.main(version_base="1.3", config_path=RECIPES_DIR, config_name="config")
 def _entry(cfg) -> None:
+    if os.environ.get("E2E_PROFILE_PY", "0") == "1":
+        return _python_profile(cfg)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     active = max(1, min(ACTIVE, cfg.train.steps - WAIT - 1))
     prof = profile(

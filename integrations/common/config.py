@@ -151,7 +151,7 @@ def _check_data_and_schedule(cfg: DictConfig, dp: int) -> None:
     _require(isinstance(t.steps, int) and t.steps >= 1, f"train.steps={t.steps!r}: expected an integer >= 1")
     _require(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"train.lr={t.lr}, min_lr={t.min_lr}: need 0<=min_lr<=lr")
     _require(not cfg.resume or t.ckpt_dir, "resume=true needs train.ckpt_dir")
-    threads = t.get("autograd_threads", True)
+    threads = t.get("autograd_threads", False)
     _require(isinstance(threads, bool), f"train.autograd_threads={threads!r}: expected true or false")
 
 

@@ -193,8 +193,8 @@ def train_step(run: Run, step: int) -> tuple[float, object]:
     turbo_layers.new_weight_step()  # FP8 linears: one weight quantization per optimizer step
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
-    # train.autograd_threads=false: backward on this thread, no hand-off to torch's device worker thread
-    with torch.autograd.set_multithreading_enabled(bool(run.cfg.train.get("autograd_threads", True))):
+    # train.autograd_threads=false (default): backward on this thread, no hand-off to torch's device worker
+    with torch.autograd.set_multithreading_enabled(bool(run.cfg.train.get("autograd_threads", False))):
         losses = get_forward_backward_func()(
             forward_step_func=_forward_step_func(run, step),
             data_iterator=iter(range(run.num_microbatches)),

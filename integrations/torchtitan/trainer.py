@@ -173,7 +173,9 @@ def train(cfg: DictConfig) -> dict:
     trainer = None
     try:
         trainer = Trainer(job_config)
-        trainer.train()
+        # train.autograd_threads=false (default): backward on this thread, as in the Megatron trainer
+        with torch.autograd.set_multithreading_enabled(bool(cfg.train.get("autograd_threads", False))):
+            trainer.train()
     except PatchError as err:
         log0(f"train.py: {err}")
         if dist.is_initialized():
