@@ -16,7 +16,8 @@ FP8_WGRAD = ("bf16", "fp8")  # bf16: weight gradients from the high-precision te
 DTYPES = ("auto", "bf16", "fp32")
 DATA_KINDS = ("synthetic", "text")
 DISPATCHERS = ("alltoall", "flex")
-TURBO_FEATURES = ("gemm", "grouped_gemm", "attention", "rmsnorm", "router", "permute", "dispatch", "async_tp")
+TURBO_FEATURES = ("gemm", "grouped_gemm", "attention", "rmsnorm", "router", "permute", "dispatch", "async_tp",
+                  "cross_entropy")  # fmt: skip
 
 
 def moe_layer_pattern(model_cfg: DictConfig) -> list[int]:

@@ -190,6 +190,27 @@ def _async_tp(ctx) -> str:
     return ""
 
 
+@REGISTRY.register("turbo.cross_entropy",
+                   "megatron.core.models.common.language_module.language_module.LanguageModule."
+                   "compute_language_model_loss", TESTED, feature="cross_entropy",
+                   probe=_needs_op("ops.cross_entropy"))  # fmt: skip
+def _cross_entropy(ctx) -> str:
+    """The LM loss (and MTP's, which calls the same method): one fused kernel each way instead of Megatron's
+    eager vocab_parallel_cross_entropy (~8 passes over an fp32 copy of the [s, b, V] logits)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    cross_entropy = turbo_ops.get("ops.cross_entropy")
+
+    def compute_language_model_loss(self, labels, logits):
+        labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b], as the logits
+        tp = self.pg_collection.tp
+        loss = cross_entropy(logits, labels, tp_group=tp if tp.size() > 1 else None)
+        return loss.transpose(0, 1).contiguous()
+
+    LanguageModule.compute_language_model_loss = compute_language_model_loss
+    return "LanguageModule.compute_language_model_loss -> turbo.ops.cross_entropy (vocab-parallel)"
+
+
 # ---- FP8: owned by the plugin (Megatron-Core without TE ignores config.fp8 and rejects MoE FP8) -----------
 
 _FP8_GRANULARITY = {"tensorwise": "TENSORWISE", "rowwise": "ROWWISE", "blockwise": "BLOCKWISE"}

@@ -123,6 +123,29 @@ def _build_metrics_processor(job_config, parallel_dims, model_args=None, **_):
     return TurboMetricsProcessor(_ACTIVE["cfg"], parallel_dims)
 
 
+def _build_loss_fn(job_config, **kwargs):
+    """turbo.cross_entropy (tp == 1): TorchTitan's summed, ignore-index cross-entropy as one fused kernel
+    each way; otherwise (turbo off, the flag off, or tp > 1 where TorchTitan's loss_parallel owns the
+    sharded logits) the stock loss, compiled when the job compiles it."""
+    from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
+
+    cfg = _ACTIVE["cfg"]
+    if not (cfg.turbo.enabled and cfg.turbo.cross_entropy):
+        return build_cross_entropy_loss(job_config, **kwargs)
+    if cfg.parallel.tp > 1:
+        log0("turbo.cross_entropy: inactive (tp > 1: TorchTitan's loss_parallel computes the sharded loss)")
+        return build_cross_entropy_loss(job_config, **kwargs)
+    from primus_turbo.pytorch.ops.cross_entropy import cross_entropy
+
+    def turbo_cross_entropy_loss(pred, labels):
+        return cross_entropy(
+            pred.flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+
+    log0("turbo.cross_entropy: TorchTitan loss -> turbo.ops.cross_entropy (reduction=sum, ignore_index)")
+    return turbo_cross_entropy_loss
+
+
 def register_train_spec(cfg: DictConfig) -> tuple[str, str]:
     """Register ``primus_turbo_<family>`` (once per process) and the recipe's flavor: (name, flavor)."""
     import torchtitan.protocols.train_spec as ts
@@ -136,6 +159,7 @@ def register_train_spec(cfg: DictConfig) -> tuple[str, str]:
         _SPECS[name] = dataclasses.replace(
             stock, model_args={}, build_dataloader_fn=_build_dataloader, build_tokenizer_fn=None,
             build_validator_fn=None, build_metrics_processor_fn=_build_metrics_processor,
+            build_loss_fn=_build_loss_fn,
             # expert-bias load balancing (aux-loss-free) for both MoE families, as deepseek_v3 does
             build_optimizers_fn=stock.build_optimizers_fn if family == "llama3"
             else build_optimizers_with_moe_load_balancing,
