@@ -79,7 +79,8 @@ def test_ignore_index_and_reductions_match_torch(reduction, device):
     target[::3] = -7
     loss = cross_entropy(logits, target, ignore_index=-7, reduction=reduction)
     loss.backward()
-    ref_loss, ref_grad = _reference(logits, target, torch.tensor(1.0), ignore_index=-7, reduction=reduction)
+    one = torch.tensor(1.0, device=device)
+    ref_loss, ref_grad = _reference(logits, target, one, ignore_index=-7, reduction=reduction)
     assert_close(loss, ref_loss.float(), torch.float32)
     assert_close(logits.grad, ref_grad.float(), torch.float32)
     assert torch.count_nonzero(logits.grad[::3]) == 0
@@ -114,7 +115,7 @@ def test_empty_rows_and_strided_rows(device):
     base = torch.randn(8, 64, device=device)
     view = base[:, :48].requires_grad_(False)  # rows with stride 64, unit stride along V
     target = torch.randint(0, 48, (8,), device=device)
-    ref, _ = _reference(view, target, torch.ones(8))
+    ref, _ = _reference(view, target, torch.ones(8, device=device))
     assert_close(cross_entropy(view, target), ref.float(), torch.float32)
 
 
