@@ -118,6 +118,25 @@ def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
     return out
 
 
+def _run_with_step_hook(cfg, on_step) -> list[float]:
+    """run(cfg) with ``on_step(steps_done)`` called after every step's metrics record; returns the wall clock
+    at the end of every step."""
+    record, stamps = metrics.StepMetrics.record, []
+
+    def record_and_step(self, *args, **kwargs):
+        row = record(self, *args, **kwargs)
+        stamps.append(time.perf_counter())
+        on_step(len(stamps))
+        return row
+
+    metrics.StepMetrics.record = record_and_step
+    try:
+        run(cfg)
+    finally:
+        metrics.StepMetrics.record = record
+    return stamps
+
+
 def _python_profile(cfg) -> None:
     """E2E_PROFILE_PY=1: cProfile over the steps after WAIT + 1, top functions to $E2E_PROFILE_OUT.py.txt."""
     import cProfile
@@ -125,23 +144,18 @@ def _python_profile(cfg) -> None:
     import pstats
 
     active = max(1, min(ACTIVE, cfg.train.steps - WAIT - 1))
-    prof, record, stamps = cProfile.Profile(), metrics.StepMetrics.record, []
+    prof = cProfile.Profile()
 
-    def record_and_step(self, *args, **kwargs):
-        row = record(self, *args, **kwargs)
-        stamps.append(time.perf_counter())
-        if len(stamps) == WAIT + 1:
+    def on_step(done: int) -> None:
+        if done == WAIT + 1:
             prof.enable()
-        elif len(stamps) == WAIT + 1 + active:
+        elif done == WAIT + 1 + active:
             prof.disable()
-        return row
 
-    metrics.StepMetrics.record = record_and_step
     try:
-        run(cfg)
+        stamps = _run_with_step_hook(cfg, on_step)
     finally:
         prof.disable()
-        metrics.StepMetrics.record = record
     out = os.environ.get("E2E_PROFILE_OUT")
     if out and os.environ.get("RANK", "0") == "0" and len(stamps) > WAIT + 1:
         last = min(WAIT + 1 + active, len(stamps))
@@ -166,22 +180,12 @@ def _entry(cfg) -> None:
         schedule=schedule(wait=WAIT, warmup=1, active=active, repeat=1),
         with_stack=os.environ.get("E2E_PROFILE_STACKS", "0") == "1",  # Python callers of the host syncs
     )
-    record = metrics.StepMetrics.record
     stamps: list[float] = []  # wall clock at the end of every step
-
-    def record_and_step(self, *args, **kwargs):
-        row = record(self, *args, **kwargs)
-        stamps.append(time.perf_counter())
-        prof.step()
-        return row
-
-    metrics.StepMetrics.record = record_and_step
     prof.start()
     try:
-        run(cfg)
+        stamps = _run_with_step_hook(cfg, lambda done: prof.step())
     finally:
         prof.stop()
-        metrics.StepMetrics.record = record
     out = os.environ.get("E2E_PROFILE_OUT")
     if out and os.environ.get("RANK", "0") == "0":
         try:

@@ -24,6 +24,7 @@ from bench_utils import (  # noqa: E402
     MEMORY_COLUMNS,
     bench_ms,
     bench_parser,
+    copy_bandwidth,
     gbps,
     host_ms,
     out_dir,
@@ -129,13 +130,6 @@ def _peak_mb(fn, x, target, grad) -> float:
     torch.autograd.grad(loss, x, grad)
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - start) / 2**20
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms, _ = bench_ms(lambda: dst.copy_(src))
-    return gbps(2 * src.numel(), ms)
 
 
 def main() -> None:

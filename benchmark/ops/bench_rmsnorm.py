@@ -29,6 +29,7 @@ from bench_utils import (  # noqa: E402
     MEMORY_COLUMNS,
     bench_ms,
     bench_parser,
+    copy_bandwidth,
     gbps,
     host_ms,
     out_dir,
@@ -60,13 +61,6 @@ def rmsnorm_math(x, w):
 def residual_math(x, r, w):
     s = x + r
     return rmsnorm_math(s, w), s
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms, _ = bench_ms(lambda: dst.copy_(src))
-    return gbps(2 * src.numel(), ms)
 
 
 def candidates(residual: bool) -> dict:
@@ -167,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_rmsnorm: needs a CUDA device")
-    copy_gbps = copy_bandwidth()
+    copy_gbps = copy_bandwidth(DEVICE)
     rows = []
     picked = [(*map(int, s.split("x")), False) for s in args.shapes.split(",") if s] or shapes(args.quick)
     for tokens, hidden, residual in picked:

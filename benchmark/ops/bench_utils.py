@@ -102,6 +102,14 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float]:
     return float(t.median()), float(t.std()) if t.numel() > 1 else 0.0
 
 
+def copy_bandwidth(device: str = "cuda") -> float:
+    """Device-to-device copy GB/s of a 1 GiB buffer: the ceiling for memory-bound rows."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms, _ = bench_ms(lambda: dst.copy_(src))
+    return gbps(2 * src.numel(), ms)
+
+
 def host_ms(step, n: int = 10) -> float:
     """Host ms to issue one call of ``step`` (no sync inside the loop): when it reaches the GPU
     time, the call is host bound and do_bench's number is Python overhead, not kernels."""
