@@ -26,6 +26,9 @@ Options (key=value; every other key=value is passed to train.py as a Hydra overr
                          profile_entry.py); the report adds each run's top ops by self GPU time
   dry_run=true           print the commands, run nothing
 
+TorchTitan's stock rows run with its per-block torch.compile (framework.compile=true is added): the baseline
+issue 9 names. Turbo rows run eager unless framework.compile=... is given, which then applies to every row.
+
 Writes DIR/report.md (table + failures with their log tails), DIR/results.json, DIR/report.png (when
 matplotlib is installed), DIR/runs/<config>.{log,jsonl}. Exit code 0 when every configuration that ran
 succeeded, 1 if not.
@@ -179,6 +182,12 @@ def free_port() -> int:
 
 
 def command(run: RunResult, opts: dict, overrides: list[str], runs_dir: Path) -> list[str]:
+    if (
+        run.framework == "torchtitan"
+        and not run.turbo
+        and not any(o.startswith("framework.compile=") for o in overrides)
+    ):
+        overrides = [*overrides, "framework.compile=true"]  # the stock baseline is compiled TorchTitan
     run.metrics_path = str(runs_dir / f"{run.slug}.jsonl")
     run.log_path = str(runs_dir / f"{run.slug}.log")
     entry = "train.py"

@@ -333,6 +333,23 @@ def test_dry_run_prints_one_torchrun_per_configuration_and_writes_nothing(tmp_pa
     assert not out.exists()
 
 
+def test_dry_run_compiles_the_stock_torchtitan_baseline_unless_told(tmp_path, capsys):
+    argv = [
+        "recipe=deepseek_moe_fp8",
+        "frameworks=torchtitan",
+        "precisions=bf16",
+        "dry_run=true",
+        f"out={tmp_path}",
+    ]
+    assert compare.main(argv) == 0
+    stock, turbo = [line for line in capsys.readouterr().out.splitlines() if "torch.distributed.run" in line]
+    assert "turbo.enabled=false" in stock and stock.endswith("framework.compile=true")
+    assert "turbo.enabled=true" in turbo and "framework.compile" not in turbo
+    assert compare.main([*argv, "framework.compile=false"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "torch.distributed.run" in line]
+    assert all(line.count("framework.compile=") == 1 and "framework.compile=false" in line for line in lines)
+
+
 def test_parity_windows_show_a_drifting_gap():
     bf16 = [{"step": s, "loss": 2.0} for s in range(1, 101)]
     fp8 = [{"step": s, "loss": 2.0 * (1 + 0.0005 * s)} for s in range(1, 101)]  # drifts up to +5%
