@@ -19,13 +19,12 @@ fused transpose faster than two-pass.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_ms, bench_parser, gbps, out_dir, print_table, write_csv  # noqa: E402
+from bench_utils import bench_ms, bench_parser, gbps, host_ms, out_dir, print_table, write_csv  # noqa: E402
 
 from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION  # noqa: E402
 from primus_turbo.pytorch.kernels.quantization import quantization_impl as impl  # noqa: E402
@@ -75,16 +74,7 @@ def _check(turbo_out, torch_out) -> str:
 
 
 def _host_us(fn, n: int = 50) -> float:
-    fn()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - start) * 1e6 / n
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    return host
+    return 1e3 * host_ms(fn, n)
 
 
 def run_shape(m: int, k: int, quick: bool = False) -> list[dict]:

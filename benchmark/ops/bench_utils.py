@@ -110,11 +110,12 @@ def copy_bandwidth(device: str = "cuda") -> float:
     return gbps(2 * src.numel(), ms)
 
 
-def host_ms(step, n: int = 10) -> float:
+def host_ms(step, n: int = 10, warmup: int = 1) -> float:
     """Host ms to issue one call of ``step`` (no sync inside the loop): when it reaches the GPU
     time, the call is host bound and do_bench's number is Python overhead, not kernels."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    step()
+    for _ in range(warmup):
+        step()
     sync()
     start = time.perf_counter()
     for _ in range(n):

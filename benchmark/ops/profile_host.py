@@ -17,13 +17,12 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_ms, bench_parser, out_dir  # noqa: E402
+from bench_utils import bench_ms, bench_parser, host_ms, out_dir  # noqa: E402
 
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format  # noqa: E402
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity as G  # noqa: E402
@@ -82,15 +81,7 @@ def _scaled_mm_step():
 
 def host_us(fn, calls: int = 200) -> float:
     """Host microseconds per call of fn issued back to back (no sync inside the timed loop)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) * 1e6 / calls
-    torch.cuda.synchronize()
-    return us
+    return 1e3 * host_ms(fn, calls, warmup=10)
 
 
 def host_table(report: io.StringIO) -> None:
@@ -260,14 +251,7 @@ def glue_table(report: io.StringIO) -> None:
 
 def profile(name: str, step, steps: int, report: io.StringIO) -> None:
     gpu_ms, _ = bench_ms(step)
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    host_ms = (time.perf_counter() - t0) * 1e3 / steps
-    torch.cuda.synchronize()
+    issue_ms = host_ms(step, steps, warmup=5)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -275,7 +259,7 @@ def profile(name: str, step, steps: int, report: io.StringIO) -> None:
     prof.disable()
     torch.cuda.synchronize()
     head = (
-        f"=== {name}: host {host_ms:.3f} ms/step (no profiler), GPU {gpu_ms:.3f} ms/step (do_bench); "
+        f"=== {name}: host {issue_ms:.3f} ms/step (no profiler), GPU {gpu_ms:.3f} ms/step (do_bench); "
         f"syncs per step: {sync_calls(step)}"
     )
     print(head, flush=True)
