@@ -64,13 +64,13 @@ class TurboSpecProvider(LocalSpecProvider):
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
         if self.grouped_mlp:
-            from megatron.core.transformer.moe.experts import TEGroupedMLP
             from primus_turbo.integrations.megatron.turbo_layers import (
                 TurboColumnParallelGroupedLinear,
                 TurboRowParallelGroupedLinear,
             )
+            from primus_turbo.integrations.megatron.turbo_moe import TurboGroupedMLP
 
-            return TEGroupedMLP, MLPSubmodules(
+            return TurboGroupedMLP, MLPSubmodules(
                 linear_fc1=TurboColumnParallelGroupedLinear, linear_fc2=TurboRowParallelGroupedLinear
             )
         # Stock: SequentialMLP (GroupedMLP needs the external grouped_gemm package).

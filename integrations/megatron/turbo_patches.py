@@ -6,7 +6,7 @@ a probe (do the turbo ops exist and can they serve this config?) and a small app
 
 from __future__ import annotations
 
-from primus_turbo.integrations.megatron import turbo_layers, turbo_ops
+from primus_turbo.integrations.megatron import turbo_layers, turbo_moe, turbo_ops
 from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_moe, _needs_op
 
 # ---- spec swaps ------------------------------------------------------------------------------------------
@@ -70,7 +70,10 @@ def _attention(ctx) -> str:
                    probe=_needs_op("ops.grouped_gemm"))  # fmt: skip
 def _grouped_gemm(ctx) -> str:
     ctx.spec.grouped_mlp = True
-    return "SequentialMLP -> TEGroupedMLP with TurboColumn/RowParallelGroupedLinear (turbo.ops.grouped_gemm)"
+    return (
+        "SequentialMLP -> TurboGroupedMLP (TEGroupedMLP, fused SwiGLU x probs) with "
+        "TurboColumn/RowParallelGroupedLinear (turbo.ops.grouped_gemm)"
+    )
 
 
 # ---- runtime patches -------------------------------------------------------------------------------------
@@ -130,14 +133,21 @@ def _permute(ctx) -> str:
 def _dispatch_condition(ctx) -> str | None:
     if not ctx.is_moe:
         return "dense model"
-    if ctx.cfg.parallel.ep == 1 and ctx.cfg.model.moe.get("dispatcher", "alltoall") == "alltoall":
-        return "ep=1: no expert-parallel communication"
+    if _local_dispatch(ctx) and ctx.cfg.parallel.tp > 1:
+        return "ep=1 with tp > 1: Megatron's dispatcher gathers over the tensor-parallel group"
     return None
+
+
+def _local_dispatch(ctx) -> bool:
+    """ep=1 with the alltoall dispatcher: nothing to communicate, the local sync-free dispatcher."""
+    return ctx.cfg.parallel.ep == 1 and ctx.cfg.model.moe.get("dispatcher", "alltoall") == "alltoall"
 
 
 def _dispatch_probe(ctx) -> str | None:
     if ctx.cfg.model.moe.get("dispatcher", "alltoall") == "flex":
         return _needs_op("deep_ep.Buffer")(ctx)
+    if _local_dispatch(ctx):
+        return _needs_op("ops.moe.permute.token_permute", "ops.moe.permute.token_unpermute")(ctx)
     return _needs_op("modules.TokenDispatcher")(ctx)
 
 
@@ -153,6 +163,12 @@ def _dispatch(ctx) -> str:
         )
     from megatron.core.transformer.moe import moe_layer
 
+    if _local_dispatch(ctx):
+        moe_layer.MoEAlltoAllTokenDispatcher = turbo_moe.TurboLocalTokenDispatcher
+        return (
+            "MoEAlltoAllTokenDispatcher -> TurboLocalTokenDispatcher (ep=1: turbo permute/unpermute, token "
+            "counts stay on the GPU: no host sync, no identity re-sort)"
+        )
     moe_layer.MoEAlltoAllTokenDispatcher = turbo_layers.TurboTokenDispatcher
     return "MoEAlltoAllTokenDispatcher -> TurboTokenDispatcher (turbo moe_dispatch/moe_combine + permute)"
 

@@ -248,7 +248,8 @@ def test_spec_provider_switches_per_feature(megatron_world):
     assert spec.core_attention() is tl.TurboCoreAttention
     assert spec.layer_norm(rms_norm=True) is tl.TurboRMSNorm
     experts, subs = spec.grouped_mlp_modules(True, False)
-    assert experts is TEGroupedMLP and subs.linear_fc1 is tl.TurboColumnParallelGroupedLinear
+    assert issubclass(experts, TEGroupedMLP) and experts.__name__ == "TurboGroupedMLP"
+    assert subs.linear_fc1 is tl.TurboColumnParallelGroupedLinear
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "delayed"])
