@@ -6,6 +6,7 @@ a probe (do the turbo ops exist and can they serve this config?) and a small app
 
 from __future__ import annotations
 
+import torch
 from primus_turbo.integrations.megatron import turbo_layers, turbo_moe, turbo_ops
 from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_moe, _needs_op
 
@@ -225,6 +226,34 @@ def _cross_entropy(ctx) -> str:
 
     LanguageModule.compute_language_model_loss = compute_language_model_loss
     return "LanguageModule.compute_language_model_loss -> turbo.ops.cross_entropy (vocab-parallel)"
+
+
+@REGISTRY.register("turbo.embedding", "megatron.core.tensor_parallel.layers.VocabParallelEmbedding.forward",
+                   TESTED, feature="embedding", probe=_needs_op("ops.embedding"))  # fmt: skip
+def _embedding(ctx) -> str:
+    """VocabParallelEmbedding's ``F.embedding`` (through the module's ``F`` global) -> turbo.ops.embedding
+    with the weight gradient added into DDP's fp32 main_grad, where the weight has one (under DDP)."""
+    from megatron.core.tensor_parallel import layers
+
+    layers.F = _FunctionalWithTurboEmbedding(turbo_ops.get("ops.embedding"))
+    return "VocabParallelEmbedding: F.embedding -> turbo.ops.embedding (weight gradient into main_grad)"
+
+
+class _FunctionalWithTurboEmbedding:
+    """``torch.nn.functional`` for megatron.core.tensor_parallel.layers, except ``embedding``: with a weight
+    that has a main_grad (Megatron DDP), turbo's (deterministic, straight into main_grad); else torch's."""
+
+    def __init__(self, embedding):
+        self._embedding = embedding
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+    def embedding(self, input, weight, *args, **kwargs):
+        fusable = weight.requires_grad and isinstance(getattr(weight, "main_grad", None), torch.Tensor)
+        if args or kwargs or not fusable:
+            return torch.nn.functional.embedding(input, weight, *args, **kwargs)
+        return self._embedding(input, weight, accumulate_into_main_grad=True)
 
 
 # ---- FP8: owned by the plugin (Megatron-Core without TE ignores config.fp8 and rejects MoE FP8) -----------

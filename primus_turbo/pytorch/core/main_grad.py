@@ -75,13 +75,32 @@ def accumulate_into_main_grads_(weights, grad: torch.Tensor) -> None:
     """
     main_grads = [w.main_grad for w in weights]
     grad = grad.contiguous()
-    if not triton_can_run_on(grad, *main_grads) or not all(m.is_contiguous() for m in main_grads):
+    runs = _layout(main_grads) if triton_can_run_on(grad, *main_grads) else None
+    if runs is None:
         torch._foreach_add_(main_grads, list(grad.unbind(0)))
         return
     from primus_turbo.triton.main_grad.accumulate_kernel import launch_accumulate_grouped
 
-    for start, stop, stride in _equally_spaced_runs(main_grads):
+    for start, stop, stride in runs:
         launch_accumulate_grouped(main_grads[start], grad[start:stop], stride)
+
+
+# id(first main_grad) -> (the main_grad tensors, their runs or None): DDP's buffers live for the whole run, so
+# the layout is computed once per grouped linear, not on every backward (~65 us of host for 64 experts)
+_LAYOUTS: dict[int, tuple[list[torch.Tensor], list[tuple[int, int, int]] | None]] = {}
+
+
+def _layout(main_grads: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
+    """The equally spaced runs of ``main_grads``, or None when one is not contiguous (cached by identity:
+    the entry holds the tensors, so their ids stay theirs while it exists)."""
+    hit = _LAYOUTS.get(id(main_grads[0]))
+    if hit is not None and len(hit[0]) == len(main_grads) and all(a is b for a, b in zip(hit[0], main_grads)):
+        return hit[1]
+    runs = list(_equally_spaced_runs(main_grads)) if all(m.is_contiguous() for m in main_grads) else None
+    if len(_LAYOUTS) >= 4096:
+        _LAYOUTS.clear()
+    _LAYOUTS[id(main_grads[0])] = (list(main_grads), runs)
+    return runs
 
 
 def _equally_spaced_runs(buffers: list[torch.Tensor]):

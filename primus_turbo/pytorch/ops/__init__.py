@@ -8,6 +8,7 @@ from primus_turbo.pytorch.ops.attention import (  # noqa: F401
     flash_attn_varlen_func,
 )
 from primus_turbo.pytorch.ops.cross_entropy import cross_entropy  # noqa: F401
+from primus_turbo.pytorch.ops.embedding import embedding  # noqa: F401
 from primus_turbo.pytorch.ops.gemm import gemm  # noqa: F401
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8  # noqa: F401
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm  # noqa: F401

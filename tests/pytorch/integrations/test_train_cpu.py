@@ -100,17 +100,21 @@ def test_mla_recipe_runs_with_turbo_off_and_on(tmp_path):
     assert on[1] == pytest.approx(off[1], rel=2e-4), (off, on)
 
 
-def test_local_dispatch_at_ep1_trains_the_same_trajectory_as_megatrons_dispatcher(tmp_path):
-    """ep=1: turbo.dispatch installs TurboLocalTokenDispatcher (no host sync, no identity re-sort) and the
-    experts take the device counts; turbo.dispatch=false keeps Megatron's MoEAlltoAllTokenDispatcher. Same
-    losses and gradient norms (fp32; the fused SwiGLU x probs runs in both)."""
+@pytest.mark.parametrize(
+    "feature, marker",
+    [("dispatch", "TurboLocalTokenDispatcher"), ("embedding", "F.embedding -> turbo.ops.embedding")],
+)
+def test_feature_trains_the_same_trajectory_as_the_stock_path(tmp_path, feature, marker):
+    """turbo.dispatch at ep=1 (TurboLocalTokenDispatcher: no host sync, no identity re-sort; experts read the
+    device counts) vs Megatron's MoEAlltoAllTokenDispatcher, and turbo.embedding (the word-embedding gradient
+    straight into DDP's main_grad) vs F.embedding + DDP's add: same losses and gradient norms (fp32)."""
     rows = {}
     for flag in ("true", "false"):
         metrics = tmp_path / f"{flag}.jsonl"
-        overrides = ("train.steps=3", f"turbo.dispatch={flag}", f"train.metrics_file={metrics}")
+        overrides = ("train.steps=3", f"turbo.{feature}={flag}", f"train.metrics_file={metrics}")
         rc, out, _ = torchrun(*TINY_MLA, *overrides, nproc=1)
         assert rc == 0, out[-3000:]
-        assert ("TurboLocalTokenDispatcher" in out) == (flag == "true"), out[-3000:]
+        assert (marker in out) == (flag == "true"), out[-3000:]
         rows[flag] = [json.loads(line) for line in metrics.read_text().splitlines()]
     for on, off in zip(rows["true"], rows["false"]):
         assert on["loss"] == pytest.approx(off["loss"], rel=1e-5), rows

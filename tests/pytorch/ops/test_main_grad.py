@@ -56,6 +56,23 @@ def test_accumulate_falls_back_to_foreach(device, monkeypatch):
     assert all(torch.equal(m, e) for m, e in zip(main_grads, expected))
 
 
+def test_layout_is_cached_per_buffer_set_and_recomputed_when_one_changes(device, monkeypatch):
+    """The runs are computed once per set of main_grad tensors; swapping any one (same first buffer)
+    recomputes, so a changed layout never reuses a stale stride."""
+    calls = []
+    monkeypatch.setattr(main_grad_module, "_equally_spaced_runs",
+                        lambda m: calls.append(1) or _equally_spaced_runs(m))  # fmt: skip
+    main_grads = _layout("ddp", 3, (16, 8), torch.float32, device)
+    grad = torch.randn(3, 16, 8, device=device).bfloat16()
+    for _ in range(2):
+        accumulate_into_main_grads_([SimpleNamespace(main_grad=m) for m in main_grads], grad)
+    assert len(calls) == 1
+    swapped = [main_grads[0], torch.randn(16, 8, device=device), main_grads[2]]  # not equally spaced any more
+    expected = [m.clone().add_(g) for m, g in zip(swapped, grad)]
+    accumulate_into_main_grads_([SimpleNamespace(main_grad=m) for m in swapped], grad)
+    assert len(calls) == 2 and all(torch.equal(m, e) for m, e in zip(swapped, expected))
+
+
 def test_overlapping_buffers_are_never_one_run():
     base = torch.zeros(100)
     assert list(_equally_spaced_runs([base[0:40], base[20:60], base[40:80]])) == [
