@@ -5,6 +5,8 @@ by wrapping ``StepMetrics.record`` (called once per step on every rank), so trai
 writes ``$E2E_PROFILE_OUT`` (JSON), per profiled step: the wall time, the summed GPU kernel time and the
 top kernels (CUDA), the top host ops by self CPU time (both devices; on CPU runs they are ``top``), and the
 blocking CUDA calls per step by the op that made them (``E2E_PROFILE_STACKS=1`` adds their Python callers).
+``E2E_PROFILE_CENSUS=1`` adds ``census``: the aten ops issued from Python per step and the Python sites
+issuing them (``op_census``; on a CPU-only machine too, e.g. the deepseek model at small dims).
 ``E2E_PROFILE_PY=1``: cProfile instead of torch.profiler over the same steps (where the host's Python time
 goes: Megatron, turbo, torch); writes the top functions by own and by cumulative time to
 ``$E2E_PROFILE_OUT`` with ``.py.txt`` appended. cProfile slows Python calls, so read shares, not wall time.
@@ -33,6 +35,7 @@ from primus_turbo.integrations.hydra_main import RECIPES_DIR, run  # noqa: E402
 
 WAIT = int(os.environ.get("E2E_PROFILE_WAIT", "5"))  # steps before the profiler warm-up step
 ACTIVE = int(os.environ.get("E2E_PROFILE_STEPS", "3"))
+CENSUS = os.environ.get("E2E_PROFILE_CENSUS", "0") == "1"
 TOP = 15
 
 
@@ -63,19 +66,47 @@ def _top(events, steps: int, key, total: float) -> list[dict]:
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
-def _sync_site(event) -> str:
-    """The op that made a blocking CUDA call and, with E2E_PROFILE_STACKS=1, its first Python callers outside
-    torch (with_stack records Python frames as ancestor events named ``file.py(line): function``)."""
-    op, frames, node = "", [], event.cpu_parent
-    while node is not None and len(frames) < 3:
+def _walk_up(node, depth: int) -> tuple[str, list[str]]:
+    """From ``node`` up: the first op's name and the first ``depth`` Python frames outside torch (with_stack
+    records Python frames as ancestor events named ``file.py(line): function``)."""
+    op, frames = "", []
+    while node is not None and len(frames) < depth:
         name = node.name
         if "): " in name and name.split("(")[0].endswith(".py"):
             if not name.startswith(("torch/", "<")):
-                frames.append(name)
+                frames.append(name.split("site-packages/")[-1])
         elif not op and not name.startswith("<"):
             op = name
         node = node.cpu_parent
+    return op, frames
+
+
+def _sync_site(event) -> str:
+    """The op that made a blocking CUDA call and, with E2E_PROFILE_STACKS=1, its first Python callers."""
+    op, frames = _walk_up(event.cpu_parent, 3)
     return " <- ".join([op or "(no op)", *frames])
+
+
+def op_census(prof, steps: int, depth: int = 2) -> dict:
+    """E2E_PROFILE_CENSUS=1: the aten ops a step issues from Python (those no other aten op called), per
+    step, and the Python sites that issue them: where host time goes op by op (a 64-way split and cat with
+    its backward's 64 narrows, per MoE layer and micro-batch, showed up this way). Works on CPU runs too."""
+    ops: dict[str, int] = {}
+    sites: dict[tuple[str, str], int] = {}
+    for e in prof.events():
+        parent = e.cpu_parent
+        if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+            continue
+        ops[e.name] = ops.get(e.name, 0) + 1
+        where = " <- ".join(_walk_up(parent, depth)[1]) or "(no Python frame)"
+        sites[(e.name, where)] = sites.get((e.name, where), 0) + 1
+    by_count = sorted(ops.items(), key=lambda kv: kv[1], reverse=True)[:TOP]
+    by_site = sorted(sites.items(), key=lambda kv: kv[1], reverse=True)[: 3 * TOP]
+    return {
+        "aten_ops_per_step": sum(ops.values()) / steps,
+        "ops": [{"op": k, "per_step": n / steps} for k, n in by_count],
+        "sites": [{"op": op, "site": where, "per_step": n / steps} for (op, where), n in by_site],
+    }
 
 
 def sync_sites(prof, steps: int) -> tuple[float, list[dict]]:
@@ -178,7 +209,8 @@ def _entry(cfg) -> None:
     prof = profile(
         activities=activities,
         schedule=schedule(wait=WAIT, warmup=1, active=active, repeat=1),
-        with_stack=os.environ.get("E2E_PROFILE_STACKS", "0") == "1",  # Python callers of the host syncs
+        # Python callers of the host syncs / of every op (the census)
+        with_stack=os.environ.get("E2E_PROFILE_STACKS", "0") == "1" or CENSUS,
     )
     stamps: list[float] = []  # wall clock at the end of every step
     prof.start()
@@ -193,6 +225,8 @@ def _entry(cfg) -> None:
             ends = range(first, min(first + active, len(stamps) + 1))
             wall = [1e3 * (stamps[i - 1] - stamps[i - 2]) for i in ends]
             summary = summarize(prof, active, wall)
+            if CENSUS:
+                summary["census"] = op_census(prof, active)
         except (AssertionError, RuntimeError) as err:  # the run ended before the profiled steps
             summary = {"error": f"no profile: {err or type(err).__name__}"}
         with open(out, "w") as f:

@@ -301,6 +301,28 @@ def test_profile_summary_counts_kernels_once_and_reports_gpu_busy_time(monkeypat
     assert "Blocking CUDA calls (each drains the GPU queue): 2.0 per step" in text
 
 
+def test_op_census_counts_python_issued_aten_ops_by_site():
+    """Ops called by another aten op (narrow -> slice) are not counted again; sites are the first Python
+    frames outside torch, site-packages prefixes dropped."""
+    import profile_entry
+
+    class Node:
+        def __init__(self, name, parent=None):
+            self.name, self.cpu_parent = name, parent
+
+    site = "megatron/core/pipeline_parallel/schedules.py(446): backward_step"
+    step = Node(f".venv/lib/python3.11/site-packages/{site}")
+    engine = Node("torch/autograd/graph.py(10): _engine_run_backward", step)
+    narrows = [Node("aten::narrow", engine) for _ in range(6)]
+    slices = [Node("aten::slice", n) for n in narrows]
+    events = [*narrows, *slices, Node("aten::cat", engine), Node("aten::mm")]
+    census = profile_entry.op_census(type("P", (), {"events": lambda self: events})(), steps=2)
+    assert census["aten_ops_per_step"] == 4.0  # 6 narrows + 1 cat + 1 mm over 2 steps; the slices are nested
+    assert census["ops"][0] == {"op": "aten::narrow", "per_step": 3.0}
+    assert {"op": "aten::narrow", "site": site, "per_step": 3.0} in census["sites"]
+    assert {"op": "aten::mm", "site": "(no Python frame)", "per_step": 0.5} in census["sites"]
+
+
 def test_targets_section_names_the_dominant_op_when_a_target_is_missed(tmp_path):
     results = _results()
     text = report.write_report(tmp_path, results, warmup=1, meta={}).read_text()
