@@ -256,6 +256,34 @@ class _FunctionalWithTurboEmbedding:
         return self._embedding(input, weight, accumulate_into_main_grad=True)
 
 
+@REGISTRY.register("turbo.rope", "megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb",
+                   TESTED, feature="rope", probe=_needs_op("ops.apply_rotary_pos_emb"))  # fmt: skip
+def _rope(ctx) -> str:
+    """Attention's and MLA's ``apply_rotary_pos_emb`` -> turbo.ops.apply_rotary_pos_emb where the layout is
+    the one it serves (bshd, rotary dim = head dim, a power of two, rotate-half, no TE fusion); others keep
+    Megatron's."""
+    from megatron.core.transformer import attention
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    turbo_rope = turbo_ops.get("ops.apply_rotary_pos_emb")
+    stock = mla.apply_rotary_pos_emb
+
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        dim = t.shape[-1]
+        served = (
+            cu_seqlens is None and not config.apply_rope_fusion and not config.rotary_interleaved
+            and t.dim() == 4 and freqs.dim() == 4 and tuple(freqs.shape[1:]) == (1, 1, dim)
+            and freqs.shape[0] == t.shape[0] and dim >= 2 and dim & (dim - 1) == 0
+        )  # fmt: skip
+        if not served:
+            return stock(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        return turbo_rope(t, freqs, interleaved_input=bool(config.multi_latent_attention), mscale=mscale)
+
+    attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+    mla.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return "attention/MLA apply_rotary_pos_emb -> turbo.ops.apply_rotary_pos_emb (full-dim bshd RoPE)"
+
+
 # ---- FP8: owned by the plugin (Megatron-Core without TE ignores config.fp8 and rejects MoE FP8) -----------
 
 _FP8_GRANULARITY = {"tensorwise": "TENSORWISE", "rowwise": "ROWWISE", "blockwise": "BLOCKWISE"}

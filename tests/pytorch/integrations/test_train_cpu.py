@@ -102,12 +102,14 @@ def test_mla_recipe_runs_with_turbo_off_and_on(tmp_path):
 
 @pytest.mark.parametrize(
     "feature, marker",
-    [("dispatch", "TurboLocalTokenDispatcher"), ("embedding", "F.embedding -> turbo.ops.embedding")],
+    [("dispatch", "TurboLocalTokenDispatcher"), ("embedding", "F.embedding -> turbo.ops.embedding"),
+     ("rope", "apply_rotary_pos_emb -> turbo.ops.apply_rotary_pos_emb")],
 )
 def test_feature_trains_the_same_trajectory_as_the_stock_path(tmp_path, feature, marker):
     """turbo.dispatch at ep=1 (TurboLocalTokenDispatcher: no host sync, no identity re-sort; experts read the
-    device counts) vs Megatron's MoEAlltoAllTokenDispatcher, and turbo.embedding (the word-embedding gradient
-    straight into DDP's main_grad) vs F.embedding + DDP's add: same losses and gradient norms (fp32)."""
+    device counts) vs Megatron's MoEAlltoAllTokenDispatcher, turbo.embedding (the word-embedding gradient
+    straight into DDP's main_grad) vs F.embedding + DDP's add, and turbo.rope (MLA's RoPE as one op) vs
+    Megatron's eager RoPE: same losses and gradient norms (fp32)."""
     rows = {}
     for flag in ("true", "false"):
         metrics = tmp_path / f"{flag}.jsonl"

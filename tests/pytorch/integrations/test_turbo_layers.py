@@ -351,3 +351,26 @@ def test_fp8_weight_cache_quantizes_once_per_step(megatron_world, monkeypatch):
     finally:
         tl.FP8_CONFIG = None
         tl.disable_weight_cache()
+
+
+@pytest.mark.parametrize("mla", [True, False])
+def test_rope_patch_serves_full_dim_bshd_and_keeps_megatron_for_the_rest(megatron_world, monkeypatch, mla):
+    """turbo.rope's wrapper: MLA (interleaved input) and standard attention match Megatron's eager RoPE; a
+    partial rotary dim goes to Megatron's function, bit for bit."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+    from megatron.core.transformer import multi_latent_attention as mla_module
+    from primus_turbo.integrations.megatron.turbo_patches import _rope
+
+    for module in (attention, mla_module):  # restored after the test
+        monkeypatch.setattr(module, "apply_rotary_pos_emb", module.apply_rotary_pos_emb)
+    assert "turbo.ops.apply_rotary_pos_emb" in _rope(None)
+    assert attention.apply_rotary_pos_emb is mla_module.apply_rotary_pos_emb
+    config = _config(multi_latent_attention=mla)
+    wrapper = mla_module.apply_rotary_pos_emb
+    freqs = torch.randn(9, 1, 1, 16)
+    t = torch.randn(9, 2, 3, 16)
+    stock = rope_utils.apply_rotary_pos_emb
+    assert_close(wrapper(t, freqs, config), stock(t, freqs, config), torch.float32)
+    partial = torch.randn(9, 2, 3, 24)  # rotary dim 16 of 24: Megatron's path
+    assert torch.equal(wrapper(partial, freqs, config), stock(partial, freqs, config))

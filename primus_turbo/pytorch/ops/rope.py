@@ -1,0 +1,82 @@
+"""Rotary position embedding, rotate-half form, for [S, B, H, D] (Megatron's bshd layout), forward and
+backward as one kernel each.
+
+``apply_rotary_pos_emb(t, freqs)`` equals Megatron-Core's ``_apply_rotary_pos_emb_bshd(t, freqs,
+rotary_interleaved=False, multi_latent_attention=interleaved_input, mscale=mscale)`` for a rotary dim equal
+to t's last dim, up to rounding: cos / sin are rounded to t's dtype as Megatron rounds them, the rest runs in
+fp32 with one rounding of the result (Megatron's eager ops round after every multiply and the add).
+``interleaved_input=True`` is MLA's layout (the rotary part of q / k arrives interleaved and leaves in
+rotate-half order, as Megatron's strided cat does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.kernels.rope.rope_impl import rope_bwd, rope_fwd
+
+__all__ = ["apply_rotary_pos_emb"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, cos, sin, interleaved_input):
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved_input = interleaved_input
+        return rope_fwd(t, cos, sin, interleaved_input)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cos, sin = ctx.saved_tensors
+        grad = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        return rope_bwd(grad, cos, sin, ctx.interleaved_input), None, None, None
+
+
+# (id(freqs), version, dtype, mscale) -> (freqs, cos, sin): Megatron's RotaryEmbedding returns one cached
+# angle tensor for the whole run, so cos / sin are computed once, not on every call (two launches each)
+_COS_SIN: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin(freqs) * mscale rounded to ``dtype`` as Megatron's eager RoPE rounds them, as fp32 [S, D]."""
+    key = (id(freqs), freqs._version, dtype, mscale)
+    hit = _COS_SIN.get(key)
+    if hit is not None and hit[0] is freqs:
+        return hit[1], hit[2]
+    seq, dim = freqs.shape[0], freqs.shape[-1]
+    f = freqs.reshape(seq, dim)
+    cos = (torch.cos(f) * mscale).to(dtype).float().contiguous()
+    sin = (torch.sin(f) * mscale).to(dtype).float().contiguous()
+    if len(_COS_SIN) >= 16:
+        _COS_SIN.clear()
+    if not torch.compiler.is_compiling():
+        _COS_SIN[key] = (freqs, cos, sin)
+    return cos, sin
+
+
+def apply_rotary_pos_emb(
+    t: torch.Tensor, freqs: torch.Tensor, *, interleaved_input: bool = False, mscale: float = 1.0
+) -> torch.Tensor:
+    """t [S, B, H, D] (any strides with unit stride along D; float32/bf16/fp16), freqs [S, 1, 1, D] or
+    [S, D] angles (D even, a power of two, equal to t's last dim) -> a new contiguous [S, B, H, D] tensor;
+    differentiable in t."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _FLOAT_DTYPES:
+        got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"apply_rotary_pos_emb: t must be a 4-D [S, B, H, D] float tensor, got {got}")
+    seq, dim = t.shape[0], t.shape[-1]
+    if not isinstance(freqs, torch.Tensor) or freqs.numel() != seq * dim or freqs.shape[0] != seq:
+        got = tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__
+        raise ValueError(
+            f"apply_rotary_pos_emb: freqs must be [S, 1, 1, D] or [S, D] with S={seq}, D={dim} (t's last "
+            f"dim; a partial rotary dim is not supported), got {got}"
+        )
+    if dim < 2 or dim & (dim - 1):
+        raise ValueError(f"apply_rotary_pos_emb: the rotary dim must be a power of two >= 2, got {dim}")
+    if freqs.device != t.device:
+        raise ValueError(f"apply_rotary_pos_emb: freqs on {freqs.device} but t on {t.device}")
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    cos, sin = _cos_sin(freqs, t.dtype, float(mscale))
+    return _Rope.apply(t, cos, sin, bool(interleaved_input))
