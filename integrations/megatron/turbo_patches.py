@@ -160,7 +160,8 @@ def _dispatch(ctx) -> str:
         return _install_turbo_deep_ep()
     if not ctx.cfg.turbo.grouped_gemm:
         raise ValueError(
-            "turbo.dispatch applies the routing probs inside TEGroupedMLP: needs turbo.grouped_gemm"
+            "turbo.dispatch applies the routing probs inside the turbo experts (TurboGroupedMLP): needs "
+            "turbo.grouped_gemm"
         )
     from megatron.core.transformer.moe import moe_layer
 

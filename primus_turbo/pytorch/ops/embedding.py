@@ -4,8 +4,9 @@
 (Megatron's gradient_accumulation_fusion for the word embedding) the backward adds each token's output
 gradient into ``weight.main_grad[id]`` in fp32 (one deterministic Triton kernel over the touched rows) and
 returns Megatron's placeholder gradient, instead of a dense [V, H] gradient that DDP then adds into
-``main_grad`` (a zero-fill, a scatter and a [V, H] fp32 += bf16 pass: ~1.6 ms per micro-batch at V = 102400,
-H = 2048 on H100). Without it, the gradient is torch's own (``embedding_dense_backward``).
+``main_grad`` (a zero-fill, a scatter and a [V, H] fp32 += bf16 pass). H100, 4096 tokens, V = 102400,
+H = 2048: 0.16 ms vs 1.21 ms (benchmark/ops/bench_embedding.py). Without it, the gradient is torch's own
+(``embedding_dense_backward``).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ the result bitwise reproducible, unlike ``index_add_``'s atomics on CUDA).
 
 Traffic: the [T, H] gradient once and 2 x 4 bytes per touched ``main_grad`` element, instead of a dense
 [V, H] gradient (zero-fill + scatter) and DDP's [V, H] fp32 += bf16 pass (10 bytes per vocabulary element).
-BLOCK_H = 256 (4 warps of 8-byte lanes): a run of r equal ids is r dependent loads per program, so narrower
-blocks spread a long run (a padding id repeated through a sequence) over more programs.
+BLOCK_H = 256 (4 warps, 2 elements per thread): a run of r equal ids is r dependent loads per program, so
+narrower blocks spread a long run (a padding id repeated through a sequence) over more programs.
 """
 
 from __future__ import annotations
