@@ -9,6 +9,9 @@ full cost a MoE layer pays). Forward columns are dispatch, Backward columns are 
 bytes of the token rows this rank sends (bf16, self-sends included) / time. Fixed iteration counts
 on every rank (do_bench's adaptive count could differ across ranks and deadlock a collective).
 Runs on gloo/CPU too (smoke only: timings meaningless).
+
+    BENCH_EP_SMS=16,32,64,132   also time TURBO raw dispatch/combine at these SM (program) counts
+    BENCH_PROFILE=1             print rank 0's top CUDA kernels of one full dispatch+combine per backend
 """
 
 from __future__ import annotations
@@ -86,6 +89,16 @@ def _bench_backend(backend, x, indices, probs, e, k, device, nbytes, shape, resu
     c_ms = _time_ms(lambda: moe_combine(recv_x, None, handle), device)
     check = "PASS" if torch.equal(out, results[reference]) else "FAIL"
     rows = [_row(f"{backend} raw", shape, check, nbytes, d_ms, c_ms)]
+    if backend == "TURBO" and os.environ.get("BENCH_EP_SMS"):
+        from primus_turbo.pytorch.kernels.moe import ep_turbo
+
+        default = ep_turbo.NUM_PROGRAMS
+        for sms in (int(v) for v in os.environ["BENCH_EP_SMS"].split(",")):
+            ep_turbo.NUM_PROGRAMS = sms
+            sd = _time_ms(lambda: moe_dispatch(x, indices, probs, e), device)
+            sc = _time_ms(lambda: moe_combine(recv_x, None, handle), device)
+            rows.append(_row(f"TURBO raw {sms} SMs", shape, check, nbytes, sd, sc))
+        ep_turbo.NUM_PROGRAMS = default
 
     disp = TokenDispatcher(e, k, dist.group.WORLD)
     expert_in, _, _ = disp.token_dispatch(x, probs, indices)
@@ -105,7 +118,25 @@ def _bench_backend(backend, x, indices, probs, e, k, device, nbytes, shape, resu
 
     fc_ms = _time_ms(full_combine, device)
     rows.append(_row(f"{backend} +permute", shape, check, nbytes, fd_ms, fc_ms))
+    if os.environ.get("BENCH_PROFILE") == "1" and device.type == "cuda":
+        _profile(backend, shape, full_dispatch, full_combine)
     return rows
+
+
+def _profile(backend, shape, full_dispatch, full_combine):
+    """Top CUDA kernels of 5 full dispatch+combine rounds (every rank profiles, rank 0 prints)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            full_dispatch()
+            full_combine()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print(f"== profile {backend} +permute, {shape}, 5 rounds (times are totals over the 5)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
 def _row(label, shape, check, nbytes, d_ms, c_ms):
@@ -147,8 +178,9 @@ def main():
         name = "bench_moe_dispatch_quick.csv" if args.quick else "bench_moe_dispatch.csv"
         write_csv(out_dir(args) / name, rows, MEMORY_COLUMNS)
         print_table(rows, MEMORY_COLUMNS)
-        for i in range(0, len(rows), 2 * len(backends)):
-            group = rows[i : i + 2 * len(backends)]
+        main_rows = [r for r in rows if "SMs" not in r["label"]]  # the SM sweep rows are extra
+        for i in range(0, len(main_rows), 2 * len(backends)):
+            group = main_rows[i : i + 2 * len(backends)]
             if len(group) == 4:  # NCCL raw, NCCL +permute, TURBO raw, TURBO +permute
                 nccl = group[1]["Forward Time (ms)"] + group[1]["Backward Time (ms)"]
                 turbo = group[3]["Forward Time (ms)"] + group[3]["Backward Time (ms)"]
