@@ -11,7 +11,12 @@ on every rank (do_bench's adaptive count could differ across ranks and deadlock 
 Runs on gloo/CPU too (smoke only: timings meaningless).
 
     BENCH_EP_SMS=16,32,64,132   also time TURBO raw dispatch/combine at these SM (program) counts
-    BENCH_PROFILE=1             print rank 0's top CUDA kernels of one full dispatch+combine per backend
+    BENCH_PROFILE=1             print rank 0's top CUDA kernels of 5 full dispatch+combine rounds per backend
+                                and its Python hot spots (cProfile) of 20 raw dispatch+combine calls
+
+TURBO sizes its receive buffers for PRIMUS_TURBO_EP_MAX_TOKENS tokens per rank (no host sync, so a
+worst case; DeepEP's num_worst_tokens). Unless that variable is set, each case sets it to its own
+token count, as a training run configured with its micro-batch would.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from primus_turbo.pytorch.modules.token_dispatcher import TokenDispatcher  # noq
 from primus_turbo.pytorch.ops.moe.dispatch import moe_combine, moe_dispatch  # noqa: E402
 
 WARMUP, ITERS = 5, 20
+USER_MAX_TOKENS = "PRIMUS_TURBO_EP_MAX_TOKENS" in os.environ
 
 
 def _time_ms(fn, device) -> float:
@@ -69,6 +75,8 @@ def _inputs(t, h, e, k, device, rank):
 
 def bench_case(name, t, h, e, k, device, backends):
     world, rank = dist.get_world_size(), dist.get_rank()
+    if not USER_MAX_TOKENS:
+        os.environ["PRIMUS_TURBO_EP_MAX_TOKENS"] = str(t)
     x, indices, probs = _inputs(t, h, e, k, device, rank)
     send_rows = int(dispatch_layout(indices, e, world)[0].sum())
     nbytes = send_rows * h * x.element_size()
@@ -120,7 +128,30 @@ def _bench_backend(backend, x, indices, probs, e, k, device, nbytes, shape, resu
     rows.append(_row(f"{backend} +permute", shape, check, nbytes, fd_ms, fc_ms))
     if os.environ.get("BENCH_PROFILE") == "1" and device.type == "cuda":
         _profile(backend, shape, full_dispatch, full_combine)
+        _host_profile(backend, lambda: moe_combine(moe_dispatch(x, indices, probs, e)[0], None, handle))
     return rows
+
+
+def _host_profile(backend, fn):
+    """Python hot spots of 20 raw dispatch+combine calls (cProfile on every rank, rank 0 prints)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(20):
+        fn()
+    prof.disable()
+    host_ms = (time.perf_counter() - t0) * 1e3 / 20
+    torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print(
+            f"== host profile {backend} raw dispatch+combine: {host_ms:.3f} ms per call (host, cProfile on)"
+        )
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 def _profile(backend, shape, full_dispatch, full_combine):
