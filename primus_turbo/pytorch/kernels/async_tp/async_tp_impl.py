@@ -114,10 +114,33 @@ def scaled_matmul(
         return res if out is None else out.copy_(res)
     if a_scale.numel() > 1 and a_scale.data_ptr() % 16:
         a_scale = a_scale.clone()  # cuBLAS row-wise kernels need 16-byte aligned scales
+    n = b.shape[1]
+    if a.shape[1] % 16 or n % 16:  # cuBLAS FP8 needs K and N multiples of 16: zero-pad, then slice
+        a, b, b_scale = _pad_fp8_operands(a, b, b_scale)
+        res = torch._scaled_mm(a, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)[:, :n]
+        return res.contiguous() if out is None else out.copy_(res)
     kwargs = dict(scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
     if out is None:
         return torch._scaled_mm(a, b, **kwargs)
     return torch.ops.aten._scaled_mm.out(a, b, **kwargs, out=out)
+
+
+def _pad_fp8_operands(a, b, b_scale):
+    """Zero-pad K (a's columns, b's rows: zeros add nothing) and N (b's columns, sliced off after) to
+    multiples of 16; b stays column-major, a row-wise b_scale [1, N] is padded with ones."""
+    (m, k), n = a.shape, b.shape[1]
+    k16, n16 = -(-k // 16) * 16, -(-n // 16) * 16
+    if k16 != k:
+        a_pad = a.new_zeros(m, k16)
+        a_pad[:, :k] = a
+        a = a_pad
+    b_pad = torch.zeros(n16, k16, dtype=b.dtype, device=b.device).t()  # column-major, like b
+    b_pad[:k, :n] = b
+    if b_scale is not None and b_scale.numel() > 1:
+        scale = torch.ones(1, n16, dtype=b_scale.dtype, device=b_scale.device)
+        scale[:, :n] = b_scale.reshape(1, n)
+        b_scale = scale
+    return a, b_pad, b_scale
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
