@@ -205,10 +205,20 @@ class _AGNccl(KernelBackend):
         ]
 
 
+def _fp8_dims_ok(a_scale, k: int, ns) -> bool:
+    """torch's fused symm_mem FP8 ops call cuBLAS unpadded: K and every N must be multiples of 16."""
+    return a_scale is None or (k % 16 == 0 and all(n % 16 == 0 for n in ns))
+
+
 class _AGSymmMem(KernelBackend):
     @staticmethod
-    def can_handle(a_shard, group_name, **_) -> bool:
-        return a_shard.is_cuda and symm_mem_available() and _nccl_group(group_name)
+    def can_handle(a_shard, group_name, bs=(), a_scale=None, **_) -> bool:
+        return (
+            a_shard.is_cuda
+            and symm_mem_available()
+            and _nccl_group(group_name)
+            and _fp8_dims_ok(a_scale, a_shard.shape[-1], [b.shape[1] for b in bs])
+        )
 
     @staticmethod
     def execute(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtypes, **_) -> list[torch.Tensor]:
@@ -325,8 +335,14 @@ class _RSNccl(KernelBackend):
 
 class _RSSymmMem(KernelBackend):
     @staticmethod
-    def can_handle(a, group_name, **_) -> bool:
-        return a.is_cuda and symm_mem_available() and _nccl_group(group_name)
+    def can_handle(a, group_name, b=None, a_scale=None, **_) -> bool:
+        ns = [b.shape[1]] if b is not None else []
+        return (
+            a.is_cuda
+            and symm_mem_available()
+            and _nccl_group(group_name)
+            and _fp8_dims_ok(a_scale, a.shape[-1], ns)
+        )
 
     @staticmethod
     def execute(a, b, a_scale, b_scale, reduce_op, group_name, out_dtype, **_) -> torch.Tensor:
@@ -441,7 +457,8 @@ def _run(dispatcher: type[_AsyncTPDispatcher], backend: str, **kw: Any) -> Any:
     if not impl.can_handle(**kw):
         raise ValueError(
             f"async_tp: backend {pinned.name} cannot handle these inputs ({dispatcher.describe(**kw)}); "
-            f"it needs CUDA tensors, an NCCL process group and torch symmetric memory"
+            f"it needs CUDA tensors, an NCCL process group and torch symmetric memory (SYMM_MEM with FP8: "
+            f"K and every N multiples of 16)"
             if pinned is not BackendType.NCCL
             else f"async_tp: backend NCCL cannot handle ({dispatcher.describe(**kw)})"
         )
