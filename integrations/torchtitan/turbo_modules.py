@@ -228,9 +228,10 @@ class TurboEPMoE(TurboMoE):
         routed_input, tokens_per_expert, routed_scores = dispatcher.token_dispatch(x, top_scores, selected)
         if before:
             routed_input = (routed_input.float() * routed_scores.reshape(-1, 1)).to(x.dtype)
-        # The buffer is an upper bound on the local (token, expert) pairs (no host sync); its rows after the
-        # last group are zeros and join the last expert's group, so the grouped GEMMs see exactly their rows
-        # (zero rows add nothing to outputs, weight gradients or FP8 amax).
+        # With the NCCL backend the buffer holds exactly the local (token, expert) pairs; with TURBO (no host
+        # sync) it is an upper bound whose rows after the last group are zeros and join the last expert's
+        # group, so the grouped GEMMs see exactly their rows (zero rows add nothing to outputs, weight
+        # gradients or FP8 amax; they do cost GEMM time there).
         group_lens = tokens_per_expert.to(torch.int64)
         tail = routed_input.shape[0] - group_lens.sum()
         group_lens = torch.cat([group_lens[:-1], group_lens[-1:] + tail])

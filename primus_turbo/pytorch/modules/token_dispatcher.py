@@ -61,11 +61,15 @@ class TokenDispatcher(nn.Module):
         handle = None
         if self.ep_size > 1:
             x, indices, probs, _, handle = moe_dispatch(x, indices, probs, self.num_experts, self.ep_group)
-        # Upper bound on local (token, expert) pairs without a host sync: each received row has at
-        # most min(topk, local experts) local routes.
+        # Local (token, expert) routes: exact when the dispatch backend knows it on the host (NCCL learns
+        # it with the split sizes it syncs on anyway), else an upper bound without a host sync (TURBO):
+        # each received row has at most min(topk, local experts) local routes.
         num_out = x.shape[0] * min(self.topk, self.num_local_experts)
-        # After an EP dispatch num_out is an upper bound: the rows after the last group are zeroed, since
-        # FP8 experts quantize the whole buffer (a tensorwise amax or column scales would read garbage).
+        exact = handle is not None and handle.num_recv_routes is not None
+        if exact:
+            num_out = handle.num_recv_routes
+        # With an upper bound, the rows after the last group are zeroed, since FP8 experts quantize the
+        # whole buffer (a tensorwise amax or column scales would read garbage).
         expert_in, expert_probs, row_id_map, tokens_per_expert = token_permute(
             x,
             indices,
@@ -73,7 +77,7 @@ class TokenDispatcher(nn.Module):
             num_out,
             pad_multiple=self.pad_multiple,
             num_experts=self.num_local_experts,
-            zero_fill=handle is not None,
+            zero_fill=handle is not None and not exact,
         )
         self._state = {"shape": shape, "handle": handle, "row_id_map": row_id_map, "probs": probs}
         return expert_in, tokens_per_expert, expert_probs

@@ -107,16 +107,29 @@ def _body_token_dispatcher(rank, world, device):
     out = disp.token_combine(expert_in * scale.unsqueeze(1))
     w = torch.where(indices >= 0, probs * (indices + 1).float(), 0.0).sum(1, keepdim=True)
     assert_close(out, x * w, torch.float32)
-    # Without padding the buffer is an upper bound: rows after the last group must be zeros (and their
-    # probs 0), since FP8 quantization of the whole buffer (tensorwise amax, column scales) reads them.
-    disp = TokenDispatcher(NUM_EXPERTS, TOPK, dist.group.WORLD, probs_in_experts=True)
-    for fill in (float("nan"), 3.0e38):  # pre-dirty freed memory the buffer may reuse
-        torch.full((4096, x.shape[1]), fill, device=device)
-    expert_in, tpe, expert_probs = disp.token_dispatch(x, probs, indices)
-    routed = int(tpe.sum())
-    assert routed < expert_in.shape[0], "the case needs tail rows"
-    assert torch.count_nonzero(expert_in[routed:]) == 0 and torch.count_nonzero(expert_probs[routed:]) == 0
-    disp.token_combine(expert_in)
+    # NCCL knows the received routes on the host: the expert buffer is exactly their size. TURBO (no host
+    # sync) sizes it by an upper bound: rows after the last group must be zeros (and their probs 0),
+    # since FP8 quantization of the whole buffer (tensorwise amax, column scales) reads them.
+    from primus_turbo.pytorch.core.backend import GlobalBackendManager
+
+    for backend in ("NCCL", "TURBO") if device.type == "cuda" else ("NCCL",):
+        GlobalBackendManager.set_moe_dispatch_combine_backend(backend)
+        try:
+            disp = TokenDispatcher(NUM_EXPERTS, TOPK, dist.group.WORLD, probs_in_experts=True)
+            for fill in (float("nan"), 3.0e38):  # pre-dirty freed memory the buffer may reuse
+                torch.full((4096, x.shape[1]), fill, device=device)
+            expert_in, tpe, expert_probs = disp.token_dispatch(x, probs, indices)
+            routed = int(tpe.sum())
+            if backend == "NCCL":
+                assert routed == expert_in.shape[0], (routed, expert_in.shape)
+            else:
+                assert routed < expert_in.shape[0], "the case needs tail rows"
+                assert torch.count_nonzero(expert_in[routed:]) == 0
+                assert torch.count_nonzero(expert_probs[routed:]) == 0
+            out = disp.token_combine(expert_in)
+            assert_close(out, x * torch.where(indices >= 0, 1.0, 0.0).sum(1, keepdim=True), torch.float32)
+        finally:
+            GlobalBackendManager.set_moe_dispatch_combine_backend(None)
 
 
 def _body_bad_sizes(rank, world, device):

@@ -44,6 +44,9 @@ class DispatchHandle:
     recv_splits: list[int] = field(default_factory=list)
     num_recv: int = 0
     extra: dict = field(default_factory=dict)  # backend-specific state (TURBO: offsets on device)
+    # received (token, local expert) routes when the host knows it (NCCL: from the count exchange it
+    # already syncs on); None for the sync-free backends, whose consumers size by an upper bound
+    num_recv_routes: int | None = None
 
 
 def dispatch_layout(indices: torch.Tensor, num_experts: int, world_size: int):
@@ -104,21 +107,23 @@ class DispatchNCCL(KernelBackend):
         return _nccl_dispatch(**kw) if kind == "dispatch" else _nccl_combine(**kw)
 
 
-def _exchange_counts(send_counts, meta, group, world_size):
-    """One all_to_all carrying the per-rank counts and a metadata signature, checked on arrival so
-    that ranks called with inconsistent shapes raise instead of hanging in the payload exchange."""
+def _exchange_counts(send_counts, send_routes, meta, group, world_size):
+    """One all_to_all carrying the per-rank row counts, the (token, expert) routes per rank and a
+    metadata signature, checked on arrival so that ranks called with inconsistent shapes raise
+    instead of hanging in the payload exchange. Returns (send splits, recv splits, routes received)."""
     row = torch.tensor(meta, dtype=torch.int64, device=send_counts.device)
-    send = torch.cat([send_counts.to(torch.int64).unsqueeze(1), row.expand(world_size, -1)], dim=1)
+    counts = torch.stack([send_counts.to(torch.int64), send_routes.to(torch.int64)], dim=1)
+    send = torch.cat([counts, row.expand(world_size, -1)], dim=1)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send.contiguous(), group=group)
     recv_cpu = recv.cpu()  # the inherent host sync of the NCCL path
-    bad = [w for w in range(world_size) if recv_cpu[w, 1:].tolist() != list(meta)]
+    bad = [w for w in range(world_size) if recv_cpu[w, 2:].tolist() != list(meta)]
     if bad:
         raise ValueError(
             f"moe_dispatch: ranks {bad} called with (num_experts, hidden, topk, dtype id, has_probs, "
-            f"has_scale) = {[recv_cpu[w, 1:].tolist() for w in bad]}, this rank with {list(meta)}"
+            f"has_scale) = {[recv_cpu[w, 2:].tolist() for w in bad]}, this rank with {list(meta)}"
         )
-    return send_counts.cpu().tolist(), recv_cpu[:, 0].tolist()
+    return send_counts.cpu().tolist(), recv_cpu[:, 0].tolist(), int(recv_cpu[:, 1].sum())
 
 
 _DTYPE_IDS = {d: i for i, d in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
@@ -132,9 +137,14 @@ def _nccl_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_i
     if is_token_in_rank is None:
         _, _, is_token_in_rank = dispatch_layout(indices, num_experts, world_size)
     send_counts = is_token_in_rank.sum(0, dtype=torch.int64)
+    # routes per destination rank: the receiver's exact permute size, known with the same sync
+    dest = torch.where(indices >= 0, indices // experts_per_rank, world_size).reshape(-1).long()
+    send_routes = torch.bincount(dest, minlength=world_size + 1)[:world_size]
     meta = (num_experts, hidden, indices.shape[1], _DTYPE_IDS.get(x.dtype, 99), probs is not None,
             x_scale is not None)  # fmt: skip
-    send_splits, recv_splits = _exchange_counts(send_counts, meta, group, world_size)
+    send_splits, recv_splits, recv_routes = _exchange_counts(
+        send_counts, send_routes, meta, group, world_size
+    )
     num_send, num_recv = sum(send_splits), sum(recv_splits)
 
     row_id_map, _, _ = build_row_id_map(is_token_in_rank, world_size, num_send, 0, None)
@@ -164,7 +174,7 @@ def _nccl_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_i
     tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     handle = DispatchHandle(
         BackendType.NCCL, group, t, num_experts, hidden, row_id_map, send_splits, recv_splits, num_recv,
-        extra={"rank": rank},
+        extra={"rank": rank}, num_recv_routes=recv_routes,
     )  # fmt: skip
     return recv_x, recv_scale, recv_idx, recv_probs, tokens_per_expert[:experts_per_rank], handle
 
