@@ -393,11 +393,38 @@ class _RSTurbo(KernelBackend):
 
 # -- dispatchers ----------------------------------------------------------------------------------
 class _AsyncTPDispatcher(AutoKernelDispatcher):
+    """Automatic choice: on CUDA with a group of >= 2 ranks, measured once per key (every backend timed on
+    every rank, the slowest rank's time counts, unfused NCCL unless another is >= 3% faster), so the
+    dispatcher is never slower than unfused beyond noise and all ranks agree. The static heuristic
+    (``default_backend``) decides elsewhere and with PRIMUS_TURBO_ASYNC_TP_MEASURE=0."""
+
     op_name = "async_tp"
+    cache_default = True  # the measured answer is kept per key
+    autotune_warmup, autotune_iters = 2, 5
+    last_measured: dict = {}
+
+    @classmethod
+    def _measure(cls, kwargs: dict[str, Any]) -> BackendType | None:
+        from primus_turbo.pytorch.core.collective_choice import (
+            can_measure,
+            measured_choice,
+            measuring_enabled,
+        )
+
+        group, _, _ = group_info(kwargs["group_name"])
+        if not measuring_enabled("PRIMUS_TURBO_ASYNC_TP_MEASURE") or not can_measure(group, kwargs):
+            return None
+        best, times = measured_choice(cls, group, BackendType.NCCL, kwargs)
+        cls.last_measured = {b.name: ms for b, ms in times.items()}
+        return best
+
+    @classmethod
+    def _automatic(cls, **kwargs: Any) -> BackendType:
+        return cls._measure(kwargs) or super()._automatic(**kwargs)
 
     @classmethod
     def _autotune(cls, **kwargs: Any) -> BackendType | None:
-        return None  # per-rank timing could pick different backends on different ranks: deadlock
+        return cls._measure(kwargs)  # rank-consistent; a per-rank autotune could deadlock
 
 
 class AllGatherMatmulDispatcher(_AsyncTPDispatcher):

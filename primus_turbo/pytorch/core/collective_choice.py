@@ -1,0 +1,61 @@
+"""Measured backend choice for collective ops, the same on every rank of the group.
+
+A per-rank autotune of a collective could pick different backends on different ranks, and ranks that
+run different collectives deadlock. Here every rank times the same candidates in the same order, the
+candidate set is the intersection over ranks and the times are the slowest rank's (a collective is as
+fast as its slowest participant), so the argmin is identical everywhere. The baseline backend (the
+unfused path) wins unless another is faster by ``margin``: the measured choice is never slower than
+the baseline beyond timing noise.
+
+Cost: once per dispatcher key (the dispatcher memoizes the answer), ``warmup + iters`` runs of each
+candidate plus two small all-reduces. Never under CUDA-graph capture or while dynamo traces.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from primus_turbo.pytorch.core.backend import BackendType
+
+
+def measuring_enabled(env: str) -> bool:
+    """False when the user set ``env`` to 0 (then the dispatcher's heuristic decides)."""
+    return os.environ.get(env, "1") not in ("0", "false", "False")
+
+
+def can_measure(group: Any, kwargs: dict[str, Any]) -> bool:
+    if group is None or dist.get_world_size(group) < 2 or torch.compiler.is_compiling():
+        return False
+    if not any(isinstance(v, torch.Tensor) and v.is_cuda for v in kwargs.values()):
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def measured_choice(
+    dispatcher: Any, group: Any, baseline: BackendType, kwargs: dict[str, Any], margin: float = 0.03
+) -> tuple[BackendType, dict[BackendType, float]]:
+    """(chosen backend, {backend: slowest-rank ms}); candidates are ``dispatcher.backends`` in order."""
+    order = list(dispatcher.backends)
+    local = [1 if dispatcher.backends[b].can_handle(**kwargs) else 0 for b in order]
+    on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in kwargs.values())
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    ok = torch.tensor(local, dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    usable = [b for b, flag in zip(order, ok.tolist()) if flag]
+    if baseline not in usable:
+        raise ValueError(f"{dispatcher.op_name}: baseline backend {baseline.name} cannot run on every rank")
+    times = torch.full((len(order),), float("inf"), dtype=torch.float64, device=device)
+    for i, backend in enumerate(order):
+        if backend in usable:
+            impl = dispatcher.backends[backend]
+            times[i] = dispatcher._time(lambda impl=impl: impl.execute(**kwargs), on_cuda)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    measured = {b: t for b, t in zip(order, times.tolist()) if b in usable}
+    best = min(measured, key=measured.get)
+    if measured[best] > measured[baseline] * (1.0 - margin):
+        best = baseline
+    return best, measured
