@@ -116,14 +116,18 @@ def _exchange_counts(send_counts, send_routes, meta, group, world_size):
     send = torch.cat([counts, row.expand(world_size, -1)], dim=1)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send.contiguous(), group=group)
-    recv_cpu = recv.cpu()  # the inherent host sync of the NCCL path
+    # the inherent host sync of the NCCL path: one device->host copy of what was received and sent
+    recv_cpu = torch.cat([recv, send[:, :1]], dim=1).cpu()
+    send_splits, recv_splits = recv_cpu[:, -1].tolist(), recv_cpu[:, 0].tolist()
+    routes = int(recv_cpu[:, 1].sum())
+    recv_cpu = recv_cpu[:, :-1]
     bad = [w for w in range(world_size) if recv_cpu[w, 2:].tolist() != list(meta)]
     if bad:
         raise ValueError(
             f"moe_dispatch: ranks {bad} called with (num_experts, hidden, topk, dtype id, has_probs, "
             f"has_scale) = {[recv_cpu[w, 2:].tolist() for w in bad]}, this rank with {list(meta)}"
         )
-    return send_counts.cpu().tolist(), recv_cpu[:, 0].tolist(), int(recv_cpu[:, 1].sum())
+    return send_splits, recv_splits, routes
 
 
 _DTYPE_IDS = {d: i for i, d in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
