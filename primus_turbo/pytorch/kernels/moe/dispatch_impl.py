@@ -107,11 +107,23 @@ class DispatchNCCL(KernelBackend):
         return _nccl_dispatch(**kw) if kind == "dispatch" else _nccl_combine(**kw)
 
 
+_META_ROWS: dict = {}
+
+
+def _meta_row(meta: tuple, device: torch.device) -> torch.Tensor:
+    """The metadata signature on the device, cached: a fresh host->device copy per dispatch would block
+    the host until the GPU queue drains, before the count exchange is even queued."""
+    row = _META_ROWS.get((meta, device))
+    if row is None:
+        row = _META_ROWS[(meta, device)] = torch.tensor(meta, dtype=torch.int64, device=device)
+    return row
+
+
 def _exchange_counts(send_counts, send_routes, meta, group, world_size):
     """One all_to_all carrying the per-rank row counts, the (token, expert) routes per rank and a
     metadata signature, checked on arrival so that ranks called with inconsistent shapes raise
     instead of hanging in the payload exchange. Returns (send splits, recv splits, routes received)."""
-    row = torch.tensor(meta, dtype=torch.int64, device=send_counts.device)
+    row = _meta_row(tuple(meta), send_counts.device)
     counts = torch.stack([send_counts.to(torch.int64), send_routes.to(torch.int64)], dim=1)
     send = torch.cat([counts, row.expand(world_size, -1)], dim=1)
     recv = torch.empty_like(send)
@@ -156,7 +168,7 @@ def _nccl_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_i
     send_src = _send_sources(row_id_map, num_send)
     rank_of_row = torch.repeat_interleave(
         torch.arange(world_size, device=x.device),
-        torch.tensor(send_splits, device=x.device),
+        send_counts,  # on the device already: no host->device copy of the splits
         output_size=num_send,
     )
     send_idx, send_probs = localize(indices[send_src], probs[send_src] if probs is not None else None,
