@@ -6,6 +6,8 @@ a probe (do the turbo ops exist and can they serve this config?) and a small app
 
 from __future__ import annotations
 
+import os
+
 import torch
 from primus_turbo.integrations.megatron import turbo_layers, turbo_moe, turbo_ops
 from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_moe, _needs_op
@@ -172,7 +174,22 @@ def _dispatch(ctx) -> str:
             "counts stay on the GPU: no host sync, no identity re-sort)"
         )
     moe_layer.MoEAlltoAllTokenDispatcher = turbo_layers.TurboTokenDispatcher
-    return "MoEAlltoAllTokenDispatcher -> TurboTokenDispatcher (turbo moe_dispatch/moe_combine + permute)"
+    return "MoEAlltoAllTokenDispatcher -> TurboTokenDispatcher (turbo moe_dispatch/moe_combine + permute)" + (
+        _size_turbo_ep_buffers(ctx.cfg)
+    )
+
+
+def _size_turbo_ep_buffers(cfg) -> str:
+    """The TURBO EP backend (no host sync) sizes its buffers for PRIMUS_TURBO_EP_MAX_TOKENS tokens per rank;
+    unless the user set it, use the tokens a rank feeds its MoE layers (the default 8192 doubles the buffers
+    and the rows the expert-side passes walk at seq 4096). Same on every rank: it comes from the config."""
+    if "PRIMUS_TURBO_EP_MAX_TOKENS" in os.environ:
+        return ""
+    par = cfg.parallel
+    tokens = cfg.model.seq_length // par.cp * cfg.data.micro_batch_size
+    tokens //= par.tp if par.sequence_parallel else 1
+    os.environ["PRIMUS_TURBO_EP_MAX_TOKENS"] = str(max(tokens, 1))
+    return f"; TURBO EP buffers sized for {max(tokens, 1)} tokens per rank"
 
 
 def _install_turbo_deep_ep() -> str:

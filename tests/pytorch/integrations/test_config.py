@@ -167,3 +167,16 @@ def test_a_gzipped_text_corpus_gives_the_same_tokens_as_the_plain_file(tmp_path)
         f.write(text)
     plain, packed = load_tokens(str(tmp_path / "c.txt")), load_tokens(str(tmp_path / "c.txt.gz"))
     assert len(plain) == len(text.encode("utf-8")) and (plain == packed).all()
+
+
+def test_turbo_ep_buffers_are_sized_from_the_config_unless_the_user_set_it(monkeypatch):
+    """turbo.dispatch at ep > 1: TURBO's sync-free buffers fit the tokens a rank feeds its MoE layers
+    (seq / cp x micro-batch / tp under sequence parallel), the same on every rank; a user's value stays."""
+    from primus_turbo.integrations.megatron.turbo_patches import _size_turbo_ep_buffers
+
+    monkeypatch.delenv("PRIMUS_TURBO_EP_MAX_TOKENS", raising=False)
+    cfg = _cfg("recipe=deepseek_moe_fp8", "parallel.ep=2", "parallel.cp=2", "data.micro_batch_size=2")
+    assert "tokens per rank" in _size_turbo_ep_buffers(cfg)
+    assert os.environ["PRIMUS_TURBO_EP_MAX_TOKENS"] == str(cfg.model.seq_length // 2 * 2)
+    monkeypatch.setenv("PRIMUS_TURBO_EP_MAX_TOKENS", "777")
+    assert _size_turbo_ep_buffers(cfg) == "" and os.environ["PRIMUS_TURBO_EP_MAX_TOKENS"] == "777"
