@@ -78,16 +78,19 @@ def _check_fp8(rank, world, device, seed, backend):
         assert_snr(out.cpu(), ref, fp8_snr_gate(cfg.format), msg=f"RS fp8 {cfg.granularity.name} {backend}")
 
 
-def _check_fp8_out_dtypes(rank, world, device, seed, backend, n=40, n2=24):
+def _check_fp8_out_dtypes(rank, world, device, seed, backend):
     """One output dtype per b (FP8 GEMMs): each output in its own dtype, each product right. N = 40 / 24
     are not multiples of 16: NCCL and TURBO pad for cuBLAS; torch's SYMM_MEM op cannot, so pinned there
-    it must refuse with a clear error (and run at N = 48 / 32)."""
-    if backend == "SYMM_MEM" and device.type == "cuda" and n % 16:
+    it must refuse with a clear error (and it runs at N = 48 / 32)."""
+    n, n2 = 40, 24
+    if backend == "SYMM_MEM" and device.type == "cuda":
         with pytest.raises(ValueError, match="cannot handle"):
-            _check_fp8_out_dtypes(rank, world, device, seed, backend, n, n2)
-        backend_n = (48, 32)
-        return _check_fp8_out_dtypes(rank, world, device, seed, "SYMM_MEM_PADDED", *backend_n)
-    backend = "SYMM_MEM" if backend == "SYMM_MEM_PADDED" else backend
+            _fp8_out_dtypes_case(rank, world, device, seed, backend, n, n2)
+        n, n2 = 48, 32
+    _fp8_out_dtypes_case(rank, world, device, seed, backend, n, n2)
+
+
+def _fp8_out_dtypes_case(rank, world, device, seed, backend, n, n2):
     ins = rank_inputs(seed, world, (48, 64), (64, n), dtype=torch.bfloat16)
     a, b = ins[rank][0].to(device), ins[0][1].to(device)
     cfg = Float8QuantConfig(format=Format.E4M3, granularity=ScalingGranularity.TENSORWISE)
