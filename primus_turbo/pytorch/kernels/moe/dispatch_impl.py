@@ -153,9 +153,11 @@ def _nccl_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_i
     if is_token_in_rank is None:
         _, _, is_token_in_rank = dispatch_layout(indices, num_experts, world_size)
     send_counts = is_token_in_rank.sum(0, dtype=torch.int64)
-    # routes per destination rank: the receiver's exact permute size, known with the same sync
+    # routes per destination rank: the receiver's exact permute size, known with the same sync (scatter_add,
+    # not bincount: CUDA bincount reads the max id back to the host, a second sync before the exchange)
     dest = torch.where(indices >= 0, indices // experts_per_rank, world_size).reshape(-1).long()
-    send_routes = torch.bincount(dest, minlength=world_size + 1)[:world_size]
+    send_routes = torch.zeros(world_size + 1, dtype=torch.int64, device=x.device)
+    send_routes = send_routes.scatter_add_(0, dest, torch.ones_like(dest))[:world_size]
     meta = (num_experts, hidden, indices.shape[1], _DTYPE_IDS.get(x.dtype, 99), probs is not None,
             x_scale is not None)  # fmt: skip
     send_splits, recv_splits, recv_routes = _exchange_counts(
