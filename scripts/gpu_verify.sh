@@ -13,7 +13,7 @@
 #   SYNCS="recipe=deepseek_moe_fp8 train.steps=6"  host-sync sites per step (benchmark/e2e/find_syncs.py), one
 #                                              torchrun each; "a ...; b ..." runs several (SYNCS_TIMEOUT=150 each)
 #   BENCHES="bench_gemm bench_rmsnorm"         benchmark/ops/<name>.py --quick (async_tp/dispatch under torchrun -n 2);
-#                                              BENCH_QUICK=0: the full sweeps
+#                                              BENCH_QUICK=0: the full sweeps; DIST_BENCH_TIMEOUT=90 (2-GPU ones)
 #   PARITY="recipe=deepseek_moe_fp8 steps=500" [PARITY_TIMEOUT=500]
 #                                              compare.py parity=true: bf16 on GPU 0 and fp8 on GPU 1 at once, in
 #                                              the background while the other steps run (loss only, so sharing the
@@ -116,7 +116,7 @@ fi
 quick=--quick; [ "${BENCH_QUICK:-1}" = 0 ] && quick=
 for b in ${BENCHES:-}; do
   case "$b" in
-    *dispatch*|*async_tp*) step 90 "$b" torchrun --nproc_per_node=2 "benchmark/ops/$b.py" $quick --out "$WORK" ;;
+    *dispatch*|*async_tp*) step "${DIST_BENCH_TIMEOUT:-90}" "$b" torchrun --nproc_per_node=2 "benchmark/ops/$b.py" $quick --out "$WORK" ;;
     *) step "${BENCH_TIMEOUT:-75}" "$b" python3 "benchmark/ops/$b.py" $quick --out "$WORK" ;;
   esac
   grep -v "^ *$" "$WORK/$b.log" | tail -14

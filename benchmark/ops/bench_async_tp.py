@@ -1,6 +1,7 @@
 """Async-TP on 2 GPUs: all-gather+GEMM and GEMM+reduce-scatter, every backend vs unfused vs GEMM alone.
 
     torchrun --nproc_per_node=2 benchmark/ops/bench_async_tp.py --quick   # bf16, 4 shapes (< 60 s)
+    BENCH_PROFILE=1 torchrun ...   # also the CUDA kernels + host time of 5 TURBO calls per shape
     torchrun --nproc_per_node=2 benchmark/ops/bench_async_tp.py           # + FP8 rowwise/tensorwise,
                                                                           #   TURBO num_splits sweep,
                                                                           #   Column+Row layers fwd/bwd
@@ -28,6 +29,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -54,26 +56,32 @@ from primus_turbo.pytorch.ops.async_tp import (  # noqa: E402
 )
 
 SHAPES = [(8192, 4096, 14336), (8192, 8192, 8192), (16384, 7168, 2048), (4096, 4096, 4096)]
-EXTRA_COLUMNS = ["op", "precision", "vs unfused", "vs gemm only"]
+EXTRA_COLUMNS = ["op", "precision", "vs unfused", "vs gemm only", "host ms"]
 
 
-def time_ms(fn, iters: int) -> float:
+def time_ms(fn, iters: int, host: list | None = None) -> float:
+    """Median device ms per call (max over ranks); appends the host's enqueue ms per call to ``host``
+    (a call whose host time is near its device time is launch-bound, not GPU-bound)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    samples = []
+    samples, host_samples = [], []
     for _ in range(5):
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        host_samples.append((time.perf_counter() - t0) * 1e3 / iters)
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / iters)
-    ms = torch.tensor(statistics.median(samples), device="cuda")
+    ms = torch.tensor([statistics.median(samples), statistics.median(host_samples)], device="cuda")
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    return float(ms)
+    if host is not None:
+        host.append(round(float(ms[1]), 4))
+    return float(ms[0])
 
 
 def snr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -169,13 +177,16 @@ def bench_shape(M, K, N, op, precision, quick, iters) -> list[dict]:
         try:
             out = run(backend, splits)
             check, snr = _check(ref, out, fp8)
-            ms = time_ms(lambda backend=backend, splits=splits: run(backend, splits), iters)
+            host = []
+            ms = time_ms(lambda backend=backend, splits=splits: run(backend, splits), iters, host)
         except Exception as e:  # keep the table going; the failure is in the row
             if dist.get_rank() == 0:
                 print(f"{op} {precision} {M}x{K}x{N} {label}: {type(e).__name__}: {e}")
             rows.append(dict(base, label=f"{op} {label}", Check=f"ERROR {type(e).__name__}"))
             continue
         unfused_ms = ms if backend == "NCCL" else unfused_ms
+        if backend == "TURBO" and splits is None and os.environ.get("BENCH_PROFILE") == "1":
+            _profile(f"{op} {precision} {M}x{K}x{N} TURBO", lambda backend=backend: run(backend))
         if backend is None:  # name the backend the default rule picked
             disp = AllGatherMatmulDispatcher if op == "AG+GEMM" else MatmulReduceScatterDispatcher
             label = f"{label} ({disp.last_backend.name if disp.last_backend else '?'})"
@@ -190,12 +201,28 @@ def bench_shape(M, K, N, op, precision, quick, iters) -> list[dict]:
                     "Forward Time (ms)": ms,
                     "vs unfused": (unfused_ms / ms) if unfused_ms else "",
                     "vs gemm only": gemm_ms / ms,
+                    "host ms": host[0],
                 },
             )
         )
     for r in rows[:2]:
         r["Forward TFLOPS"] = tflops(flop, r["Forward Time (ms)"]) if "gemm" in r["label"] else ""
     return rows
+
+
+def _profile(title: str, fn) -> None:
+    """BENCH_PROFILE=1: rank 0's CUDA kernels and host time of 5 calls (every rank profiles)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print(f"== profile {title}, 5 calls (totals over the 5)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
 
 
 def bench_layers(M, K, N, iters) -> list[dict]:
@@ -276,6 +303,7 @@ def main() -> None:
                 "Forward TFLOPS",
                 "vs unfused",
                 "vs gemm only",
+                "host ms",
                 "out_snr",
             ],
         )
