@@ -211,7 +211,10 @@ def bench_shape(M, K, N, op, precision, quick, iters) -> list[dict]:
 
 
 def _profile(title: str, fn) -> None:
-    """BENCH_PROFILE=1: rank 0's CUDA kernels and host time of 5 calls (every rank profiles)."""
+    """BENCH_PROFILE=1: rank 0's CUDA kernels of 5 calls and Python hot spots of 20 (every rank runs)."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
@@ -220,9 +223,18 @@ def _profile(title: str, fn) -> None:
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
+    dist.barrier()
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(20):
+        fn()
+    host.disable()
+    torch.cuda.synchronize()
     if dist.get_rank() == 0:
         print(f"== profile {title}, 5 calls (totals over the 5)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+        print(f"== host hot spots {title}, 20 calls (cProfile)")
+        pstats.Stats(host).sort_stats("tottime").print_stats(14)
 
 
 def bench_layers(M, K, N, iters) -> list[dict]:

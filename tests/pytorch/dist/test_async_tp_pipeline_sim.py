@@ -11,7 +11,6 @@ exercised by the multigpu tests.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import types
 
@@ -53,11 +52,14 @@ def _simulate(world, per_rank_fn, monkeypatch):
     barriers = {c: threading.Barrier(world) for c in range(pipe._MAX_SPLITS + 1)}
     stream = _FakeStream()
     fake_cuda = types.SimpleNamespace(
-        current_stream=lambda: stream, stream=lambda s: contextlib.nullcontext(), Event=_FakeEvent
+        current_stream=lambda: stream,
+        set_stream=lambda s: None,
+        Event=_FakeEvent,
     )
     local = threading.local()
     monkeypatch.setattr(pipe, "_cuda", fake_cuda)
     monkeypatch.setattr(pipe, "_views", {})  # cached views of another test's fake buffers
+    monkeypatch.setattr(pipe, "_event_pools", {})  # keep fake events out of the real pool
     monkeypatch.setattr(pipe, "_side_stream", lambda device: stream)
 
     def workspace(group_name, nbytes, device):

@@ -8,14 +8,15 @@ barrier that must follow it, so the first GEMM starts immediately.
 
 Ordering, per call (``b`` = ``_SymmetricMemory.barrier``, a tiny all-ranks kernel; every barrier
 runs on the side stream, none on the compute stream, so no GEMM ever waits on a peer's launch):
-  side stream   : wait(compute) -> b(0) -> push part 0 -> b -> ev0 -> push part 1 -> b -> ev1 ...
-  compute stream: GEMM(local chunk) -> wait(ev0) -> GEMM(part 0) -> wait(ev1) -> ...
-The opening b(0) completes only when every rank's side stream has passed its own wait(compute),
+  side stream   : wait(ev_start) -> b(0) -> push part 0 -> b -> ev0 -> push part 1 -> b -> ev1 ...
+  compute stream: ev_start -> GEMM(local chunk) -> wait(ev0) -> GEMM(part 0) -> wait(ev1) -> ...
+The opening b(0) completes only when every rank's side stream has passed its own wait(ev_start),
 i.e. every rank has finished reading its slots in the previous call (of either op: they share the
 workspace), so nobody overwrites a slot a peer still reads; it replaces a closing barrier on the
 compute stream, which stalled the next call's first GEMM until the slowest rank caught up. A
 barrier after a push completes only when every rank has finished the same push, so after it this
-rank's buffer holds every peer's part.
+rank's buffer holds every peer's part. The side stream's part is enqueued in one go (one stream
+switch, pooled events): at ~0.3 ms of GEMM a call is otherwise bound by its own Python launches.
 
 Workspaces are one uint8 symmetric tensor per process group, grown on demand (a collective
 rendezvous, so every rank must call with the same shapes: true for TP). Old workspaces are kept
@@ -133,6 +134,22 @@ def _row_parts(rows: int, splits: int) -> list[tuple[int, int]]:
     return [(s, min(s + step, rows)) for s in range(0, rows, step)]
 
 
+def _events(device: torch.device, n: int) -> list:
+    """``n`` reusable CUDA events for one call (created once per device, grown on demand).
+
+    Reuse is safe: ``wait_event`` captures the event's most recent record at the time it is enqueued,
+    and every use of an event within a call is enqueued before the next call records it again.
+    """
+    index = device.index if device.index is not None else 0
+    pool = _event_pools.setdefault(index, [])
+    while len(pool) < n:
+        pool.append(_cuda.Event())
+    return pool
+
+
+_event_pools: dict[int, list] = {}
+
+
 def pipelined_all_gather_consume(
     shards: list[torch.Tensor],
     consume: Callable[[list[torch.Tensor], int], None],
@@ -148,6 +165,10 @@ def pipelined_all_gather_consume(
     row-wise scales). ``gathered`` (optional) receives the full tensors, [world_size * rows, ...].
     Each rank pushes its shard to every peer in ``num_splits`` row blocks, so the consumer of block
     j can start while block j+1 is still in flight.
+
+    Host cost matters as much as overlap here (a 0.3 ms GEMM is launch-bound at ~60 Python-level
+    CUDA calls): the side stream's whole schedule is enqueued under one stream switch, with pooled
+    events, before the compute stream's.
     """
     rows = shards[0].shape[0]
     parts = _row_parts(rows, max(1, min(num_splits, _MAX_SPLITS))) if rows else []
@@ -156,7 +177,7 @@ def pipelined_all_gather_consume(
     handle = _workspace(group_name, slot_bytes * world_size, shards[0].device)
     compute = _cuda.current_stream()
     side = _side_stream(shards[0].device)
-    side.wait_stream(compute)
+    ev = _events(shards[0].device, len(parts) + 2)  # [start, arrived_1..P, done]
 
     def slot(owner: int, src: int) -> list[torch.Tensor]:
         offset, views = src * slot_bytes, []
@@ -165,35 +186,36 @@ def pipelined_all_gather_consume(
             offset += nb
         return views
 
-    arrived = []
-    with _cuda.stream(side):
+    local = {src: slot(rank, src) for src in range(world_size) if src != rank}
+    peers = [(rank + step) % world_size for step in range(1, world_size)]
+    remote = [slot(peer, rank) for peer in peers]
+    ev[0].record(compute)
+    _cuda.set_stream(side)
+    try:
+        side.wait_event(ev[0])
         handle.barrier(channel=0)  # every rank is done reading its slots (previous call)
         for channel, (r0, r1) in enumerate(parts, start=1):
-            for step in range(1, world_size):
-                peer = (rank + step) % world_size
-                for dst, x in zip(slot(peer, rank), shards):
+            for dsts in remote:
+                for dst, x in zip(dsts, shards):
                     dst[r0:r1].copy_(x[r0:r1], non_blocking=True)
             handle.barrier(channel=channel)
-            event = _cuda.Event()
-            event.record(side)
-            arrived.append(event)
-
-    consume(shards, rank * rows)
-    local = {src: slot(rank, src) for src in range(world_size) if src != rank}
-    for event, (r0, r1) in zip(arrived, parts):
-        compute.wait_event(event)
-        for step in range(1, world_size):
-            src = (rank - step) % world_size
-            consume([t[r0:r1] for t in local[src]], src * rows + r0)
-
-    if gathered is not None:
-        # The copy-out of the gathered tensors overlaps the GEMMs above (side stream is past arrival).
-        with _cuda.stream(side):
+            ev[channel].record(side)
+        if gathered is not None:  # the copy-out runs on the side stream while the GEMMs below run
             for src in range(world_size):
                 views = shards if src == rank else local[src]
                 for full, part in zip(gathered, views):
                     full[src * rows : (src + 1) * rows].copy_(part, non_blocking=True)
-    compute.wait_stream(side)
+        ev[-1].record(side)
+    finally:
+        _cuda.set_stream(compute)
+
+    consume(shards, rank * rows)
+    for channel, (r0, r1) in enumerate(parts, start=1):
+        compute.wait_event(ev[channel])
+        for step in range(1, world_size):
+            src = (rank - step) % world_size
+            consume([t[r0:r1] for t in local[src]], src * rows + r0)
+    compute.wait_event(ev[-1])
 
 
 def pipelined_produce_reduce_scatter(
@@ -209,8 +231,9 @@ def pipelined_produce_reduce_scatter(
     """out = reduce_op over ranks of rows block ``rank`` of the full [world_size * m, N] product.
 
     ``produce(r0, r1, dst)`` writes rows [r0, r1) of this rank's partial product into ``dst``.
-    Blocks destined to peers are produced first (row block by row block) and pushed into the
-    peer's slot for this rank while the next block computes.
+    Blocks destined to peers are produced first (row block by row block, into a local staging
+    buffer of (world_size - 1) x out) and each row block is pushed into the peers' slots for this
+    rank as soon as it is produced, while the next block computes.
 
     Without ``accumulate``: this rank's own block is produced straight into its slot and one
     ``sum``/``mean`` over the ``world_size`` slots finishes the reduction (an extra pass over
@@ -220,6 +243,10 @@ def pipelined_produce_reduce_scatter(
     the own block is computed onto the peers' arrived partials, so the reduction rides in the
     GEMM's epilogue and no separate reduction kernel runs. Needs >= 2 row blocks to hide the
     pushes (own block j waits for the peers' block j).
+
+    Enqueue order (host cost, see pipelined_all_gather_consume): every peer-block GEMM on the compute
+    stream (an event per row block), then the side stream's pushes and barriers under one stream
+    switch, then the own-block GEMMs.
     """
     m = out.shape[0]
     parts = _row_parts(m, max(1, min(num_splits, _MAX_SPLITS))) if m else []
@@ -227,59 +254,57 @@ def pipelined_produce_reduce_scatter(
     handle = _workspace(group_name, slot_bytes * world_size, out.device)
     compute = _cuda.current_stream()
     side = _side_stream(out.device)
-    side.wait_stream(compute)
-    with _cuda.stream(side):
-        handle.barrier(channel=0)  # every rank is done reading its slots (previous call)
+    nparts = len(parts)
+    ev = _events(out.device, 2 * nparts + 2)  # [start, produced_1..P, arrived_1..P, done]
+    peers = [(rank + step) % world_size for step in range(1, world_size)]
 
     def slot(owner: int, src: int) -> torch.Tensor:
         return _view(handle, owner, src * slot_bytes, out)
 
-    stages = [torch.empty_like(out[: parts[0][1] - parts[0][0]]) for _ in range(2)] if parts else []
-    stage_free, arrived = [None, None], []
-    n = 0
-    for channel, (r0, r1) in enumerate(parts, start=1):
-        for step in range(1, world_size):
-            peer = (rank + step) % world_size
-            stage = stages[n % 2][: r1 - r0]
-            if stage_free[n % 2] is not None:
-                compute.wait_event(stage_free[n % 2])
-            produce(peer * m + r0, peer * m + r1, stage)
-            side.wait_stream(compute)
-            with _cuda.stream(side):
-                slot(peer, rank)[r0:r1].copy_(stage, non_blocking=True)
-                done = _cuda.Event()
-                done.record(side)
-            stage_free[n % 2] = done
-            n += 1
-        if accumulate is not None:
-            with _cuda.stream(side):
-                handle.barrier(channel=channel)
-                event = _cuda.Event()
-                event.record(side)
-            arrived.append(event)
+    ev[0].record(compute)
+    stage = out.new_empty((len(peers), *out.shape))  # freed after compute waits for the side stream
+    for j, (r0, r1) in enumerate(parts, start=1):
+        for i, peer in enumerate(peers):
+            produce(peer * m + r0, peer * m + r1, stage[i, r0:r1])
+        ev[j].record(compute)
+    remote = [slot(peer, rank) for peer in peers]
+    _cuda.set_stream(side)
+    try:
+        side.wait_event(ev[0])
+        handle.barrier(channel=0)  # every rank is done reading its slots (previous call)
+        for j, (r0, r1) in enumerate(parts, start=1):
+            side.wait_event(ev[j])
+            for i, dst in enumerate(remote):
+                dst[r0:r1].copy_(stage[i, r0:r1], non_blocking=True)
+            if accumulate is not None:
+                handle.barrier(channel=j)
+                ev[nparts + j].record(side)
+        if accumulate is None:
+            handle.barrier(channel=1)
+        ev[-1].record(side)
+    finally:
+        _cuda.set_stream(compute)
     if accumulate is None:
         own = slot(rank, rank)
         for r0, r1 in parts:
             produce(rank * m + r0, rank * m + r1, own[r0:r1])
-        with _cuda.stream(side):
-            handle.barrier(channel=1)
-        compute.wait_stream(side)
+        compute.wait_event(ev[-1])
         _reduce_slots(handle, rank, world_size, slot_bytes, out, reduce_op)
         return
     scale = 1.0 / world_size if reduce_op == "avg" else 1.0
-    peers = [(rank + step) % world_size for step in range(1, world_size)]
-    for event, (r0, r1) in zip(arrived, parts):
-        compute.wait_event(event)
+    local = [slot(rank, peer) for peer in peers]
+    for j, (r0, r1) in enumerate(parts, start=1):
+        compute.wait_event(ev[nparts + j])
         dst = out[r0:r1]
         if world_size == 2:
-            c = slot(rank, peers[0])[r0:r1]
+            c = local[0][r0:r1]
         else:
             c = dst
-            torch.add(slot(rank, peers[0])[r0:r1], slot(rank, peers[1])[r0:r1], out=dst)
-            for peer in peers[2:]:
-                dst.add_(slot(rank, peer)[r0:r1])
+            torch.add(local[0][r0:r1], local[1][r0:r1], out=dst)
+            for peer_slot in local[2:]:
+                dst.add_(peer_slot[r0:r1])
         accumulate(rank * m + r0, rank * m + r1, c, scale, scale, dst)
-    compute.wait_stream(side)
+    compute.wait_event(ev[-1])
 
 
 def _reduce_slots(handle, rank: int, world_size: int, slot_bytes: int, out: torch.Tensor, reduce_op: str):
