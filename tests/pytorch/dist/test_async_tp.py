@@ -278,6 +278,19 @@ def _gpu_bitwise_body(rank, world, device, seed):
     assert_close(out, ref, torch.bfloat16, msg="TURBO vs NCCL")
     rs = [fused_matmul_reduce_scatter(a, b, "sum", 0, backend="TURBO", num_splits=2) for _ in range(2)]
     assert torch.equal(rs[0], rs[1]), "TURBO GEMM+RS not run-to-run deterministic"
+    # the csrc schedule (async_tp_rs_fused) runs the same GEMMs on the same row blocks as the Python one
+    from primus_turbo.pytorch.kernels.async_tp import async_tp_impl
+
+    assert async_tp_impl._has_cpp_rs(), "a CUDA build must have the csrc GEMM+RS schedule"
+    for splits, m in ((2, 1024), (3, 1001)):  # 1001 output rows per rank: uneven row blocks
+        x = a[: world * m]
+        cpp = fused_matmul_reduce_scatter(x, b, "avg", 0, backend="TURBO", num_splits=splits)
+        async_tp_impl._CPP_RS = False
+        try:
+            py = fused_matmul_reduce_scatter(x, b, "avg", 0, backend="TURBO", num_splits=splits)
+        finally:
+            async_tp_impl._CPP_RS = None
+        assert torch.equal(cpp, py), f"csrc vs Python GEMM+RS schedule differ (splits={splits})"
 
 
 @pytest.mark.multigpu

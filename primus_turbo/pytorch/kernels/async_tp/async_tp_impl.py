@@ -34,6 +34,7 @@ backends, which deadlocks.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -44,6 +45,7 @@ from torch.distributed import distributed_c10d as c10d
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
 from primus_turbo.pytorch.kernels.async_tp.symm_mem_pipeline import (
     enable_symm_mem_for_group,
+    matmul_reduce_scatter_cpp,
     pipelined_all_gather_consume,
     pipelined_produce_reduce_scatter,
     symm_mem_available,
@@ -314,6 +316,24 @@ def _rs_default_splits(out: torch.Tensor, k: int, n: int, world: int, fused: boo
     return 2 if ratio <= 0.5 else 3 if ratio <= 1.0 else 4
 
 
+def _has_cpp_rs() -> bool:
+    """The csrc GEMM+RS schedule is built (a CUDA torch build; it is part of the CUDA extension).
+    PRIMUS_TURBO_ASYNC_TP_CPP=0 keeps the Python schedule (same kernels, more host time)."""
+    global _CPP_RS
+    if _CPP_RS is None:
+        from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION
+
+        _CPP_RS = (
+            HAS_CPP_EXTENSION
+            and os.environ.get("PRIMUS_TURBO_ASYNC_TP_CPP", "1") != "0"
+            and hasattr(torch.ops.primus_turbo_cpp_extension, "async_tp_rs_fused")
+        )
+    return _CPP_RS
+
+
+_CPP_RS: bool | None = None
+
+
 # -- matmul + reduce-scatter backends -------------------------------------------------------------
 class _RSNccl(KernelBackend):
     @staticmethod
@@ -385,6 +405,9 @@ class _RSTurbo(KernelBackend):
         # no reduction kernel); FP8 (_scaled_mm has no C input) keeps the reduction pass.
         fused = a_scale is None
         splits = num_splits if num_splits else _rs_default_splits(out, a.shape[1], b.shape[1], world, fused)
+        if fused and _has_cpp_rs():
+            matmul_reduce_scatter_cpp(a, b, out, reduce_op, group_name, world, rank, splits)
+            return out
         pipelined_produce_reduce_scatter(
             produce, out, reduce_op, group_name, world, rank, splits, accumulate if fused else None
         )
