@@ -37,7 +37,9 @@ from primus_turbo.pytorch.core.low_precision import (
     is_fp8_dtype,
 )
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
+    all_gather_matmul_eager,
     all_gather_matmul_impl,
+    matmul_reduce_scatter_eager,
     matmul_reduce_scatter_impl,
     out_dtype_codes,
     scaled_matmul,
@@ -114,12 +116,16 @@ def _check_operands(a: torch.Tensor, bs: list[torch.Tensor], a_name: str, scaled
 
 
 def _to_front_2d(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, list[int]]:
+    if dim == 0 and t.dim() == 2 and t.is_contiguous():  # the common case: no view ops (host time)
+        return t, [t.shape[0]]
     moved = t.movedim(dim, 0)
     rows = moved.shape[:-1].numel()
     return moved.contiguous().view(rows, t.shape[-1]), list(moved.shape[:-1])
 
 
 def _from_front_2d(t2d: torch.Tensor, lead: list[int], dim: int) -> torch.Tensor:
+    if dim == 0 and len(lead) == 1:
+        return t2d
     return t2d.reshape(*lead, t2d.shape[-1]).movedim(0, dim)
 
 
@@ -191,9 +197,8 @@ def _all_gather_matmul_2d(a2d, bs, a_scale, b_scales, group_name, return_a, out_
     if a2d.numel() == 0 or any(b.numel() == 0 for b in bs):
         backend = "NCCL"  # nothing to overlap
     codes = out_dtype_codes(out_dtypes) if out_dtypes else []
-    res = all_gather_matmul_impl(
-        a2d, bs, a_scale, b_scales, group_name, return_a, codes, backend or "", num_splits or 0
-    )
+    op = all_gather_matmul_impl if _needs_custom_op(a2d, *bs) else all_gather_matmul_eager
+    res = op(a2d, bs, a_scale, b_scales, group_name, return_a, codes, backend or "", num_splits or 0)
     scale_full = res[1] if res[1].numel() else a_scale
     return (res[0] if return_a else None), scale_full, list(res[2:])
 
@@ -309,6 +314,14 @@ def _check_reduce_scatter(a, b, reduce_op, scatter_dim, group_name, scaled):
     return dim, world
 
 
+def _needs_custom_op(*tensors: torch.Tensor) -> bool:
+    """The registered custom op under torch.compile or autograd; the plain function otherwise (same
+    result, ~60 us less host time per call)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _matmul_reduce_scatter_2d(
     a2d, b, a_scale, b_scale, reduce_op, group_name, out_dtype, backend, num_splits
 ):
@@ -316,9 +329,8 @@ def _matmul_reduce_scatter_2d(
         return scaled_matmul(a2d, b, a_scale, b_scale, out_dtype)
     if a2d.numel() == 0 or b.numel() == 0:
         backend = "NCCL"
-    return matmul_reduce_scatter_impl(
-        a2d, b, a_scale, b_scale, reduce_op, group_name, out_dtype, backend or "", num_splits or 0
-    )
+    op = matmul_reduce_scatter_impl if _needs_custom_op(a2d, b) else matmul_reduce_scatter_eager
+    return op(a2d, b, a_scale, b_scale, reduce_op, group_name, out_dtype, backend or "", num_splits or 0)
 
 
 def fused_matmul_reduce_scatter(
