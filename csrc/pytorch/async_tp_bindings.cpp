@@ -1,7 +1,7 @@
 // The TURBO GEMM + reduce-scatter push pipeline (bf16/fp16/fp32), enqueued from C++.
 //
 //   torch.ops.primus_turbo_cpp_extension.async_tp_rs_fused(a, b, out, stage, remote, local, bounds,
-//       signal_pads, rank, world, side_stream_id, side_device_index, side_device_type, scale) -> ()
+//       signal_pads, rank, world, side_stream_id, side_device_index, side_device_type, scale, fuse_own) -> ()
 //
 // The same schedule as pipelined_produce_reduce_scatter(accumulate=...) in
 // primus_turbo/pytorch/kernels/async_tp/symm_mem_pipeline.py, which prepares every argument:
@@ -10,8 +10,11 @@
 //   (peer i = (rank + 1 + i) % world), bounds: row-block starts plus m, signal_pads: the handle's
 //   signal_pad_ptrs_dev, side stream: torch.cuda.Stream's (stream_id, device_index, device_type),
 //   scale: 1 (sum) or 1 / world (avg).
-// compute: ev0, GEMM of every peer block per row block (event each) ... wait(arrived_j), own block j
-//          computed onto the peers' partials (addmm epilogue), wait(done)
+// compute: ev0, GEMM of every peer block per row block (event each), then
+//          fuse_own: per row block wait(arrived_j), own block j computed onto the peers' partials
+//                    (addmm epilogue: no extra pass, but 2 x P GEMM launches)
+//          else:     the own block as one GEMM into out (not waiting for any push), wait(done), out += the
+//                    peers' partials (one elementwise pass; P + 1 GEMM launches: for host-bound calls)
 // side:    wait(ev0), barrier(0), per row block: wait(produced_j), push to every peer, barrier(j + 1)
 // At ~0.3 ms of GEMM per call the Python version of this schedule is bound by its ~60 launches.
 #include <ATen/ATen.h>
@@ -55,7 +58,7 @@ cudaEvent_t* event_pool(int device, size_t n) {
 void async_tp_rs_fused_cuda(const Tensor& a, const Tensor& b, Tensor out, Tensor stage, at::TensorList remote,
                             at::TensorList local, at::IntArrayRef bounds, int64_t signal_pads, int64_t rank,
                             int64_t world, int64_t side_stream_id, int64_t side_device_index,
-                            int64_t side_device_type, double scale) {
+                            int64_t side_device_type, double scale, bool fuse_own) {
     const int64_t npeers = world - 1;
     const int64_t nparts = static_cast<int64_t>(bounds.size()) - 1;
     const int64_t m = out.size(0);
@@ -112,6 +115,13 @@ void async_tp_rs_fused_cuda(const Tensor& a, const Tensor& b, Tensor out, Tensor
         C10_CUDA_CHECK(cudaEventRecord(ev[1 + nparts + j], side.stream()));
     }
     C10_CUDA_CHECK(cudaEventRecord(ev[1 + 2 * nparts], side.stream()));
+    if (!fuse_own) {
+        at::mm_out(out, a.slice(0, rank * m, (rank + 1) * m), b);
+        C10_CUDA_CHECK(cudaStreamWaitEvent(compute.stream(), ev[1 + 2 * nparts], 0));
+        for (int64_t i = 0; i < npeers; ++i) out.add_(local[i]);
+        if (scale != 1.0) out.mul_(scale);
+        return;
+    }
     for (int64_t j = 0; j < nparts; ++j) {
         const int64_t r0 = bounds[j], r1 = bounds[j + 1];
         C10_CUDA_CHECK(cudaStreamWaitEvent(compute.stream(), ev[1 + nparts + j], 0));
@@ -133,7 +143,7 @@ TORCH_LIBRARY_FRAGMENT(primus_turbo_cpp_extension, m) {
     m.def(
         "async_tp_rs_fused(Tensor a, Tensor b, Tensor(a!) out, Tensor(b!) stage, Tensor[] remote, Tensor[] local, "
         "int[] bounds, int signal_pads, int rank, int world, int side_stream_id, int side_device_index, "
-        "int side_device_type, float scale) -> ()");
+        "int side_device_type, float scale, bool fuse_own) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, CUDA, m) { m.impl("async_tp_rs_fused", &async_tp_rs_fused_cuda); }

@@ -282,15 +282,24 @@ def _gpu_bitwise_body(rank, world, device, seed):
     from primus_turbo.pytorch.kernels.async_tp import async_tp_impl
 
     assert async_tp_impl._has_cpp_rs(), "a CUDA build must have the csrc GEMM+RS schedule"
-    for splits, m in ((2, 1024), (3, 1001)):  # 1001 output rows per rank: uneven row blocks
-        x = a[: world * m]
-        cpp = fused_matmul_reduce_scatter(x, b, "avg", 0, backend="TURBO", num_splits=splits)
-        async_tp_impl._CPP_RS = False
-        try:
+    min_s = async_tp_impl._RS_FUSE_OWN_MIN_S
+    try:
+        for splits, m in ((2, 1024), (3, 1001)):  # 1001 output rows per rank: uneven row blocks
+            x = a[: world * m]
+            async_tp_impl._RS_FUSE_OWN_MIN_S = 0.0  # own block in the addmm epilogue, as in Python
+            cpp = fused_matmul_reduce_scatter(x, b, "avg", 0, backend="TURBO", num_splits=splits)
+            async_tp_impl._CPP_RS = False
             py = fused_matmul_reduce_scatter(x, b, "avg", 0, backend="TURBO", num_splits=splits)
-        finally:
             async_tp_impl._CPP_RS = None
-        assert torch.equal(cpp, py), f"csrc vs Python GEMM+RS schedule differ (splits={splits})"
+            assert torch.equal(cpp, py), f"csrc vs Python GEMM+RS schedule differ (splits={splits})"
+            # own block as one GEMM plus an add pass: what NCCL does (partials rounded, then summed)
+            async_tp_impl._RS_FUSE_OWN_MIN_S = float("inf")
+            for op in ("sum", "avg"):
+                add = fused_matmul_reduce_scatter(x, b, op, 0, backend="TURBO", num_splits=splits)
+                ref = fused_matmul_reduce_scatter(x, b, op, 0, backend="NCCL")
+                assert_close(add, ref, torch.bfloat16, msg=f"csrc GEMM+RS add mode {op} vs NCCL")
+    finally:
+        async_tp_impl._CPP_RS, async_tp_impl._RS_FUSE_OWN_MIN_S = None, min_s
 
 
 @pytest.mark.multigpu

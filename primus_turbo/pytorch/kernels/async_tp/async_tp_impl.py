@@ -79,6 +79,7 @@ warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is depreca
 _FUSED_MIN_FLOP = 2**37
 _AG_TURBO_MIN_COMM_RATIO = 0.5
 _RS_FUSED_BACKEND = BackendType.SYMM_MEM
+_RS_FUSE_OWN_MIN_S = 0.6e-3  # est. GEMM seconds per rank (650 TFLOP/s) from which the csrc GEMM+RS uses addmm
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -302,13 +303,13 @@ def _default_splits(a_shard: torch.Tensor, bs: list[torch.Tensor], world: int) -
     """Row blocks per pushed shard: 1 when the local GEMM hides the whole push, more when comm-heavy.
 
     Push time ~ bytes / 350 GB/s (copy engine, NVLink NV18); local GEMM ~ flop / 650 TFLOP/s.
-    Extra blocks cost one barrier (~5 us) each, so split only when the push outlasts the GEMM.
+    Extra blocks cost a barrier and a GEMM launch per peer each (~30 us of host time per GEMM on the
+    H200 hosts measured), so split only when the push outlasts the GEMM, and at most in 2: on 2x H200
+    (session 13) 4 blocks lost to 1-2 at every issue shape, the comm-heavy 16384x7168x2048 included.
     """
     push_s = a_shard.numel() * a_shard.element_size() * (world - 1) / 350e9
     gemm_s = 2 * a_shard.shape[0] * a_shard.shape[1] * sum(b.shape[1] for b in bs) / 650e12
-    if push_s <= 0.8 * gemm_s:
-        return 1
-    return 2 if push_s <= 1.6 * gemm_s else 4
+    return 1 if push_s <= 0.8 * gemm_s else 2
 
 
 def _rs_default_splits(out: torch.Tensor, k: int, n: int, world: int, fused: bool) -> int:
@@ -417,7 +418,12 @@ class _RSTurbo(KernelBackend):
         fused = a_scale is None
         splits = num_splits if num_splits else _rs_default_splits(out, a.shape[1], b.shape[1], world, fused)
         if fused and _has_cpp_rs():
-            matmul_reduce_scatter_cpp(a, b, out, reduce_op, group_name, world, rank, splits)
+            # GEMM-bound calls: own block in the addmm epilogue (no extra pass); host-bound ones (the
+            # rank's GEMM under _RS_FUSE_OWN_MIN_S): fewer GEMM launches, one add pass
+            fuse_own = 2 * a.shape[0] * a.shape[1] * b.shape[1] / 650e12 >= _RS_FUSE_OWN_MIN_S
+            if not fuse_own and not num_splits:
+                splits = 1  # the own GEMM overlaps the whole push
+            matmul_reduce_scatter_cpp(a, b, out, reduce_op, group_name, world, rank, splits, fuse_own)
             return out
         pipelined_produce_reduce_scatter(
             produce, out, reduce_op, group_name, world, rank, splits, accumulate if fused else None

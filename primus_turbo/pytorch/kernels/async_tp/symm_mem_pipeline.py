@@ -317,11 +317,14 @@ def matmul_reduce_scatter_cpp(
     world_size: int,
     rank: int,
     num_splits: int,
+    fuse_own: bool = True,
 ) -> None:
     """``pipelined_produce_reduce_scatter`` with ``produce = a @ b`` and the addmm ``accumulate``,
     the whole schedule enqueued by the csrc op ``async_tp_rs_fused`` (cuBLAS via ATen, copy-engine
-    pushes, our barrier kernel on the handle's signal pads): ~10x fewer host microseconds than the
-    Python schedule, which bounds a call whose GEMMs take ~0.3 ms."""
+    pushes, our barrier kernel on the handle's signal pads), which saves the Python interpreter's
+    share of the host time. ``fuse_own=False``: the own block is one GEMM that does not wait for the
+    pushes, then one add of the peers' partials (fewer GEMM launches: each costs ~30 us of host time
+    on the H200 hosts measured, which bounds a call whose GEMMs take ~0.3 ms)."""
     from primus_turbo.pytorch.core.cpp_extension import cpp_ops
 
     m = out.shape[0]
@@ -338,7 +341,7 @@ def matmul_reduce_scatter_cpp(
     scale = 1.0 / world_size if reduce_op == "avg" else 1.0
     cpp_ops().async_tp_rs_fused(
         a, b, out, stage, remote, local, bounds, handle.signal_pad_ptrs_dev, rank, world_size,
-        side.stream_id, side.device_index, side.device_type, scale,
+        side.stream_id, side.device_index, side.device_type, scale, fuse_own,
     )  # fmt: skip
 
 
