@@ -179,5 +179,6 @@ def apply_megatron_patches(cfg: DictConfig, spec) -> list:
 
     turbo_layers.FP8_CONFIG = None  # set again by the turbo.fp8 entry when precision=fp8
     turbo_layers.FP8_GROUPED_CONFIG = None
+    turbo_layers.ASYNC_TP = False  # set again by the turbo.async_tp entry
     ctx = MegatronPatchContext(cfg=cfg, spec=spec)
     return apply_patches(REGISTRY, ctx, cfg.turbo, megatron.core.__version__)

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
-from primus_turbo.integrations.megatron import turbo_ops
+from primus_turbo.integrations.megatron import turbo_async_tp, turbo_ops
 
 from primus_turbo.pytorch.core.main_grad import (
     accumulate_into_main_grads_,
@@ -41,6 +41,8 @@ from primus_turbo.pytorch.core.main_grad import (
 # Set by the registry's fp8 entry before the model is built (primus_turbo Float8QuantConfigs), else None:
 # FP8_CONFIG for the linears, FP8_GROUPED_CONFIG for the experts (grouped FP8 has no delayed scaling).
 FP8_CONFIG = None
+# Set by the turbo.async_tp entry: sequence-parallel turbo linears fuse their collectives into the GEMMs.
+ASYNC_TP = False
 FP8_GROUPED_CONFIG = None
 
 # Weight cache for gradient accumulation: a linear quantizes its weight once per optimizer step and
@@ -153,6 +155,9 @@ class _TurboLinearMixin:
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
+        if ASYNC_TP and FP8_CONFIG is None and not args and kwargs.get("sequence_parallel"):
+            # the column layer (the row layer passes sequence_parallel=False and scatters in forward)
+            return turbo_async_tp.column_forward(input, weight, kwargs.get("bias"), kwargs["tp_group"])
         return turbo_linear_forward_impl(
             input, weight, *args, fp8_config=FP8_CONFIG, delayed_state=self.fp8_delayed_state,
             cache_owner=self, **kwargs,
@@ -164,7 +169,26 @@ class TurboColumnParallelLinear(_TurboLinearMixin, ColumnParallelLinear):
 
 
 class TurboRowParallelLinear(_TurboLinearMixin, RowParallelLinear):
-    pass
+    def forward(self, input_):
+        if not self._async_tp_applies():
+            return super().forward(input_)
+        out = turbo_async_tp.row_forward(input_, self.weight, self.tp_group)  # GEMM + reduce-scatter fused
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
+
+    def _async_tp_applies(self) -> bool:
+        """Megatron's plain sequence-parallel case; everything else keeps its forward."""
+        offload = getattr(self.config, "_cpu_offloading_context", None)
+        return (
+            ASYNC_TP
+            and FP8_CONFIG is None
+            and self.sequence_parallel
+            and self.input_is_parallel
+            and not self.explicit_expert_comm
+            and self.weight.requires_grad
+            and (offload is None or not offload.inside_context)
+        )
 
 
 class TurboRMSNorm(torch.nn.Module):

@@ -218,11 +218,23 @@ def _async_tp_condition(ctx) -> str | None:
     return None if p.tp > 1 and p.sequence_parallel else "needs tp > 1 with sequence_parallel"
 
 
+def _async_tp_probe(ctx) -> str | None:
+    if not ctx.cfg.turbo.gemm:
+        return "the async-TP linears are the turbo linears: needs turbo.gemm=true"
+    if ctx.cfg.fp8.enabled:
+        return "precision=fp8: the turbo linears run turbo's FP8 GEMMs; async-TP serves bf16 linears"
+    ops = ("ops.fused_all_gather_matmul", "ops.fused_matmul_reduce_scatter", "ops.gemm.gemm_wgrad")
+    return _needs_op(*ops)(ctx)
+
+
 @REGISTRY.register("turbo.async_tp", "megatron.core.tensor_parallel.layers.ColumnParallelLinear", TESTED,
-                   feature="async_tp", condition=_async_tp_condition,
-                   probe=lambda ctx: "the async-TP linear adapter is not wired yet")  # fmt: skip
+                   feature="async_tp", condition=_async_tp_condition, probe=_async_tp_probe)  # fmt: skip
 def _async_tp(ctx) -> str:
-    return ""
+    turbo_layers.ASYNC_TP = True
+    return (
+        "sequence-parallel TurboColumn/RowParallelLinear: all-gather + GEMM and GEMM + reduce-scatter fused "
+        "(turbo.ops.fused_all_gather_matmul / fused_matmul_reduce_scatter), fwd and bwd"
+    )
 
 
 @REGISTRY.register("turbo.cross_entropy",

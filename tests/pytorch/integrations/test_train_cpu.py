@@ -167,11 +167,31 @@ def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
 
 
 def test_unavailable_turbo_feature_under_strict_stops_with_the_flag():
+    # async-TP serves bf16 linears; under precision=fp8 the turbo linears run the FP8 GEMMs instead
     rc, out, _ = torchrun("recipe=tiny_dense", "parallel.tp=2", "parallel.sequence_parallel=true",
-                          "turbo.async_tp=true", "train.steps=2")  # fmt: skip
+                          "precision=fp8", "fp8.emulate=true", "turbo.async_tp=true",
+                          "train.steps=2")  # fmt: skip
     assert rc != 0
     assert "turbo.async_tp cannot serve this run" in out and "turbo.strict=false" in out
+    assert "async-TP serves bf16 linears" in out
     assert "step 1/" not in out
+
+
+def test_async_tp_linears_train_like_the_unfused_ones(tmp_path):
+    """tiny_dense, TP=2 + sequence parallel: turbo.async_tp fuses the linears' all-gather / reduce-scatter
+    into their GEMMs (on gloo the fused ops run their NCCL-unfused backend): same losses, with the weight
+    gradients going through main_grad in both runs."""
+    common = ["recipe=tiny_dense", "parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3"]
+    losses = {}
+    for flag in ("false", "true"):
+        metrics = tmp_path / f"{flag}.jsonl"
+        rc, out, _ = torchrun(*common, f"turbo.async_tp={flag}", f"train.metrics_file={metrics}")
+        assert rc == 0, out[-3000:]
+        state = "active" if flag == "true" else "off"
+        assert re.search(rf"turbo\.async_tp\s+{state}", out), out[-3000:]
+        losses[flag] = _losses(metrics)
+    for step in (1, 2, 3):
+        assert losses["true"][step] == pytest.approx(losses["false"][step], rel=1e-4), losses
 
 
 @pytest.mark.parametrize(
