@@ -41,7 +41,9 @@ constexpr int kMaxWorld = 32;     // one barrier thread per rank
 constexpr int kMaxChannels = 16;  // channel 0 opens the call, 1..P signal row blocks
 
 // Reusable events per device: a wait captures the event's latest record when it is enqueued, and every
-// use within a call is enqueued before the next call records the event again.
+// use within a call is enqueued before the next call records the event again. Calls on one device are
+// assumed to come from one host thread at a time (the pool may grow between calls, as the Python
+// schedule's pool assumes too).
 cudaEvent_t* event_pool(int device, size_t n) {
     static std::mutex mu;
     static std::unordered_map<int, std::vector<cudaEvent_t>> pools;

@@ -34,15 +34,20 @@ def _wgrad(x2d: torch.Tensor, dy2d: torch.Tensor, weight: torch.Tensor, accumula
     return gemm_wgrad(x2d, dy2d, False, True, weight.dtype, weight if accumulate else None)
 
 
+def _keep(ctx, x, x2d, weight, group, y) -> torch.Tensor:
+    """Save what both backwards need; return y [rows, out] viewed as [-1, *x's middle dims, out]."""
+    ctx.save_for_backward(x2d, weight)
+    ctx.group, ctx.x_shape, ctx.accumulate = group, x.shape, _accumulates(weight)
+    return y.view(-1, *x.shape[1:-1], weight.shape[0])
+
+
 class _ColumnFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group):
         x2d = x.reshape(-1, x.shape[-1])
         fused_ag = turbo_ops.get("ops.fused_all_gather_matmul")
         _, (y,) = fused_ag(x2d, [weight.t()], 0, group, return_a=False)
-        ctx.save_for_backward(x2d, weight)
-        ctx.group, ctx.x_shape, ctx.accumulate = group, x.shape, _accumulates(weight)
-        return y.view(-1, *x.shape[1:-1], weight.shape[0])
+        return _keep(ctx, x, x2d, weight, group, y)
 
     @staticmethod
     def backward(ctx, dy):
@@ -62,9 +67,7 @@ class _RowFn(torch.autograd.Function):
     def forward(ctx, x, weight, group):
         x2d = x.reshape(-1, x.shape[-1])
         y = turbo_ops.get("ops.fused_matmul_reduce_scatter")(x2d, weight.t(), "sum", 0, group)
-        ctx.save_for_backward(x2d, weight)
-        ctx.group, ctx.x_shape, ctx.accumulate = group, x.shape, _accumulates(weight)
-        return y.view(-1, *x.shape[1:-1], weight.shape[0])
+        return _keep(ctx, x, x2d, weight, group, y)
 
     @staticmethod
     def backward(ctx, dy):
