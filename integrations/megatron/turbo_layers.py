@@ -155,7 +155,13 @@ class _TurboLinearMixin:
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
-        if ASYNC_TP and FP8_CONFIG is None and not args and kwargs.get("sequence_parallel"):
+        if (
+            ASYNC_TP
+            and FP8_CONFIG is None
+            and not args
+            and kwargs.get("sequence_parallel")
+            and kwargs.get("grad_output_buffer") is None  # deferred embedding wgrad: Megatron's own path
+        ):
             # the column layer (the row layer passes sequence_parallel=False and scatters in forward)
             return turbo_async_tp.column_forward(input, weight, kwargs.get("bias"), kwargs["tp_group"])
         return turbo_linear_forward_impl(
