@@ -7,8 +7,12 @@ fast as its slowest participant), so the argmin is identical everywhere. The bas
 unfused path) wins unless another is faster by ``margin``: the measured choice is never slower than
 the baseline beyond timing noise.
 
-Cost: once per dispatcher key (the dispatcher memoizes the answer), ``warmup + iters`` runs of each
-candidate plus two small all-reduces. Never under CUDA-graph capture or while dynamo traces.
+Each candidate is timed in ``rounds`` interleaved rounds and its fastest round counts: a host hiccup
+during one round (2x H200, session 13: host time per call varied 2-4x between machines, and a single
+timing once kept TURBO at 0.90x unfused) then cannot decide the choice.
+
+Cost: once per dispatcher key (the dispatcher memoizes the answer), ``rounds x (warmup + iters)`` runs of
+each candidate plus two small all-reduces. Never under CUDA-graph capture or while dynamo traces.
 """
 
 from __future__ import annotations
@@ -36,7 +40,12 @@ def can_measure(group: Any, kwargs: dict[str, Any]) -> bool:
 
 
 def measured_choice(
-    dispatcher: Any, group: Any, baseline: BackendType, kwargs: dict[str, Any], margin: float = 0.03
+    dispatcher: Any,
+    group: Any,
+    baseline: BackendType,
+    kwargs: dict[str, Any],
+    margin: float = 0.03,
+    rounds: int = 3,
 ) -> tuple[BackendType, dict[BackendType, float]]:
     """(chosen backend, {backend: slowest-rank ms}); candidates are ``dispatcher.backends`` in order."""
     order = list(dispatcher.backends)
@@ -48,11 +57,14 @@ def measured_choice(
     usable = [b for b, flag in zip(order, ok.tolist()) if flag]
     if baseline not in usable:
         raise ValueError(f"{dispatcher.op_name}: baseline backend {baseline.name} cannot run on every rank")
-    times = torch.full((len(order),), float("inf"), dtype=torch.float64, device=device)
-    for i, backend in enumerate(order):
-        if backend in usable:
-            impl = dispatcher.backends[backend]
-            times[i] = dispatcher._time(lambda impl=impl: impl.execute(**kwargs), on_cuda)
+    local_ms = [float("inf")] * len(order)
+    for _ in range(max(1, rounds)):  # interleaved: every candidate sees each round's host conditions
+        for i, backend in enumerate(order):
+            if backend in usable:
+                impl = dispatcher.backends[backend]
+                ms = dispatcher._time(lambda impl=impl: impl.execute(**kwargs), on_cuda)
+                local_ms[i] = min(local_ms[i], ms)
+    times = torch.tensor(local_ms, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     measured = {b: t for b, t in zip(order, times.tolist()) if b in usable}
     best = min(measured, key=measured.get)

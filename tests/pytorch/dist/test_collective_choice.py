@@ -31,6 +31,23 @@ def _backend(ms_by_rank: tuple[float, float], ranks_that_handle=(0, 1)):
     return _Fake
 
 
+def _hiccup_backend(slow_calls: int, slow_ms: float, fast_ms: float):
+    """Slow for its first ``slow_calls`` runs (a host hiccup during one timing round), fast after."""
+    calls = [0]
+
+    class _Fake(KernelBackend):
+        @staticmethod
+        def can_handle(**kw) -> bool:
+            return True
+
+        @staticmethod
+        def execute(**kw):
+            calls[0] += 1
+            time.sleep((slow_ms if calls[0] <= slow_calls else fast_ms) / 1e3)
+
+    return _Fake
+
+
 def _dispatcher(backends):
     class _D(AutoKernelDispatcher):
         op_name = "fake_collective"
@@ -63,6 +80,13 @@ def _body(rank, world, device):
     d = _dispatcher({BackendType.NCCL: _backend((1.0, 1.0), (1,)), BackendType.TURBO: _backend((1.0, 1.0))})
     with pytest.raises(ValueError, match="baseline backend NCCL cannot run on every rank"):
         measured_choice(d, dist.group.WORLD, BackendType.NCCL, x)
+    # one hiccup round does not decide: each candidate's fastest of the interleaved rounds counts
+    # (warmup 1 + iters 3 = the 4 calls of round 1 are slow; a single round keeps the baseline)
+    for rounds, want in ((1, BackendType.NCCL), (3, BackendType.TURBO)):
+        hiccup = _hiccup_backend(4, 40.0, 5.0)
+        d = _dispatcher({BackendType.NCCL: _backend((20.0, 20.0)), BackendType.TURBO: hiccup})
+        best, times = measured_choice(d, dist.group.WORLD, BackendType.NCCL, x, rounds=rounds)
+        assert best is want, (rounds, times)
     # CPU tensors: the dispatchers never measure (their heuristic decides)
     assert not can_measure(dist.group.WORLD, x)
 
