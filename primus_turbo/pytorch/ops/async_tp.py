@@ -37,9 +37,7 @@ from primus_turbo.pytorch.core.low_precision import (
     is_fp8_dtype,
 )
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
-    all_gather_matmul_eager,
     all_gather_matmul_impl,
-    matmul_reduce_scatter_eager,
     matmul_reduce_scatter_impl,
     out_dtype_codes,
     scaled_matmul,
@@ -197,7 +195,7 @@ def _all_gather_matmul_2d(a2d, bs, a_scale, b_scales, group_name, return_a, out_
     if a2d.numel() == 0 or any(b.numel() == 0 for b in bs):
         backend = "NCCL"  # nothing to overlap
     codes = out_dtype_codes(out_dtypes) if out_dtypes else []
-    op = all_gather_matmul_impl if _needs_custom_op(a2d, *bs) else all_gather_matmul_eager
+    op = _op(all_gather_matmul_impl, a2d, *bs)
     res = op(a2d, bs, a_scale, b_scales, group_name, return_a, codes, backend or "", num_splits or 0)
     scale_full = res[1] if res[1].numel() else a_scale
     return (res[0] if return_a else None), scale_full, list(res[2:])
@@ -314,12 +312,12 @@ def _check_reduce_scatter(a, b, reduce_op, scatter_dim, group_name, scaled):
     return dim, world
 
 
-def _needs_custom_op(*tensors: torch.Tensor) -> bool:
-    """The registered custom op under torch.compile or autograd; the plain function otherwise (same
-    result, ~60 us less host time per call)."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _op(op, *tensors: torch.Tensor):
+    """``op`` (eager_direct: its body in eager mode, the custom op when traced), or the registered
+    custom op itself while autograd records ``tensors``: the body's out= GEMMs do not support autograd."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return op.custom_op
+    return op
 
 
 def _matmul_reduce_scatter_2d(
@@ -329,7 +327,7 @@ def _matmul_reduce_scatter_2d(
         return scaled_matmul(a2d, b, a_scale, b_scale, out_dtype)
     if a2d.numel() == 0 or b.numel() == 0:
         backend = "NCCL"
-    op = matmul_reduce_scatter_impl if _needs_custom_op(a2d, b) else matmul_reduce_scatter_eager
+    op = _op(matmul_reduce_scatter_impl, a2d, b)
     return op(a2d, b, a_scale, b_scale, reduce_op, group_name, out_dtype, backend or "", num_splits or 0)
 
 

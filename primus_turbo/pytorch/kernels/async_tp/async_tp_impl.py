@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.utils import eager_direct
 from primus_turbo.pytorch.kernels.async_tp.scaled_matmul import scaled_matmul
 from primus_turbo.pytorch.kernels.async_tp.symm_mem_pipeline import (
     enable_symm_mem_for_group,
@@ -56,9 +57,7 @@ __all__ = [
     "AllGatherMatmulDispatcher",
     "MatmulReduceScatterDispatcher",
     "all_gather_matmul_impl",
-    "all_gather_matmul_eager",
     "matmul_reduce_scatter_impl",
-    "matmul_reduce_scatter_eager",
     "scaled_matmul",
     "group_info",
 ]
@@ -483,10 +482,10 @@ def _run(dispatcher: type[_AsyncTPDispatcher], backend: str, **kw: Any) -> Any:
 
 
 # -- custom ops -----------------------------------------------------------------------------------
-# The custom ops exist for torch.compile (opaque nodes with fake shapes). In eager mode without autograd
-# the ops layer calls the plain functions: the custom-op wrapper (autograd and dynamo-disable layers)
-# costs ~60 us of host time per call, a fifth of a 0.3 ms GEMM's budget.
-def all_gather_matmul_eager(
+# Opaque nodes with fake shapes for torch.compile; eager calls run the bodies directly (eager_direct).
+@eager_direct
+@torch.library.custom_op("primus_turbo::all_gather_matmul", mutates_args=())
+def all_gather_matmul_impl(
     a_shard: torch.Tensor,
     bs: list[torch.Tensor],
     a_scale: torch.Tensor | None,
@@ -511,11 +510,6 @@ def all_gather_matmul_eager(
     )
 
 
-all_gather_matmul_impl = torch.library.custom_op(
-    "primus_turbo::all_gather_matmul", all_gather_matmul_eager, mutates_args=()
-)
-
-
 @all_gather_matmul_impl.register_fake
 def _(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtypes, backend, num_splits):
     _, world, _ = group_info(group_name)
@@ -530,7 +524,9 @@ def _(a_shard, bs, a_scale, b_scales, group_name, return_a, out_dtypes, backend,
     return [a_full, scale_full, *outs]
 
 
-def matmul_reduce_scatter_eager(
+@eager_direct
+@torch.library.custom_op("primus_turbo::matmul_reduce_scatter", mutates_args=())
+def matmul_reduce_scatter_impl(
     a: torch.Tensor,
     b: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -553,11 +549,6 @@ def matmul_reduce_scatter_eager(
         out_dtype=out_dtype,
         num_splits=num_splits,
     )
-
-
-matmul_reduce_scatter_impl = torch.library.custom_op(
-    "primus_turbo::matmul_reduce_scatter", matmul_reduce_scatter_eager, mutates_args=()
-)
 
 
 @matmul_reduce_scatter_impl.register_fake

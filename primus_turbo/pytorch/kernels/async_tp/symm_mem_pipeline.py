@@ -167,7 +167,7 @@ def pipelined_all_gather_consume(
     Each rank pushes its shard to every peer in ``num_splits`` row blocks, so the consumer of block
     j can start while block j+1 is still in flight.
 
-    Host cost matters as much as overlap here (a 0.3 ms GEMM is launch-bound at ~60 Python-level
+    Host cost matters as much as overlap here (a 0.3 ms GEMM is launch-bound at dozens of Python-level
     CUDA calls): the side stream's whole schedule is enqueued under one stream switch, with pooled
     events, before the compute stream's.
     """
