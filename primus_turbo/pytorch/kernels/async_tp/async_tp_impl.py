@@ -364,15 +364,16 @@ class _RSTurbo(KernelBackend):
         # bf16/fp16/fp32: the own block is computed onto the peers' pushed partials (addmm epilogue,
         # no reduction kernel); FP8 (_scaled_mm has no C input) keeps the reduction pass.
         fused = a_scale is None
-        splits = num_splits if num_splits else _rs_default_splits(out, a.shape[1], b.shape[1], world, fused)
         if fused and _has_cpp_rs():
             # GEMM-bound calls: own block in the addmm epilogue (no extra pass); host-bound ones (the
-            # rank's GEMM under _RS_FUSE_OWN_MIN_S): fewer GEMM launches, one add pass
+            # rank's GEMM under _RS_FUSE_OWN_MIN_S): fewer GEMM launches, one add pass, one block (the own
+            # GEMM overlaps the whole push)
             fuse_own = 2 * a.shape[0] * a.shape[1] * b.shape[1] / 650e12 >= _RS_FUSE_OWN_MIN_S
-            if not fuse_own and not num_splits:
-                splits = 1  # the own GEMM overlaps the whole push
+            default = _rs_default_splits(out, a.shape[1], b.shape[1], world, True) if fuse_own else 1
+            splits = num_splits or default
             matmul_reduce_scatter_cpp(a, b, out, reduce_op, group_name, world, rank, splits, fuse_own)
             return out
+        splits = num_splits if num_splits else _rs_default_splits(out, a.shape[1], b.shape[1], world, fused)
         pipelined_produce_reduce_scatter(
             produce, out, reduce_op, group_name, world, rank, splits, accumulate if fused else None
         )
