@@ -3,7 +3,8 @@
 Peers' workspaces are reached through their base addresses (``peer_ptrs`` [W] int64, from
 torch symmetric memory); every region offset is in bytes from that base. The host never waits:
 row counts live on the device and the kernels mask by them. Grids are persistent with at most
-``num_programs`` programs (bounded SMs, like DeepEP's ``num_sms``), each looping over tokens/rows.
+``num_programs`` programs (bounded SMs, like DeepEP's ``num_sms``), each looping over tiles of BLOCK_R
+tokens/rows (many rows in flight per program).
 No @triton.jit helpers (see activation_kernel.py).
 """
 
@@ -35,39 +36,58 @@ def ep_dispatch_push_kernel(
     scale_off,
     HAS_PROBS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """A tile of BLOCK_R tokens per step: each [BLOCK_R, BLOCK_H] slice of x is loaded once and stored
+    to every destination rank that receives the token (many rows in flight per program: one row at a
+    time left the push latency-bound)."""
+    rr = tl.arange(0, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
+    hh = tl.arange(0, BLOCK_H)
     kmask = kk < K
-    for t in range(tl.program_id(0), T, tl.num_programs(0)):
-        t64 = t.to(tl.int64)
-        experts = tl.load(idx_ptr + t64 * K + kk, mask=kmask, other=-1).to(tl.int32)
+    for t0 in range(tl.program_id(0) * BLOCK_R, T, tl.num_programs(0) * BLOCK_R):
+        tok = t0 + rr
+        tmask = tok < T
+        tok64 = tok.to(tl.int64)
+        tk_mask = tmask[:, None] & kmask[None, :]
+        experts = tl.load(idx_ptr + tok64[:, None] * K + kk[None, :], mask=tk_mask, other=-1).to(tl.int32)
         if HAS_PROBS:
-            probs = tl.load(probs_ptr + t64 * K + kk, mask=kmask, other=0.0).to(tl.float32)
+            probs = tl.load(probs_ptr + tok64[:, None] * K + kk[None, :], mask=tk_mask, other=0.0).to(
+                tl.float32
+            )
         for w in range(W):
-            row = tl.load(row_map_ptr + t64 * W + w)
-            if row >= 0:
+            row = tl.load(row_map_ptr + tok64 * W + w, mask=tmask, other=-1)
+            ok = row >= 0
+            dst = (tl.load(base_ptr + w) + row - tl.load(send_off_ptr + w)).to(tl.int64)
+            peer = tl.load(peer_ptrs + w)
+            local = experts - w * experts_per_rank
+            is_local = (experts >= 0) & (local >= 0) & (local < experts_per_rank)
+            rk_mask = ok[:, None] & kmask[None, :]
+            idx_dst = (peer + idx_off).to(tl.pointer_type(tl.int32)) + dst[:, None] * K + kk[None, :]
+            tl.store(idx_dst, tl.where(is_local, local, -1), mask=rk_mask)
+            if HAS_PROBS:
+                p_dst = (peer + probs_off).to(tl.pointer_type(tl.float32)) + dst[:, None] * K + kk[None, :]
+                tl.store(p_dst, tl.where(is_local, probs, 0.0), mask=rk_mask)
+            if HAS_SCALE:
+                s_dst = (peer + scale_off).to(tl.pointer_type(tl.float32)) + dst[:, None] * S
+                for s0 in range(0, S, BLOCK_K):
+                    so = s0 + kk
+                    sm = ok[:, None] & (so < S)[None, :]
+                    sv = tl.load(scale_ptr + tok64[:, None] * S + so[None, :], mask=sm)
+                    tl.store(s_dst + so[None, :], sv, mask=sm)
+        for start in range(0, H, BLOCK_H):
+            offs = start + hh
+            hmask = offs < H
+            v = tl.load(x_ptr + tok64[:, None] * H + offs[None, :], mask=tmask[:, None] & hmask[None, :])
+            for w in range(W):
+                row = tl.load(row_map_ptr + tok64 * W + w, mask=tmask, other=-1)
                 dst = (tl.load(base_ptr + w) + row - tl.load(send_off_ptr + w)).to(tl.int64)
-                peer = tl.load(peer_ptrs + w)
-                x_dst = (peer + x_off).to(tl.pointer_type(x_ptr.dtype.element_ty)) + dst * H
-                for start in range(0, H, BLOCK_H):
-                    offs = start + tl.arange(0, BLOCK_H)
-                    v = tl.load(x_ptr + t64 * H + offs, mask=offs < H)
-                    tl.store(x_dst + offs, v, mask=offs < H)
-                local = experts - w * experts_per_rank
-                is_local = (experts >= 0) & (local >= 0) & (local < experts_per_rank)
-                idx_dst = (peer + idx_off).to(tl.pointer_type(tl.int32)) + dst * K
-                tl.store(idx_dst + kk, tl.where(is_local, local, -1), mask=kmask)
-                if HAS_PROBS:
-                    p_dst = (peer + probs_off).to(tl.pointer_type(tl.float32)) + dst * K
-                    tl.store(p_dst + kk, tl.where(is_local, probs, 0.0), mask=kmask)
-                if HAS_SCALE:
-                    s_dst = (peer + scale_off).to(tl.pointer_type(tl.float32)) + dst * S
-                    for s0 in range(0, S, BLOCK_K):
-                        so = s0 + kk
-                        sv = tl.load(scale_ptr + t64 * S + so, mask=so < S)
-                        tl.store(s_dst + so, sv, mask=so < S)
+                x_dst = (tl.load(peer_ptrs + w) + x_off).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                tl.store(
+                    x_dst + dst[:, None] * H + offs[None, :], v, mask=(row >= 0)[:, None] & hmask[None, :]
+                )
 
 
 @triton.jit
@@ -83,34 +103,46 @@ def ep_combine_push_kernel(
     y_off,
     w_off,
     HAS_W: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
     """Row j of this rank's receive buffer came from source s (rows [base_s, base_s + counts[s, rank]));
-    it goes back to s's combine buffer at s's send-layout row send_off_s[rank] + j - base_s."""
+    it goes back to s's combine buffer at s's send-layout row send_off_s[rank] + j - base_s. BLOCK_R rows
+    per step, each with its own source."""
     ww = tl.arange(0, BLOCK_W)
     wmask = ww < W
     to_me = tl.load(counts_ptr + ww * W + rank, mask=wmask, other=0)  # [W]: counts[s, rank]
     base_end = tl.cumsum(to_me, axis=0)  # inclusive prefix over sources
     total = tl.sum(to_me, axis=0)
+    rr = tl.arange(0, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
-    for j in range(tl.program_id(0), total, tl.num_programs(0)):
-        src = tl.sum((base_end <= j).to(tl.int32), axis=0)
-        base = tl.sum(tl.where(ww < src, to_me, 0), axis=0)
-        row_s = tl.load(counts_ptr + src * W + ww, mask=wmask & (ww < rank), other=0)
-        dst = (tl.sum(row_s, axis=0) + j - base).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)
+    for j0 in range(tl.program_id(0) * BLOCK_R, total, tl.num_programs(0) * BLOCK_R):
+        j = j0 + rr
+        jmask = j < total
+        src = tl.sum((base_end[None, :] <= j[:, None]).to(tl.int32), axis=1)  # [R]
+        src = tl.where(jmask, src, 0)
+        base = tl.sum(tl.where(ww[None, :] < src[:, None], to_me[None, :], 0), axis=1)
+        # send_off_s[rank] = rows s sent to ranks before me = sum_{w < rank} counts[s, w]
+        row_s = tl.load(
+            counts_ptr + src[:, None] * W + ww[None, :], mask=(ww < rank)[None, :] & wmask[None, :], other=0
+        )
+        dst = (tl.sum(row_s, axis=1) + j - base).to(tl.int64)
         peer = tl.load(peer_ptrs + src)
-        y_dst = (peer + y_off).to(tl.pointer_type(y_ptr.dtype.element_ty)) + dst * H
         j64 = j.to(tl.int64)
+        y_dst = (peer + y_off).to(tl.pointer_type(y_ptr.dtype.element_ty))
         for start in range(0, H, BLOCK_H):
-            offs = start + tl.arange(0, BLOCK_H)
-            v = tl.load(y_ptr + j64 * H + offs, mask=offs < H)
-            tl.store(y_dst + offs, v, mask=offs < H)
+            offs = start + hh
+            m = jmask[:, None] & (offs < H)[None, :]
+            v = tl.load(y_ptr + j64[:, None] * H + offs[None, :], mask=m)
+            tl.store(y_dst[:, None] + dst[:, None] * H + offs[None, :], v, mask=m)
         if HAS_W:
-            wv = tl.load(w_ptr + j64 * K + kk, mask=kk < K)
-            w_dst = (peer + w_off).to(tl.pointer_type(tl.float32)) + dst * K
-            tl.store(w_dst + kk, wv, mask=kk < K)
+            km = jmask[:, None] & (kk < K)[None, :]
+            wv = tl.load(w_ptr + j64[:, None] * K + kk[None, :], mask=km)
+            w_dst = (peer + w_off).to(tl.pointer_type(tl.float32))
+            tl.store(w_dst[:, None] + dst[:, None] * K + kk[None, :], wv, mask=km)
 
 
 @triton.jit
@@ -128,6 +160,7 @@ def ep_recv_finalize_kernel(
     H,
     K,
     HAS_PROBS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -137,23 +170,34 @@ def ep_recv_finalize_kernel(
     sized; nothing reads those rows since their indices are -1)."""
     ww = tl.arange(0, BLOCK_W)
     total = tl.sum(tl.load(counts_ptr + ww * W + rank, mask=ww < W, other=0), axis=0)
+    rr = tl.arange(0, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
-    kmask = kk < K
-    for j in range(tl.program_id(0), R, tl.num_programs(0)):
+    hh = tl.arange(0, BLOCK_H)
+    for j0 in range(tl.program_id(0) * BLOCK_R, R, tl.num_programs(0) * BLOCK_R):
+        j = j0 + rr
         j64 = j.to(tl.int64)
         valid = j < total
         for start in range(0, H, BLOCK_H):
-            offs = start + tl.arange(0, BLOCK_H)
-            m = (offs < H) & valid
-            v = tl.load(ws_x_ptr + j64 * H + offs, mask=m, other=0.0)
-            tl.store(out_x_ptr + j64 * H + offs, v, mask=m)  # rows past the total stay unwritten
-        idx = tl.load(ws_idx_ptr + j64 * K + kk, mask=kmask & valid, other=-1)
-        tl.store(out_idx_ptr + j64 * K + kk, idx.to(out_idx_ptr.dtype.element_ty), mask=kmask)
+            offs = start + hh
+            m = valid[:, None] & (offs < H)[None, :]
+            v = tl.load(ws_x_ptr + j64[:, None] * H + offs[None, :], mask=m)
+            tl.store(
+                out_x_ptr + j64[:, None] * H + offs[None, :], v, mask=m
+            )  # rows past the total stay unwritten
+        in_r = (j < R)[:, None] & (kk < K)[None, :]
+        km = valid[:, None] & (kk < K)[None, :]
+        idx = tl.load(ws_idx_ptr + j64[:, None] * K + kk[None, :], mask=km, other=-1)
+        tl.store(
+            out_idx_ptr + j64[:, None] * K + kk[None, :], idx.to(out_idx_ptr.dtype.element_ty), mask=in_r
+        )
         if HAS_PROBS:
-            p = tl.load(ws_probs_ptr + j64 * K + kk, mask=kmask & valid, other=0.0)
-            tl.store(out_probs_ptr + j64 * K + kk, p, mask=kmask)
+            p = tl.load(ws_probs_ptr + j64[:, None] * K + kk[None, :], mask=km, other=0.0)
+            tl.store(out_probs_ptr + j64[:, None] * K + kk[None, :], p, mask=in_r)
 
 
-def ep_blocks(hidden: int, topk: int, world: int) -> tuple[int, int, int]:
-    block_h = min(4096, triton.next_power_of_2(max(hidden, 16)))
-    return block_h, triton.next_power_of_2(max(topk, 16)), triton.next_power_of_2(max(world, 2))
+def ep_blocks(hidden: int, topk: int, world: int) -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_H, BLOCK_K, BLOCK_W): ~16K elements of x per tile step (32 KB of bf16 in flight per
+    program), columns in chunks of at most 1024."""
+    block_h = min(1024, triton.next_power_of_2(max(hidden, 16)))
+    block_r = max(1, min(64, 16384 // block_h))
+    return block_r, block_h, triton.next_power_of_2(max(topk, 16)), triton.next_power_of_2(max(world, 2))

@@ -70,6 +70,22 @@ def test_zero_fill_zeroes_the_rows_after_the_last_group(device):
     assert (out[n:] == 0).all() and (out_probs[n:] == 0).all()
 
 
+@pytest.mark.parametrize(
+    "n,h,start", [(37, 40, 11), (37, 40, 0), (37, 40, 37), (37, 40, 99), (300, 1100, 129)]
+)
+def test_zero_rows_from_zeroes_only_the_tail(n, h, start, device):
+    """The dense-groups zero_fill path: only rows [start, N) are written (start read on the device)."""
+    from primus_turbo.pytorch.kernels.moe.permute_impl import zero_rows_from
+
+    out = torch.randn(n, h, device=device).to(torch.bfloat16)
+    probs = torch.rand(n, device=device) + 0.5
+    want_out, want_probs = out.clone(), probs.clone()
+    want_out[start:] = 0
+    want_probs[start:] = 0
+    zero_rows_from(out, probs, torch.tensor(start, device=device))
+    assert torch.equal(out, want_out) and torch.equal(probs, want_probs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["indices", "map"])
 def test_permute_unpermute_fwd_bwd_with_probs_has_no_host_sync(form, device):
@@ -249,6 +265,11 @@ def _compile_all():
         compile_for_sm90(pk.permute_kernel, SIG, {"HAS_PROBS": has_probs, "BLOCK_H": 2048})
         compile_for_sm90(pk.unpermute_kernel, USIG, {"HAS_PROBS": has_probs, "BLOCK_H": 2048})
     compile_for_sm90(pk.unpermute_bwd_probs_kernel, BSIG, {"BLOCK_H": 1024})
+    zsig = {"out_ptr": "*bf16", "probs_ptr": "*fp32", "start_ptr": "*i64", "N": "i32", "H": "i32"}
+    zsig |= {"stride_out": "i32", "HAS_PROBS": "constexpr", "BLOCK_R": "constexpr", "BLOCK_H": "constexpr"}
+    for has_probs in (False, True):
+        consts = {"HAS_PROBS": has_probs, "BLOCK_R": 16, "BLOCK_H": 1024}
+        compile_for_sm90(pk.zero_rows_from_kernel, zsig, consts)
     compile_for_sm90(pk.permute_fp8_rowwise_kernel, QSIG, {"FP8_MAX": 448.0, "BLOCK_H": 2048})
     _compile_ep()
     _compile_row_id_map()
@@ -302,6 +323,7 @@ def _compile_ep():
         "scale_off": "i64",
         "HAS_PROBS": "constexpr",
         "HAS_SCALE": "constexpr",
+        "BLOCK_R": "constexpr",
         "BLOCK_H": "constexpr",
         "BLOCK_K": "constexpr",
     }
@@ -309,7 +331,7 @@ def _compile_ep():
         compile_for_sm90(
             ek.ep_dispatch_push_kernel,
             dsig,
-            {"HAS_PROBS": has_probs, "HAS_SCALE": has_scale, "BLOCK_H": 4096, "BLOCK_K": 64},
+            {"HAS_PROBS": has_probs, "HAS_SCALE": has_scale, "BLOCK_R": 16, "BLOCK_H": 1024, "BLOCK_K": 64},
             num_warps=8,
         )
     csig = {
@@ -324,6 +346,7 @@ def _compile_ep():
         "y_off": "i64",
         "w_off": "i64",
         "HAS_W": "constexpr",
+        "BLOCK_R": "constexpr",
         "BLOCK_H": "constexpr",
         "BLOCK_K": "constexpr",
         "BLOCK_W": "constexpr",
@@ -332,7 +355,7 @@ def _compile_ep():
         compile_for_sm90(
             ek.ep_combine_push_kernel,
             csig,
-            {"HAS_W": has_w, "BLOCK_H": 4096, "BLOCK_K": 16, "BLOCK_W": 8},
+            {"HAS_W": has_w, "BLOCK_R": 16, "BLOCK_H": 1024, "BLOCK_K": 16, "BLOCK_W": 8},
             num_warps=8,
         )
     fsig = {
@@ -349,6 +372,7 @@ def _compile_ep():
         "H": "i32",
         "K": "i32",
         "HAS_PROBS": "constexpr",
+        "BLOCK_R": "constexpr",
         "BLOCK_H": "constexpr",
         "BLOCK_K": "constexpr",
         "BLOCK_W": "constexpr",
@@ -357,7 +381,7 @@ def _compile_ep():
         compile_for_sm90(
             ek.ep_recv_finalize_kernel,
             fsig,
-            {"HAS_PROBS": has_probs, "BLOCK_H": 4096, "BLOCK_K": 16, "BLOCK_W": 8},
+            {"HAS_PROBS": has_probs, "BLOCK_R": 16, "BLOCK_H": 1024, "BLOCK_K": 16, "BLOCK_W": 8},
             num_warps=8,
         )
 

@@ -23,6 +23,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import triton
 
 from primus_turbo.pytorch.core.backend import BackendType
 from primus_turbo.pytorch.kernels.moe.dispatch_impl import DispatchHandle, dispatch_layout
@@ -105,6 +106,11 @@ def _workspace(group, nbytes: int, device):
     return cur
 
 
+def _programs(rows: int, block_r: int, per_sm: int = 1) -> int:
+    """Persistent grid: one program per BLOCK_R-row tile, at most NUM_PROGRAMS * per_sm programs."""
+    return max(1, min(triton.cdiv(rows, block_r), NUM_PROGRAMS * per_sm))
+
+
 def _view(buf, offset, shape, dtype):
     n = 1
     for s in shape:
@@ -141,25 +147,26 @@ def turbo_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_i
         else torch.zeros(world, dtype=torch.int32, device=x.device)
     )
 
-    block_h, block_k, block_w = ep_blocks(hidden, max(k, scale_cols), world)
+    block_r, block_h, block_k, block_w = ep_blocks(hidden, max(k, scale_cols), world)
     indices = indices.contiguous()
-    ep_dispatch_push_kernel[(min(max(t, 1), NUM_PROGRAMS),)](
+    ep_dispatch_push_kernel[(_programs(t, block_r),)](
         x, indices, probs if probs is not None else x, scale2d if scale2d is not None else x, row_id_map,
         send_off, base, ptrs, t, world, hidden, k, scale_cols, num_experts // world, offs["recv_x"],
         offs["recv_idx"], offs["recv_probs"], offs["recv_scale"], HAS_PROBS=probs is not None,
-        HAS_SCALE=scale2d is not None, BLOCK_H=block_h, BLOCK_K=block_k, num_warps=8,
+        HAS_SCALE=scale2d is not None, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k, num_warps=8,
     )  # fmt: skip
     hdl.barrier(channel=0)
 
     recv_x = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     recv_idx = torch.empty((rows, k), dtype=indices.dtype, device=x.device)
     recv_probs = torch.empty((rows, k), dtype=torch.float32, device=x.device) if probs is not None else None
-    ep_recv_finalize_kernel[(NUM_PROGRAMS * 4,)](
+    ep_recv_finalize_kernel[(_programs(rows, block_r, 4),)](
         _view(buf, offs["recv_x"], (rows, hidden), x.dtype),
         _view(buf, offs["recv_idx"], (rows, k), torch.int32),
         _view(buf, offs["recv_probs"], (rows, k), torch.float32), recv_x, recv_idx,
         recv_probs if recv_probs is not None else recv_x, counts, rank, world, rows, hidden, k,
-        HAS_PROBS=probs is not None, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=8,
+        HAS_PROBS=probs is not None, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w,
+        num_warps=8,
     )  # fmt: skip
     recv_scale = None
     if scale2d is not None:
@@ -191,11 +198,12 @@ def turbo_combine(*, x, handle, topk_weights=None, **_):
             f"bytes per element, got {tuple(x.shape)} {x.dtype}"
         )
     w = topk_weights.float().contiguous() if topk_weights is not None else None
-    block_h, block_k, block_w = ep_blocks(hidden, k, world)
+    block_r, block_h, block_k, block_w = ep_blocks(hidden, k, world)
     hdl.barrier(channel=0)
-    ep_combine_push_kernel[(NUM_PROGRAMS,)](
+    ep_combine_push_kernel[(_programs(rows, block_r),)](
         x.contiguous(), w if w is not None else x, e["counts"], ptrs, rank, world, hidden, k, offs["comb_y"],
-        offs["comb_w"], HAS_W=w is not None, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=8,
+        offs["comb_w"], HAS_W=w is not None, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k,
+        BLOCK_W=block_w, num_warps=8,
     )  # fmt: skip
     hdl.barrier(channel=0)
     comb_y = _view(buf, offs["comb_y"], (rows, hidden), x.dtype)
@@ -220,21 +228,21 @@ def turbo_dispatch_cached(x, handle):
     rows = handle.num_recv
     if x.element_size() > e["comb_elem"] or hidden != handle.hidden:
         raise ValueError(f"moe_combine backward (TURBO): grad must be [T, {handle.hidden}], got {x.dtype}")
-    block_h, block_k, block_w = ep_blocks(hidden, k, world)
+    block_r, block_h, block_k, block_w = ep_blocks(hidden, k, world)
     x = x.contiguous()
     hdl.barrier(channel=0)
-    ep_dispatch_push_kernel[(min(max(t, 1), NUM_PROGRAMS),)](
+    ep_dispatch_push_kernel[(_programs(t, block_r),)](
         x, indices, x, x, handle.row_id_map, e["send_off"], e["base"], ptrs, t, world, hidden, k, 0,
         handle.num_experts // world, offs["comb_y"], offs["recv_idx"], offs["recv_probs"], offs["recv_scale"],
-        HAS_PROBS=False, HAS_SCALE=False, BLOCK_H=block_h, BLOCK_K=block_k, num_warps=8,
+        HAS_PROBS=False, HAS_SCALE=False, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k, num_warps=8,
     )  # fmt: skip
     hdl.barrier(channel=0)
     recv_x = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     dummy_idx = torch.empty((rows, k), dtype=torch.int32, device=x.device)
-    ep_recv_finalize_kernel[(NUM_PROGRAMS * 4,)](
+    ep_recv_finalize_kernel[(_programs(rows, block_r, 4),)](
         _view(buf, offs["comb_y"], (rows, hidden), x.dtype),
         _view(buf, offs["recv_idx"], (rows, k), torch.int32),
         recv_x, recv_x, dummy_idx, recv_x, e["counts"], rank, world, rows, hidden, k,
-        HAS_PROBS=False, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=8,
+        HAS_PROBS=False, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=8,
     )  # fmt: skip
     return recv_x
