@@ -15,15 +15,57 @@ import triton.language as tl
 
 
 @triton.jit
+def ep_layout_kernel(
+    idx_ptr,  # [T, K] global expert ids (-1 = no route), with FROM_INDICES
+    in_rank_ptr,  # [T, W] bool as uint8, without FROM_INDICES (DeepEP's is_token_in_rank)
+    pos_ptr,  # [T, W] int32 out: position of token t among the tokens this rank sends to w, or -1
+    peer_ptrs,  # [W] int64: workspace base address of every rank
+    counts_off,  # byte offset of the [W, W] int64 count matrix in every workspace
+    rank,
+    T,
+    W,
+    K,
+    experts_per_rank,
+    FROM_INDICES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program w: scan the tokens in order, number the ones that go to rank w, then publish the count into
+    counts[rank, w] of every rank's workspace (the caller's barriers order it with the readers)."""
+    w = tl.program_id(0)
+    tt = tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, BLOCK_K)
+    carry = tl.zeros((), dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        tok = t0 + tt
+        tmask = tok < T
+        tok64 = tok.to(tl.int64)
+        if FROM_INDICES:
+            m = tmask[:, None] & (kk < K)[None, :]
+            e = tl.load(idx_ptr + tok64[:, None] * K + kk[None, :], mask=m, other=-1).to(tl.int32)
+            hit = (e >= 0) & (e >= w * experts_per_rank) & (e < (w + 1) * experts_per_rank)
+            inr = tl.max(hit.to(tl.int32), axis=1)
+        else:
+            inr = (tl.load(in_rank_ptr + tok64 * W + w, mask=tmask, other=0) != 0).to(tl.int32)
+        pos = carry + tl.cumsum(inr, axis=0) - inr
+        tl.store(pos_ptr + tok64 * W + w, tl.where(inr > 0, pos, -1), mask=tmask)
+        carry += tl.sum(inr, axis=0)
+    for p in range(W):
+        dst = (tl.load(peer_ptrs + p) + counts_off).to(tl.pointer_type(tl.int64))
+        tl.store(dst + rank * W + w, carry.to(tl.int64))
+
+
+@triton.jit
 def ep_dispatch_push_kernel(
     x_ptr,
     idx_ptr,
     probs_ptr,
     scale_ptr,
-    row_map_ptr,  # [T, W] int32: row of token t in this rank's rank-major send layout, or -1
-    send_off_ptr,  # [W] int32: first send-layout row of destination w
-    base_ptr,  # [W] int32: first receive row reserved for this rank on destination w
+    pos_ptr,  # [T, W] int32 from ep_layout_kernel
+    counts_ptr,  # [W, W] int64 count matrix (every rank's row published)
+    row_map_ptr,  # [T, W] int32 out (WRITE_MAP): row of token t in this rank's rank-major send layout, or -1
     peer_ptrs,  # [W] int64: workspace base address of every rank
+    rank,
     T,
     W,
     H,
@@ -36,16 +78,20 @@ def ep_dispatch_push_kernel(
     scale_off,
     HAS_PROBS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    WRITE_MAP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     """A tile of BLOCK_R tokens per step: each [BLOCK_R, BLOCK_H] slice of x is loaded once and stored
     to every destination rank that receives the token (many rows in flight per program: one row at a
-    time left the push latency-bound)."""
+    time left the push latency-bound). Token t lands on rank w at row base_w + pos[t, w], where base_w =
+    rows earlier ranks send to w; its send-layout row (for combine) is send_off_w + pos[t, w]."""
     rr = tl.arange(0, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
     hh = tl.arange(0, BLOCK_H)
+    ww = tl.arange(0, BLOCK_W)
     kmask = kk < K
     for t0 in range(tl.program_id(0) * BLOCK_R, T, tl.num_programs(0) * BLOCK_R):
         tok = t0 + rr
@@ -54,13 +100,18 @@ def ep_dispatch_push_kernel(
         tk_mask = tmask[:, None] & kmask[None, :]
         experts = tl.load(idx_ptr + tok64[:, None] * K + kk[None, :], mask=tk_mask, other=-1).to(tl.int32)
         if HAS_PROBS:
-            probs = tl.load(probs_ptr + tok64[:, None] * K + kk[None, :], mask=tk_mask, other=0.0).to(
-                tl.float32
-            )
+            probs = tl.load(probs_ptr + tok64[:, None] * K + kk[None, :], mask=tk_mask, other=0.0)
+            probs = probs.to(tl.float32)
         for w in range(W):
-            row = tl.load(row_map_ptr + tok64 * W + w, mask=tmask, other=-1)
-            ok = row >= 0
-            dst = (tl.load(base_ptr + w) + row - tl.load(send_off_ptr + w)).to(tl.int64)
+            base = tl.sum(tl.load(counts_ptr + ww * W + w, mask=(ww < rank) & (ww < W), other=0), axis=0)
+            pos = tl.load(pos_ptr + tok64 * W + w, mask=tmask, other=-1)
+            ok = pos >= 0
+            if WRITE_MAP:
+                send_off = tl.sum(tl.load(counts_ptr + rank * W + ww, mask=ww < w, other=0), axis=0)
+                tl.store(
+                    row_map_ptr + tok64 * W + w, tl.where(ok, send_off + pos, -1).to(tl.int32), mask=tmask
+                )
+            dst = (base + pos).to(tl.int64)
             peer = tl.load(peer_ptrs + w)
             local = experts - w * experts_per_rank
             is_local = (experts >= 0) & (local >= 0) & (local < experts_per_rank)
@@ -82,12 +133,12 @@ def ep_dispatch_push_kernel(
             hmask = offs < H
             v = tl.load(x_ptr + tok64[:, None] * H + offs[None, :], mask=tmask[:, None] & hmask[None, :])
             for w in range(W):
-                row = tl.load(row_map_ptr + tok64 * W + w, mask=tmask, other=-1)
-                dst = (tl.load(base_ptr + w) + row - tl.load(send_off_ptr + w)).to(tl.int64)
+                base = tl.sum(tl.load(counts_ptr + ww * W + w, mask=(ww < rank) & (ww < W), other=0), axis=0)
+                pos = tl.load(pos_ptr + tok64 * W + w, mask=tmask, other=-1)
+                dst = (base + pos).to(tl.int64)
                 x_dst = (tl.load(peer_ptrs + w) + x_off).to(tl.pointer_type(x_ptr.dtype.element_ty))
-                tl.store(
-                    x_dst + dst[:, None] * H + offs[None, :], v, mask=(row >= 0)[:, None] & hmask[None, :]
-                )
+                m = (pos >= 0)[:, None] & hmask[None, :]
+                tl.store(x_dst + dst[:, None] * H + offs[None, :], v, mask=m)
 
 
 @triton.jit
@@ -153,6 +204,7 @@ def ep_recv_finalize_kernel(
     out_x_ptr,
     out_idx_ptr,
     out_probs_ptr,
+    tpe_ptr,  # [experts_per_rank] int32, zeroed: received rows per local expert (HAS_TPE)
     counts_ptr,
     rank,
     W,
@@ -160,6 +212,7 @@ def ep_recv_finalize_kernel(
     H,
     K,
     HAS_PROBS: tl.constexpr,
+    HAS_TPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -167,7 +220,8 @@ def ep_recv_finalize_kernel(
 ):
     """Copy the received rows out of the workspace (so the next call can reuse it); rows past the
     received total get index -1 and prob 0 and unspecified data (the receive tensors are worst-case
-    sized; nothing reads those rows since their indices are -1)."""
+    sized; nothing reads those rows since their indices are -1). With HAS_TPE it also counts the received
+    (row, local expert) routes per expert (integer atomics: the same result in any order)."""
     ww = tl.arange(0, BLOCK_W)
     total = tl.sum(tl.load(counts_ptr + ww * W + rank, mask=ww < W, other=0), axis=0)
     rr = tl.arange(0, BLOCK_R)
@@ -181,15 +235,17 @@ def ep_recv_finalize_kernel(
             offs = start + hh
             m = valid[:, None] & (offs < H)[None, :]
             v = tl.load(ws_x_ptr + j64[:, None] * H + offs[None, :], mask=m)
-            tl.store(
-                out_x_ptr + j64[:, None] * H + offs[None, :], v, mask=m
-            )  # rows past the total stay unwritten
+            # rows past the total stay unwritten
+            tl.store(out_x_ptr + j64[:, None] * H + offs[None, :], v, mask=m)
         in_r = (j < R)[:, None] & (kk < K)[None, :]
         km = valid[:, None] & (kk < K)[None, :]
         idx = tl.load(ws_idx_ptr + j64[:, None] * K + kk[None, :], mask=km, other=-1)
         tl.store(
             out_idx_ptr + j64[:, None] * K + kk[None, :], idx.to(out_idx_ptr.dtype.element_ty), mask=in_r
         )
+        if HAS_TPE:
+            ones = tl.full((BLOCK_R, BLOCK_K), 1, tl.int32)
+            tl.atomic_add(tpe_ptr + idx, ones, mask=km & (idx >= 0), sem="relaxed")
         if HAS_PROBS:
             p = tl.load(ws_probs_ptr + j64[:, None] * K + kk[None, :], mask=km, other=0.0)
             tl.store(out_probs_ptr + j64[:, None] * K + kk[None, :], p, mask=in_r)

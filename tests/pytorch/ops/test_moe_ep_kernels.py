@@ -13,6 +13,7 @@ from primus_turbo.triton.moe import ep_kernel as ek
 
 def _regions(cap, h, k, s):
     sizes = {
+        "counts": 64 * 8,  # [W, W] int64, W <= 8
         "x": cap * h * 2,
         "idx": cap * k * 4,
         "p": cap * k * 4,
@@ -44,9 +45,10 @@ class _Ranks:
             self.idx.append(idx.to(device))
         self.probs = [torch.rand(t, k, device=device) for _ in range(world)]
         self.scale = [torch.rand(t, max(s, 1), device=device) + 0.5 for _ in range(world)]
-        self.maps, counts = [], []
-        for r in range(world):
+        self.maps, self.in_rank, counts = [], [], []
+        for r in range(world):  # the reference layout (torch ops, as the NCCL path builds it)
             _, _, in_rank = dispatch_layout(self.idx[r], e, world)
+            self.in_rank.append(in_rank)
             self.maps.append(build_row_id_map(in_rank, world, t * world, 0, None)[0])
             counts.append(in_rank.sum(0, dtype=torch.int64))
         self.counts = torch.stack(counts)
@@ -68,31 +70,42 @@ def _blocks(h, k, world, block_r):
 @pytest.mark.parametrize(
     "world,t,h,block_r", [(2, 37, 200, None), (3, 29, 72, 4), (2, 5, 1100, 2), (2, 0, 64, None)]
 )
-@pytest.mark.parametrize("with_scale", [False, True])
-def test_ep_dispatch_and_combine_push_kernels(world, t, h, block_r, with_scale, device):
+@pytest.mark.parametrize("with_scale,from_mask", [(False, False), (True, True)])
+def test_ep_dispatch_and_combine_push_kernels(world, t, h, block_r, with_scale, from_mask, device):
     e, k = 4 * world, 3
     s = 3 if with_scale else 0
     rk = _Ranks(world, t, h, e, k, s, device)
     br, bh, bk, bw = _blocks(h, max(k, s), world, block_r)
     epr = e // world
-    for r in range(world):
-        send = rk.counts[r]
-        send_off = (torch.cumsum(send, 0) - send).to(torch.int32)
-        base = rk.counts[:r].sum(0).to(torch.int32)
-        ek.ep_dispatch_push_kernel[(3,)](
-            rk.x[r], rk.idx[r], rk.probs[r], rk.scale[r], rk.maps[r], send_off, base, rk.ptrs, t, world, h,
-            k, s, epr, rk.offs["x"], rk.offs["idx"], rk.offs["p"], rk.offs["s"], HAS_PROBS=True,
-            HAS_SCALE=with_scale, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk,
+    poss = []
+    for r in range(world):  # numbering + count publication, every rank before any push (the barrier)
+        pos = torch.full((t, world), -7, dtype=torch.int32, device=device)
+        in_rank = rk.in_rank[r].view(torch.uint8) if from_mask else rk.idx[r]
+        ek.ep_layout_kernel[(world,)](
+            rk.idx[r], in_rank, pos, rk.ptrs, rk.offs["counts"], r, t, world, k, epr,
+            FROM_INDICES=not from_mask, BLOCK_T=16, BLOCK_K=bk,
         )  # fmt: skip
+        poss.append(pos)
+    for r in range(world):
+        counts = rk.view(r, "counts", (world, world), torch.int64)
+        assert torch.equal(counts, rk.counts)
+        row_map = torch.full((t, world), -7, dtype=torch.int32, device=device)
+        ek.ep_dispatch_push_kernel[(3,)](
+            rk.x[r], rk.idx[r], rk.probs[r], rk.scale[r], poss[r], counts, row_map, rk.ptrs, r, t, world, h,
+            k, s, epr, rk.offs["x"], rk.offs["idx"], rk.offs["p"], rk.offs["s"], HAS_PROBS=True,
+            HAS_SCALE=with_scale, WRITE_MAP=True, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk, BLOCK_W=bw,
+        )  # fmt: skip
+        assert torch.equal(row_map, rk.maps[r])  # the send layout combine's unpermute reads
     cap = rk.cap
     for d in range(world):
         ox = torch.empty(cap, h, dtype=torch.bfloat16, device=device)
         oi = torch.empty(cap, k, dtype=torch.int64, device=device)
         op = torch.empty(cap, k, device=device)
+        tpe = torch.zeros(epr, dtype=torch.int32, device=device)
         ek.ep_recv_finalize_kernel[(2,)](
             rk.view(d, "x", (cap, h), torch.bfloat16), rk.view(d, "idx", (cap, k), torch.int32),
-            rk.view(d, "p", (cap, k), torch.float32), ox, oi, op, rk.counts, d, world, cap, h, k,
-            HAS_PROBS=True, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk, BLOCK_W=bw,
+            rk.view(d, "p", (cap, k), torch.float32), ox, oi, op, tpe, rk.counts, d, world, cap, h, k,
+            HAS_PROBS=True, HAS_TPE=True, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk, BLOCK_W=bw,
         )  # fmt: skip
         # reference: rank d receives, source by source, the tokens with an expert on d, in token order
         want_x, want_i, want_p, want_s = [], [], [], []
@@ -110,6 +123,8 @@ def test_ep_dispatch_and_combine_push_kernels(world, t, h, block_r, with_scale, 
         assert torch.equal(oi[:n], torch.cat(want_i))
         assert torch.equal(op[:n], torch.cat(want_p))
         assert (oi[n:] == -1).all() and (op[n:] == 0).all()
+        routes = torch.cat(want_i)
+        assert torch.equal(tpe, torch.bincount(routes[routes >= 0], minlength=epr).to(torch.int32))
         if with_scale:
             assert torch.equal(rk.view(d, "s", (cap, s), torch.float32)[:n], torch.cat(want_s))
 

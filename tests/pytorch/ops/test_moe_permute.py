@@ -302,88 +302,51 @@ def _compile_ep():
     """The TURBO expert-parallel kernels (primus_turbo/triton/moe/ep_kernel.py)."""
     from primus_turbo.triton.moe import ep_kernel as ek
 
+    lsig = {
+        "idx_ptr": "*i64",
+        "in_rank_ptr": "*u8",
+        "pos_ptr": "*i32",
+        "peer_ptrs": "*i64",
+        "counts_off": "i64",
+    }
+    lsig |= dict.fromkeys(["rank", "T", "W", "K", "experts_per_rank"], "i32")
+    lsig |= dict.fromkeys(["FROM_INDICES", "BLOCK_T", "BLOCK_K"], "constexpr")
+    for from_indices in (True, False):
+        consts = {"FROM_INDICES": from_indices, "BLOCK_T": 1024, "BLOCK_K": 16}
+        compile_for_sm90(ek.ep_layout_kernel, lsig, consts)
     dsig = {
         "x_ptr": "*bf16",
         "idx_ptr": "*i64",
         "probs_ptr": "*fp32",
         "scale_ptr": "*fp32",
-        "row_map_ptr": "*i32",
-        "send_off_ptr": "*i32",
-        "base_ptr": "*i32",
-        "peer_ptrs": "*i64",
-        "T": "i32",
-        "W": "i32",
-        "H": "i32",
-        "K": "i32",
-        "S": "i32",
-        "experts_per_rank": "i32",
-        "x_off": "i64",
-        "idx_off": "i64",
-        "probs_off": "i64",
-        "scale_off": "i64",
-        "HAS_PROBS": "constexpr",
-        "HAS_SCALE": "constexpr",
-        "BLOCK_R": "constexpr",
-        "BLOCK_H": "constexpr",
-        "BLOCK_K": "constexpr",
+        "pos_ptr": "*i32",
     }
-    for has_probs, has_scale in ((True, False), (True, True), (False, False)):
-        compile_for_sm90(
-            ek.ep_dispatch_push_kernel,
-            dsig,
-            {"HAS_PROBS": has_probs, "HAS_SCALE": has_scale, "BLOCK_R": 16, "BLOCK_H": 1024, "BLOCK_K": 64},
-            num_warps=8,
-        )
-    csig = {
-        "y_ptr": "*bf16",
-        "w_ptr": "*fp32",
-        "counts_ptr": "*i64",
-        "peer_ptrs": "*i64",
-        "rank": "i32",
-        "W": "i32",
-        "H": "i32",
-        "K": "i32",
-        "y_off": "i64",
-        "w_off": "i64",
-        "HAS_W": "constexpr",
-        "BLOCK_R": "constexpr",
-        "BLOCK_H": "constexpr",
-        "BLOCK_K": "constexpr",
-        "BLOCK_W": "constexpr",
-    }
+    dsig |= {"counts_ptr": "*i64", "row_map_ptr": "*i32", "peer_ptrs": "*i64"}
+    dsig |= dict.fromkeys(["rank", "T", "W", "H", "K", "S", "experts_per_rank"], "i32")
+    dsig |= dict.fromkeys(["x_off", "idx_off", "probs_off", "scale_off"], "i64")
+    dsig |= dict.fromkeys(
+        ["HAS_PROBS", "HAS_SCALE", "WRITE_MAP", "BLOCK_R", "BLOCK_H", "BLOCK_K"], "constexpr"
+    )
+    dsig["BLOCK_W"] = "constexpr"
+    for has_probs, has_scale, write_map in ((True, False, True), (True, True, True), (False, False, False)):
+        consts = {"HAS_PROBS": has_probs, "HAS_SCALE": has_scale, "WRITE_MAP": write_map}
+        consts |= {"BLOCK_R": 16, "BLOCK_H": 1024, "BLOCK_K": 64, "BLOCK_W": 2}
+        compile_for_sm90(ek.ep_dispatch_push_kernel, dsig, consts, num_warps=8)
+    csig = {"y_ptr": "*bf16", "w_ptr": "*fp32", "counts_ptr": "*i64", "peer_ptrs": "*i64"}
+    csig |= dict.fromkeys(["rank", "W", "H", "K"], "i32")
+    csig |= dict.fromkeys(["y_off", "w_off"], "i64")
+    csig |= dict.fromkeys(["HAS_W", "BLOCK_R", "BLOCK_H", "BLOCK_K", "BLOCK_W"], "constexpr")
     for has_w in (False, True):
-        compile_for_sm90(
-            ek.ep_combine_push_kernel,
-            csig,
-            {"HAS_W": has_w, "BLOCK_R": 16, "BLOCK_H": 1024, "BLOCK_K": 16, "BLOCK_W": 8},
-            num_warps=8,
-        )
-    fsig = {
-        "ws_x_ptr": "*bf16",
-        "ws_idx_ptr": "*i32",
-        "ws_probs_ptr": "*fp32",
-        "out_x_ptr": "*bf16",
-        "out_idx_ptr": "*i64",
-        "out_probs_ptr": "*fp32",
-        "counts_ptr": "*i64",
-        "rank": "i32",
-        "W": "i32",
-        "R": "i32",
-        "H": "i32",
-        "K": "i32",
-        "HAS_PROBS": "constexpr",
-        "BLOCK_R": "constexpr",
-        "BLOCK_H": "constexpr",
-        "BLOCK_K": "constexpr",
-        "BLOCK_W": "constexpr",
-    }
+        consts = {"HAS_W": has_w, "BLOCK_R": 16, "BLOCK_H": 1024, "BLOCK_K": 16, "BLOCK_W": 8}
+        compile_for_sm90(ek.ep_combine_push_kernel, csig, consts, num_warps=8)
+    fsig = {"ws_x_ptr": "*bf16", "ws_idx_ptr": "*i32", "ws_probs_ptr": "*fp32", "out_x_ptr": "*bf16"}
+    fsig |= {"out_idx_ptr": "*i64", "out_probs_ptr": "*fp32", "tpe_ptr": "*i32", "counts_ptr": "*i64"}
+    fsig |= dict.fromkeys(["rank", "W", "R", "H", "K"], "i32")
+    fsig |= dict.fromkeys(["HAS_PROBS", "HAS_TPE", "BLOCK_R", "BLOCK_H", "BLOCK_K", "BLOCK_W"], "constexpr")
     for has_probs in (False, True):
-        compile_for_sm90(
-            ek.ep_recv_finalize_kernel,
-            fsig,
-            {"HAS_PROBS": has_probs, "BLOCK_R": 16, "BLOCK_H": 1024, "BLOCK_K": 16, "BLOCK_W": 8},
-            num_warps=8,
-        )
+        consts = {"HAS_PROBS": has_probs, "HAS_TPE": has_probs, "BLOCK_R": 16, "BLOCK_H": 1024}
+        consts |= {"BLOCK_K": 16, "BLOCK_W": 8}
+        compile_for_sm90(ek.ep_recv_finalize_kernel, fsig, consts, num_warps=8)
 
 
 def test_permute_kernels_compile_sm90():

@@ -5,8 +5,9 @@ Every rank owns one symmetric workspace (per process group) holding, in this ord
     recv_x [R, H]              R = W * max_tokens rows; source s owns rows [base_s, base_s + counts[s, me])
     recv_idx / recv_probs [R, K], recv_scale [R, S]
     comb_y [R, H], comb_w [R, K]   combine landing zone, laid out like this rank's send order
-Dispatch: barrier; write my count row into every peer; barrier; push my rows into every peer's
-recv_x (Triton, peers' memory through their base pointers); barrier; copy the received rows out.
+Dispatch: barrier; number my tokens per destination and write my count row into every peer (one
+kernel); barrier; push my rows into every peer's recv_x (Triton, peers' memory through their base
+pointers); barrier; copy the received rows out, counting them per local expert.
 Combine: barrier; push rows back into their source's comb_y; barrier; sum per token (unpermute).
 Barriers are ``_SymmetricMemory.barrier`` kernels (device-side signal pads), so nothing waits on the
 host and the sequence is CUDA-graph capturable. Receive tensors are worst-case sized (R rows);
@@ -26,10 +27,12 @@ import torch.distributed as dist
 import triton
 
 from primus_turbo.pytorch.core.backend import BackendType
-from primus_turbo.pytorch.kernels.moe.dispatch_impl import DispatchHandle, dispatch_layout
-from primus_turbo.pytorch.kernels.moe.permute_impl import build_row_id_map, moe_unpermute_fwd
+from primus_turbo.pytorch.kernels.moe.dispatch_impl import DispatchHandle
+from primus_turbo.pytorch.kernels.moe.permute_impl import moe_unpermute_fwd
 
 _workspaces: dict = {}
+_group_infos: dict = {}
+_group_ok: dict = {}
 _retired: list = []
 # Bounded SMs for the push kernels (DeepEP defaults to 20-24); deep_ep.Buffer.set_num_sms sets it.
 NUM_PROGRAMS = int(os.environ.get("PRIMUS_TURBO_EP_NUM_SMS", "32"))
@@ -49,14 +52,18 @@ def turbo_can_handle(**kw) -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    try:
-        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
+    group = group if group is not None else dist.group.WORLD
+    ok = _group_ok.get(group)
+    if ok is None:  # per group once: c10d lookups cost host time on every dispatch
+        try:
+            import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
 
-        group = group if group is not None else dist.group.WORLD
-        world = dist.get_world_size(group)
-        if dist.get_backend(group) != "nccl" or world > torch.cuda.device_count() or world > 8:
-            return False
-    except Exception:
+            world = dist.get_world_size(group)
+            ok = dist.get_backend(group) == "nccl" and world <= min(torch.cuda.device_count(), 8)
+        except Exception:
+            ok = False
+        _group_ok[group] = ok
+    if not ok:
         return False
     indices = kw.get("indices")
     return x.shape[0] <= max_tokens() and (indices is None or indices.shape[1] <= 64)
@@ -106,6 +113,14 @@ def _workspace(group, nbytes: int, device):
     return cur
 
 
+def _group_info(group) -> tuple[int, int]:
+    """(world size, rank) of a process group, cached (the c10d lookups cost ~10 us of host per call)."""
+    info = _group_infos.get(group)
+    if info is None:
+        info = _group_infos[group] = (dist.get_world_size(group), dist.get_rank(group))
+    return info
+
+
 def _programs(rows: int, block_r: int, per_sm: int = 1) -> int:
     """Persistent grid: one program per BLOCK_R-row tile, at most NUM_PROGRAMS * per_sm programs."""
     return max(1, min(triton.cdiv(rows, block_r), NUM_PROGRAMS * per_sm))
@@ -119,69 +134,70 @@ def _view(buf, offset, shape, dtype):
 
 
 def turbo_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_in_rank=None, **_):
-    from primus_turbo.triton.moe.ep_kernel import ep_blocks, ep_dispatch_push_kernel, ep_recv_finalize_kernel
+    from primus_turbo.triton.moe.ep_kernel import (
+        ep_blocks,
+        ep_dispatch_push_kernel,
+        ep_layout_kernel,
+        ep_recv_finalize_kernel,
+    )
 
     group = group if group is not None else dist.group.WORLD
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = _group_info(group)
     t, hidden = x.shape
     k = indices.shape[1]
+    epr = num_experts // world
     scale2d = x_scale.reshape(t, -1).float().contiguous() if x_scale is not None else None
     scale_cols = scale2d.shape[1] if scale2d is not None else 0
     offs, nbytes, rows = _layout(world, hidden, x.element_size(), k, scale_cols)
     buf, hdl, ptrs = _workspace(group, nbytes, x.device)
-    if is_token_in_rank is None:
-        _, _, is_token_in_rank = dispatch_layout(indices, num_experts, world)
-    row_id_map, _, _ = build_row_id_map(is_token_in_rank, world, t * world, 0, None)
-    send_counts = is_token_in_rank.sum(0, dtype=torch.int64)
-    send_off = (torch.cumsum(send_counts, 0) - send_counts).to(torch.int32)
-
-    hdl.barrier(channel=0)  # peers are done reading the previous call's data
-    for peer in range(world):
-        raw = hdl.get_buffer(peer, (world * world * 8,), torch.uint8, offs["counts"])
-        raw.view(torch.int64).view(world, world)[rank].copy_(send_counts)
-    hdl.barrier(channel=0)
-    counts = _view(buf, offs["counts"], (world, world), torch.int64).clone()
-    base = (
-        counts[:rank].sum(0).to(torch.int32)
-        if rank
-        else torch.zeros(world, dtype=torch.int32, device=x.device)
-    )
-
-    block_r, block_h, block_k, block_w = ep_blocks(hidden, max(k, scale_cols), world)
     indices = indices.contiguous()
+    in_rank = is_token_in_rank.contiguous().view(torch.uint8) if is_token_in_rank is not None else indices
+    pos = torch.empty((t, world), dtype=torch.int32, device=x.device)
+    row_id_map = torch.empty((t, world), dtype=torch.int32, device=x.device)
+    ws_counts = _view(buf, offs["counts"], (world, world), torch.int64)
+    block_r, block_h, block_k, block_w = ep_blocks(hidden, max(k, scale_cols), world)
+
+    # Four kernels and three device-side barriers, no host sync: number the tokens per destination and
+    # publish the counts row into every peer; push the rows (and their local expert ids, probs, scales) into
+    # the peers' receive regions; copy the received rows out and count them per local expert.
+    hdl.barrier(channel=0)  # peers are done reading the previous call's data
+    ep_layout_kernel[(world,)](
+        indices, in_rank, pos, ptrs, offs["counts"], rank, t, world, k, epr,
+        FROM_INDICES=is_token_in_rank is None, BLOCK_T=1024, BLOCK_K=block_k,
+    )  # fmt: skip
+    hdl.barrier(channel=0)
     ep_dispatch_push_kernel[(_programs(t, block_r),)](
-        x, indices, probs if probs is not None else x, scale2d if scale2d is not None else x, row_id_map,
-        send_off, base, ptrs, t, world, hidden, k, scale_cols, num_experts // world, offs["recv_x"],
-        offs["recv_idx"], offs["recv_probs"], offs["recv_scale"], HAS_PROBS=probs is not None,
-        HAS_SCALE=scale2d is not None, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k, num_warps=8,
+        x, indices, probs if probs is not None else x, scale2d if scale2d is not None else x, pos, ws_counts,
+        row_id_map, ptrs, rank, t, world, hidden, k, scale_cols, epr, offs["recv_x"], offs["recv_idx"],
+        offs["recv_probs"], offs["recv_scale"], HAS_PROBS=probs is not None, HAS_SCALE=scale2d is not None,
+        WRITE_MAP=True, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=8,
     )  # fmt: skip
     hdl.barrier(channel=0)
 
     recv_x = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     recv_idx = torch.empty((rows, k), dtype=indices.dtype, device=x.device)
     recv_probs = torch.empty((rows, k), dtype=torch.float32, device=x.device) if probs is not None else None
+    tokens_per_expert = torch.zeros(epr, dtype=torch.int32, device=x.device)
     ep_recv_finalize_kernel[(_programs(rows, block_r, 4),)](
         _view(buf, offs["recv_x"], (rows, hidden), x.dtype),
         _view(buf, offs["recv_idx"], (rows, k), torch.int32),
         _view(buf, offs["recv_probs"], (rows, k), torch.float32), recv_x, recv_idx,
-        recv_probs if recv_probs is not None else recv_x, counts, rank, world, rows, hidden, k,
-        HAS_PROBS=probs is not None, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w,
-        num_warps=8,
+        recv_probs if recv_probs is not None else recv_x, tokens_per_expert, ws_counts, rank, world, rows,
+        hidden, k, HAS_PROBS=probs is not None, HAS_TPE=True, BLOCK_R=block_r, BLOCK_H=block_h,
+        BLOCK_K=block_k, BLOCK_W=block_w, num_warps=8,
     )  # fmt: skip
     recv_scale = None
     if scale2d is not None:
         recv_scale = _view(buf, offs["recv_scale"], (rows, scale_cols), torch.float32).clone()
         recv_scale = recv_scale.reshape(rows, *x_scale.shape[1:]).to(x_scale.dtype)
-    epr = num_experts // world
-    tokens_per_expert = torch.zeros(epr + 1, dtype=torch.int32, device=x.device)
-    flat = torch.where(recv_idx >= 0, recv_idx, torch.full_like(recv_idx, epr)).reshape(-1).long()
-    tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    # combine (and backward) run after later dispatches have rewritten the workspace counts: keep a copy
+    counts = ws_counts.clone()
     handle = DispatchHandle(
         BackendType.TURBO, group, t, num_experts, hidden, row_id_map, num_recv=rows,
-        extra={"counts": counts, "send_off": send_off, "base": base, "indices": indices, "offs": offs,
-               "nbytes": nbytes, "rank": rank, "world": world, "comb_elem": max(x.element_size(), 2)},
+        extra={"counts": counts, "pos": pos, "indices": indices, "offs": offs, "nbytes": nbytes, "rank": rank,
+               "world": world, "comb_elem": max(x.element_size(), 2)},
     )  # fmt: skip
-    return recv_x, recv_scale, recv_idx, recv_probs, tokens_per_expert[:epr], handle
+    return recv_x, recv_scale, recv_idx, recv_probs, tokens_per_expert, handle
 
 
 def turbo_combine(*, x, handle, topk_weights=None, **_):
@@ -232,9 +248,10 @@ def turbo_dispatch_cached(x, handle):
     x = x.contiguous()
     hdl.barrier(channel=0)
     ep_dispatch_push_kernel[(_programs(t, block_r),)](
-        x, indices, x, x, handle.row_id_map, e["send_off"], e["base"], ptrs, t, world, hidden, k, 0,
+        x, indices, x, x, e["pos"], e["counts"], e["pos"], ptrs, rank, t, world, hidden, k, 0,
         handle.num_experts // world, offs["comb_y"], offs["recv_idx"], offs["recv_probs"], offs["recv_scale"],
-        HAS_PROBS=False, HAS_SCALE=False, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k, num_warps=8,
+        HAS_PROBS=False, HAS_SCALE=False, WRITE_MAP=False, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k,
+        BLOCK_W=block_w, num_warps=8,
     )  # fmt: skip
     hdl.barrier(channel=0)
     recv_x = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
@@ -242,7 +259,8 @@ def turbo_dispatch_cached(x, handle):
     ep_recv_finalize_kernel[(_programs(rows, block_r, 4),)](
         _view(buf, offs["comb_y"], (rows, hidden), x.dtype),
         _view(buf, offs["recv_idx"], (rows, k), torch.int32),
-        recv_x, recv_x, dummy_idx, recv_x, e["counts"], rank, world, rows, hidden, k,
-        HAS_PROBS=False, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=8,
+        recv_x, recv_x, dummy_idx, recv_x, dummy_idx, e["counts"], rank, world, rows, hidden, k,
+        HAS_PROBS=False, HAS_TPE=False, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_W=block_w,
+        num_warps=8,
     )  # fmt: skip
     return recv_x
