@@ -229,12 +229,14 @@ class TurboEPMoE(TurboMoE):
         if before:
             routed_input = (routed_input.float() * routed_scores.reshape(-1, 1)).to(x.dtype)
         # With the NCCL backend the buffer holds exactly the local (token, expert) pairs; with TURBO (no host
-        # sync) it is an upper bound whose rows after the last group are zeros and join the last expert's
-        # group, so the grouped GEMMs see exactly their rows (zero rows add nothing to outputs, weight
-        # gradients or FP8 amax; they do cost GEMM time there).
+        # sync) it is an upper bound whose rows after the last group are zeros. Turbo grouped GEMMs skip rows
+        # past the groups (zero outputs, no GEMM time, no weight-gradient share); the stock experts'
+        # torch._grouped_mm would leave them uninitialised, so there they join the last expert's group (zero
+        # rows add nothing to outputs, weight gradients or FP8 amax; they do cost GEMM time).
         group_lens = tokens_per_expert.to(torch.int64)
-        tail = routed_input.shape[0] - group_lens.sum()
-        group_lens = torch.cat([group_lens[:-1], group_lens[-1:] + tail])
+        if not isinstance(self.experts, TurboGroupedExperts):
+            tail = routed_input.shape[0] - group_lens.sum()
+            group_lens = torch.cat([group_lens[:-1], group_lens[-1:] + tail])
         return dispatcher.token_combine(self.experts(routed_input, group_lens)).to(x.dtype)
 
 

@@ -63,3 +63,27 @@ def _plain_tensors(args, kwargs) -> bool:
         if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
             return False
     return True
+
+
+def zero_rows_from(out: torch.Tensor, probs: torch.Tensor | None, start: torch.Tensor) -> None:
+    """Zero rows [start, N) of ``out`` [N, H] (and of ``probs`` [N]) in place; ``start`` is an int scalar
+    tensor on out's device (no host sync): only the tail is written, unlike a zero-filled allocation."""
+    n, h = out.shape
+    if n == 0:
+        return
+    if not triton_can_run_on(out, start):
+        tail = torch.arange(n, device=out.device) >= start
+        out.masked_fill_(tail.unsqueeze(1), 0)
+        if probs is not None:
+            probs.masked_fill_(tail, 0)
+        return
+    import triton
+
+    from primus_turbo.triton.memory.zero_rows_kernel import zero_rows_from_kernel
+
+    block_h = min(1024, triton.next_power_of_2(max(h, 16)))
+    block_r = max(1, min(64, 16384 // block_h))
+    zero_rows_from_kernel[(min(ceil_div(n, block_r), 1024),)](
+        out, probs if probs is not None else out, start, n, h, out.stride(0), HAS_PROBS=probs is not None,
+        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=8,
+    )  # fmt: skip

@@ -82,9 +82,10 @@ def _debug_check_values(op, a, group_lens, group_offs) -> None:
     lens = group_lens.cpu()
     if (lens < 0).any():
         raise ValueError(f"{op}: group_lens has negative lengths: {lens.tolist()}")
-    if int(lens.sum()) != a.shape[0]:
+    if int(lens.sum()) > a.shape[0]:  # fewer is fine: rows past the groups give zeros (an upper-bound buffer)
         raise ValueError(
-            f"{op}: group_lens sums to {int(lens.sum())} but a has {a.shape[0]} rows (a.shape[0])"
+            f"{op}: group_lens sums to {int(lens.sum())} but a has only {a.shape[0]} rows (a.shape[0]); "
+            "sum(group_lens) <= a.shape[0] is required"
         )
     if group_offs is not None:
         expect = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
@@ -156,9 +157,12 @@ def grouped_gemm(
 
     No host synchronisation on group_lens in forward or backward (CUDA-graph capturable) except
     with the TORCH backend (the CPU default). G == 1 runs a dense matmul. Checks: shapes, dtypes,
-    devices and G always (no sync); negative lengths, sum(group_lens) != a.shape[0] and a wrong
+    devices and G always (no sync); negative lengths, sum(group_lens) > a.shape[0] and a wrong
     group_offs only with PRIMUS_TURBO_DEBUG_CHECKS=1 (they need a sync). Without it, inconsistent
     lengths give wrong values but never out-of-bounds accesses or uninitialised output rows.
+    sum(group_lens) < a.shape[0] is supported (a sync-free upper-bound buffer, e.g. after TURBO EP
+    dispatch): rows past the last group belong to no group; their outputs and input gradients are
+    zeros, they add nothing to the weight gradient and cost no GEMM time (CUTLASS and TRITON).
     Backend: PRIMUS_TURBO_GROUPED_GEMM_BACKEND = CUTLASS | TRITON | TORCH.
     """
     validate_grouped_gemm_args(

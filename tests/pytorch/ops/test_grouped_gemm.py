@@ -103,17 +103,29 @@ def test_grouped_gemm_zero_k(backend, device):
 
 
 @pytest.mark.parametrize("backend", ["TRITON", "CUTLASS"])
-def test_grouped_gemm_short_group_lens_leave_no_garbage(backend, device):
-    """sum(group_lens) < M (unchecked without debug flag): every output row is still written."""
+def test_grouped_gemm_rows_past_the_groups_are_zero_and_skipped(backend, device):
+    """sum(group_lens) < M (a sync-free upper-bound buffer, e.g. after TURBO EP dispatch): the rows past the
+    last group belong to no group. Every backend writes them as zeros (nothing uninitialised) and leaves
+    them out of the weight gradient, whatever they hold."""
     GlobalBackendManager.set_grouped_gemm_backend(backend)
     G, M, K, N = 3, 64, 32, 16
-    a = torch.randn(M, K, dtype=torch.bfloat16, device=device)
-    b = torch.randn(G, K, N, dtype=torch.bfloat16, device=device)
+    a = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    b = torch.randn(G, K, N, dtype=torch.bfloat16, device=device, requires_grad=True)
     lens = torch.tensor([10, 0, 20], device=device)
     out = turbo.ops.grouped_gemm(a, b, lens)
     assert torch.isfinite(out).all()
-    ref = grouped_gemm_ref(a[:30], b, lens)
+    assert torch.count_nonzero(out[30:]) == 0, backend
+    ref = grouped_gemm_ref(a.detach()[:30], b.detach(), lens)
     assert_close(out[:30], ref, torch.bfloat16, msg=backend)
+    grad = torch.randn_like(out)  # non-zero in the tail too: it must not reach b.grad
+    out.backward(grad)
+    af, bf, gf = a.detach().float(), b.detach().float(), grad.float()
+    rows = [(0, 10), (10, 10), (10, 30)]  # group g: rows [start, end)
+    db_ref = torch.stack([af[s:e].t() @ gf[s:e] for s, e in rows])
+    da_ref = torch.cat([gf[s:e] @ bf[g].t() for g, (s, e) in enumerate(rows)])
+    assert_close(b.grad, db_ref, torch.bfloat16, msg=f"{backend} wgrad")
+    assert_close(a.grad[:30], da_ref, torch.bfloat16, msg=f"{backend} dgrad")
+    assert torch.count_nonzero(a.grad[30:]) == 0, backend
 
 
 def test_dispatcher_defaults_and_env(device, monkeypatch):
@@ -160,8 +172,9 @@ def test_bad_inputs(device, monkeypatch):
     with pytest.raises(ValueError, match="group_offs must be int64"):
         turbo.ops.grouped_gemm(a, b, lens, group_offs=lens)
     monkeypatch.setenv("PRIMUS_TURBO_DEBUG_CHECKS", "1")
-    with pytest.raises(ValueError, match="sums to 11 but a has 12 rows"):
-        turbo.ops.grouped_gemm(a, b, torch.tensor([4, 4, 3], device=device))
+    with pytest.raises(ValueError, match="sums to 13 but a has only 12 rows"):
+        turbo.ops.grouped_gemm(a, b, torch.tensor([4, 4, 5], device=device))
+    turbo.ops.grouped_gemm(a, b, torch.tensor([4, 4, 3], device=device))  # fewer: the last row is zero
     with pytest.raises(ValueError, match="negative"):
         turbo.ops.grouped_gemm(a, b, torch.tensor([8, -4, 8], device=device))
     with pytest.raises(ValueError, match="exclusive cumsum"):

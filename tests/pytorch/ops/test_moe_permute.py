@@ -6,6 +6,7 @@ from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.core.low_precision import Format
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_permute_fp8, token_unpermute
+from primus_turbo.triton.memory.zero_rows_kernel import zero_rows_from_kernel
 from primus_turbo.triton.moe import permute_kernel as pk
 
 
@@ -75,7 +76,7 @@ def test_zero_fill_zeroes_the_rows_after_the_last_group(device):
 )
 def test_zero_rows_from_zeroes_only_the_tail(n, h, start, device):
     """The dense-groups zero_fill path: only rows [start, N) are written (start read on the device)."""
-    from primus_turbo.pytorch.kernels.moe.permute_impl import zero_rows_from
+    from primus_turbo.pytorch.core.utils import zero_rows_from
 
     out = torch.randn(n, h, device=device).to(torch.bfloat16)
     probs = torch.rand(n, device=device) + 0.5
@@ -269,7 +270,7 @@ def _compile_all():
     zsig |= {"stride_out": "i32", "HAS_PROBS": "constexpr", "BLOCK_R": "constexpr", "BLOCK_H": "constexpr"}
     for has_probs in (False, True):
         consts = {"HAS_PROBS": has_probs, "BLOCK_R": 16, "BLOCK_H": 1024}
-        compile_for_sm90(pk.zero_rows_from_kernel, zsig, consts)
+        compile_for_sm90(zero_rows_from_kernel, zsig, consts)
     compile_for_sm90(pk.permute_fp8_rowwise_kernel, QSIG, {"FP8_MAX": 448.0, "BLOCK_H": 2048})
     _compile_ep()
     _compile_row_id_map()

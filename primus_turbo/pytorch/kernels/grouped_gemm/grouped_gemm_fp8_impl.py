@@ -38,6 +38,7 @@ from primus_turbo.pytorch.core.utils import debug_checks_enabled, eager_direct, 
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     VariableKTorchBackend,
     cutlass_offsets,
+    zero_tail,
 )
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     SCALE_BLOCKWISE,
@@ -115,10 +116,11 @@ class FP8CutlassBackend(KernelBackend):
         if scale_mode == SCALE_TENSORWISE:  # rowwise with broadcast scales: tiny [M] / [G, N] fills
             a_scale = a_scale.reshape(1).expand(m)
             b_scale = b_scale.reshape(-1, 1).expand(g, n)
-        return torch._scaled_grouped_mm(
+        out = torch._scaled_grouped_mm(
             a, b_view, a_scale.reshape(-1).contiguous(), b_scale.contiguous(), offs=offs,
             out_dtype=out_dtype, use_fast_accum=True,
         )  # fmt: skip
+        return zero_tail(out, offs)  # rows past the last group: zeros, not computed
 
 
 class FP8TritonBackend(KernelBackend):

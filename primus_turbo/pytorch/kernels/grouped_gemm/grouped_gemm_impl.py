@@ -8,8 +8,9 @@ Two problems, one dispatcher each (both answer to PRIMUS_TURBO_GROUPED_GEMM_BACK
 
 Backends:
   CUTLASS  torch._grouped_mm (bf16, 16-byte aligned strides: K and N multiples of 8). Offsets are
-           clamped to M and the last one forced to M so no output row is left unwritten; the ops
-           layer computes them once per forward (``offs``) and reuses them in dgrad and wgrad.
+           cumsum(group_lens) clamped to M; output rows past the last group are zeroed (not
+           computed), as in the TRITON kernels; the ops layer computes the offsets once per forward
+           (``offs``) and reuses them in dgrad and wgrad.
            Wgrad outputs of empty groups: exact zeros from the sm_90 kernel itself (pytorch#172439,
            #192497: Hopper writes zeros, Blackwell did not), masked to zeros on other devices.
   TRITON   persistent sync-free kernels (primus_turbo/triton/grouped_gemm).
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
-from primus_turbo.pytorch.core.utils import eager_direct, triton_can_run_on
+from primus_turbo.pytorch.core.utils import eager_direct, triton_can_run_on, zero_rows_from
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     launch_grouped_gemm,
     launch_grouped_gemm_variable_k,
@@ -34,6 +35,7 @@ __all__ = [
     "grouped_gemm_impl",
     "grouped_gemm_variable_k_impl",
     "cutlass_offsets",
+    "zero_tail",
 ]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -45,15 +47,21 @@ def _b_view(b: torch.Tensor, trans_b: bool) -> torch.Tensor:
 
 
 def cutlass_offsets(group_lens: torch.Tensor, total: int) -> torch.Tensor:
-    """int32 end offsets for torch._grouped_mm, clamped to ``total`` with the last one == total.
+    """int32 end offsets for torch._grouped_mm: cumsum(group_lens) clamped to ``total``. Device-side only.
 
-    With consistent inputs this is exactly cumsum(group_lens). With inconsistent ones (unchecked
-    unless PRIMUS_TURBO_DEBUG_CHECKS=1) every row is still covered, so nothing is left
-    uninitialised. Device-side only: no host sync.
+    Rows past the last offset (sum(group_lens) < M: a sync-free upper-bound buffer such as the TURBO EP
+    dispatcher's, or inconsistent inputs) belong to no group: torch._grouped_mm skips them, so they cost
+    no GEMM time, take no part in a weight gradient, and ``zero_tail`` zeroes them in an [M, N] output
+    (the TRITON kernels do the same), so nothing is left uninitialised.
     """
-    offs = torch.cumsum(group_lens, 0, dtype=torch.int32).clamp_(0, total)
-    offs[-1:] = total
-    return offs
+    return torch.cumsum(group_lens, 0, dtype=torch.int32).clamp_(0, total)
+
+
+def zero_tail(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Zero the rows of a grouped GEMM output [M, N] past the last group end ``offs[-1]`` (no host sync)."""
+    if out.shape[0] and offs.numel():
+        zero_rows_from(out, None, offs[-1])
+    return out
 
 
 def _offsets(group_lens, total, offs):
@@ -94,7 +102,8 @@ class GroupedGemmCutlassBackend(KernelBackend):
 
     @staticmethod
     def execute(a, b, group_lens, trans_b, offs=None, **kw):
-        return torch._grouped_mm(a, _b_view(b, trans_b), offs=_offsets(group_lens, a.shape[0], offs))
+        offs = _offsets(group_lens, a.shape[0], offs)
+        return zero_tail(torch._grouped_mm(a, _b_view(b, trans_b), offs=offs), offs)
 
 
 class GroupedGemmTritonBackend(KernelBackend):

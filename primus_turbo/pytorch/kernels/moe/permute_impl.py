@@ -264,29 +264,6 @@ class PermuteDispatcher(AutoKernelDispatcher):
         return "other"
 
 
-def zero_rows_from(out: torch.Tensor, probs: torch.Tensor | None, start: torch.Tensor) -> None:
-    """Zero rows [start, N) of ``out`` [N, H] (and of ``probs`` [N]) in place; ``start`` is an int scalar
-    tensor on out's device (no host sync). Cheaper than a zero-filled allocation when only the tail needs
-    zeros."""
-    n, h = out.shape
-    if n == 0:
-        return
-    if not triton_can_run_on(out, start):
-        tail = torch.arange(n, device=out.device) >= start
-        out.masked_fill_(tail.unsqueeze(1), 0)
-        if probs is not None:
-            probs.masked_fill_(tail, 0)
-        return
-    from primus_turbo.triton.moe.permute_kernel import zero_rows_from_kernel
-
-    block_h = min(1024, triton.next_power_of_2(max(h, 16)))
-    block_r = max(1, min(64, 16384 // block_h))
-    zero_rows_from_kernel[(min(ceil_div(n, block_r), 1024),)](
-        out, probs if probs is not None else out, start, n, h, out.stride(0), HAS_PROBS=probs is not None,
-        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=8,
-    )  # fmt: skip
-
-
 # -- custom ops ---------------------------------------------------------------------------------
 
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.utils import debug_checks_enabled
+from primus_turbo.pytorch.core.utils import debug_checks_enabled, zero_rows_from
 from primus_turbo.pytorch.kernels.moe.permute_impl import (
     build_row_id_map,
     moe_permute_fp8_rowwise,
     moe_permute_fwd,
     moe_unpermute_bwd_probs,
     moe_unpermute_fwd,
-    zero_rows_from,
 )
 
 __all__ = ["token_permute", "token_unpermute", "token_permute_fp8"]
