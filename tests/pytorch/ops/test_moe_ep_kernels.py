@@ -83,7 +83,7 @@ def test_ep_dispatch_and_combine_push_kernels(world, t, h, block_r, with_scale, 
         in_rank = rk.in_rank[r].view(torch.uint8) if from_mask else rk.idx[r]
         ek.ep_layout_kernel[(world,)](
             rk.idx[r], in_rank, pos, rk.ptrs, rk.offs["counts"], r, t, world, k, epr,
-            FROM_INDICES=not from_mask, BLOCK_T=16, BLOCK_K=bk,
+            FROM_INDICES=not from_mask, BLOCK_T=16, BLOCK_K=4,
         )  # fmt: skip
         poss.append(pos)
     for r in range(world):

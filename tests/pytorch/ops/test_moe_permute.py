@@ -313,7 +313,7 @@ def _compile_ep():
     lsig |= dict.fromkeys(["rank", "T", "W", "K", "experts_per_rank"], "i32")
     lsig |= dict.fromkeys(["FROM_INDICES", "BLOCK_T", "BLOCK_K"], "constexpr")
     for from_indices in (True, False):
-        consts = {"FROM_INDICES": from_indices, "BLOCK_T": 1024, "BLOCK_K": 16}
+        consts = {"FROM_INDICES": from_indices, "BLOCK_T": 1024, "BLOCK_K": 8}
         compile_for_sm90(ek.ep_layout_kernel, lsig, consts)
     dsig = {
         "x_ptr": "*bf16",

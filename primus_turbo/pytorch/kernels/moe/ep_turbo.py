@@ -164,9 +164,10 @@ def turbo_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_i
     # publish the counts row into every peer; push the rows (and their local expert ids, probs, scales) into
     # the peers' receive regions; copy the received rows out and count them per local expert.
     hdl.barrier(channel=0)  # peers are done reading the previous call's data
+    layout_k = triton.next_power_of_2(max(k, 2))  # [BLOCK_T, K] index tiles of ~8K elements
     ep_layout_kernel[(world,)](
         indices, in_rank, pos, ptrs, offs["counts"], rank, t, world, k, epr,
-        FROM_INDICES=is_token_in_rank is None, BLOCK_T=1024, BLOCK_K=block_k,
+        FROM_INDICES=is_token_in_rank is None, BLOCK_T=max(16, min(1024, 8192 // layout_k)), BLOCK_K=layout_k,
     )  # fmt: skip
     hdl.barrier(channel=0)
     ep_dispatch_push_kernel[(_programs(t, block_r),)](
