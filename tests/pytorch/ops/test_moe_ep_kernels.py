@@ -6,32 +6,18 @@ the Triton interpreter, on a GPU as compiled kernels). The 2-GPU round trip is i
 import pytest
 import torch
 
+from primus_turbo.pytorch.kernels.moe import ep_turbo
 from primus_turbo.pytorch.kernels.moe.dispatch_impl import dispatch_layout
 from primus_turbo.pytorch.kernels.moe.permute_impl import build_row_id_map
 from primus_turbo.triton.moe import ep_kernel as ek
 
 
-def _regions(cap, h, k, s):
-    sizes = {
-        "counts": 64 * 8,  # [W, W] int64, W <= 8
-        "x": cap * h * 2,
-        "idx": cap * k * 4,
-        "p": cap * k * 4,
-        "s": cap * max(s, 1) * 4,
-        "cy": cap * h * 2,
-    }
-    offs, total = {}, 0
-    for name, size in sizes.items():
-        offs[name] = total
-        total += (size + 255) // 256 * 256
-    return offs, total
-
-
 class _Ranks:
-    def __init__(self, world, t, h, e, k, s, device):
+    def __init__(self, world, t, h, e, k, s, device, monkeypatch):
         self.world, self.t, self.h, self.e, self.k, self.s = world, t, h, e, k, s
-        self.cap = world * t
-        self.offs, total = _regions(self.cap, h, k, s)
+        # the backend's own workspace layout, sized for t tokens per rank (its receive capacity W x t)
+        monkeypatch.setenv("PRIMUS_TURBO_EP_MAX_TOKENS", str(t))
+        self.offs, total, self.cap = ep_turbo._layout(world, h, 2, k, s)
         # non-zero garbage in the workspaces: nothing may depend on them starting clean
         self.ws = [torch.randint(0, 255, (total,), dtype=torch.uint8, device=device) for _ in range(world)]
         self.ptrs = torch.tensor([w.data_ptr() for w in self.ws], dtype=torch.int64, device=device)
@@ -54,12 +40,7 @@ class _Ranks:
         self.counts = torch.stack(counts)
 
     def view(self, r, name, shape, dtype):
-        n = 1
-        for v in shape:
-            n *= v
-        start = self.offs[name]
-        raw = self.ws[r][start : start + n * torch.empty((), dtype=dtype).element_size()]
-        return raw.view(dtype).view(*shape)
+        return ep_turbo._view(self.ws[r], self.offs[name], shape, dtype)
 
 
 def _blocks(h, k, world, block_r):
@@ -71,10 +52,12 @@ def _blocks(h, k, world, block_r):
     "world,t,h,block_r", [(2, 37, 200, None), (3, 29, 72, 4), (2, 5, 1100, 2), (2, 0, 64, None)]
 )
 @pytest.mark.parametrize("with_scale,from_mask", [(False, False), (True, True)])
-def test_ep_dispatch_and_combine_push_kernels(world, t, h, block_r, with_scale, from_mask, device):
+def test_ep_dispatch_and_combine_push_kernels(
+    world, t, h, block_r, with_scale, from_mask, device, monkeypatch
+):
     e, k = 4 * world, 3
     s = 3 if with_scale else 0
-    rk = _Ranks(world, t, h, e, k, s, device)
+    rk = _Ranks(world, t, h, e, k, s, device, monkeypatch)
     br, bh, bk, bw = _blocks(h, max(k, s), world, block_r)
     epr = e // world
     poss = []
@@ -92,8 +75,9 @@ def test_ep_dispatch_and_combine_push_kernels(world, t, h, block_r, with_scale, 
         row_map = torch.full((t, world), -7, dtype=torch.int32, device=device)
         ek.ep_dispatch_push_kernel[(3,)](
             rk.x[r], rk.idx[r], rk.probs[r], rk.scale[r], poss[r], counts, row_map, rk.ptrs, r, t, world, h,
-            k, s, epr, rk.offs["x"], rk.offs["idx"], rk.offs["p"], rk.offs["s"], HAS_PROBS=True,
-            HAS_SCALE=with_scale, WRITE_MAP=True, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk, BLOCK_W=bw,
+            k, s, epr, rk.offs["recv_x"], rk.offs["recv_idx"], rk.offs["recv_probs"], rk.offs["recv_scale"],
+            HAS_PROBS=True, HAS_SCALE=with_scale, WRITE_MAP=True, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk,
+            BLOCK_W=bw,
         )  # fmt: skip
         assert torch.equal(row_map, rk.maps[r])  # the send layout combine's unpermute reads
     cap = rk.cap
@@ -103,9 +87,9 @@ def test_ep_dispatch_and_combine_push_kernels(world, t, h, block_r, with_scale, 
         op = torch.empty(cap, k, device=device)
         tpe = torch.zeros(epr, dtype=torch.int32, device=device)
         ek.ep_recv_finalize_kernel[(2,)](
-            rk.view(d, "x", (cap, h), torch.bfloat16), rk.view(d, "idx", (cap, k), torch.int32),
-            rk.view(d, "p", (cap, k), torch.float32), ox, oi, op, tpe, rk.counts, d, world, cap, h, k,
-            HAS_PROBS=True, HAS_TPE=True, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk, BLOCK_W=bw,
+            rk.view(d, "recv_x", (cap, h), torch.bfloat16), rk.view(d, "recv_idx", (cap, k), torch.int32),
+            rk.view(d, "recv_probs", (cap, k), torch.float32), ox, oi, op, tpe, rk.counts, d, world, cap, h,
+            k, HAS_PROBS=True, HAS_TPE=True, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk, BLOCK_W=bw,
         )  # fmt: skip
         # reference: rank d receives, source by source, the tokens with an expert on d, in token order
         want_x, want_i, want_p, want_s = [], [], [], []
@@ -126,19 +110,19 @@ def test_ep_dispatch_and_combine_push_kernels(world, t, h, block_r, with_scale, 
         routes = torch.cat(want_i)
         assert torch.equal(tpe, torch.bincount(routes[routes >= 0], minlength=epr).to(torch.int32))
         if with_scale:
-            assert torch.equal(rk.view(d, "s", (cap, s), torch.float32)[:n], torch.cat(want_s))
+            assert torch.equal(rk.view(d, "recv_scale", (cap, s), torch.float32)[:n], torch.cat(want_s))
 
     # combine: every rank pushes its received rows back into their sources' combine regions
     ys = [torch.randn(cap, h, device=device).to(torch.bfloat16) for _ in range(world)]
     ws = [torch.randn(cap, k, device=device) for _ in range(world)]
     for d in range(world):
         ek.ep_combine_push_kernel[(3,)](
-            ys[d], ws[d], rk.counts, rk.ptrs, d, world, h, k, rk.offs["cy"], rk.offs["p"], HAS_W=True,
-            BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk, BLOCK_W=bw,
+            ys[d], ws[d], rk.counts, rk.ptrs, d, world, h, k, rk.offs["comb_y"], rk.offs["comb_w"],
+            HAS_W=True, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk, BLOCK_W=bw,
         )  # fmt: skip
     for src in range(world):
-        comb_y = rk.view(src, "cy", (cap, h), torch.bfloat16)
-        comb_w = rk.view(src, "p", (cap, k), torch.float32)
+        comb_y = rk.view(src, "comb_y", (cap, h), torch.bfloat16)
+        comb_w = rk.view(src, "comb_w", (cap, k), torch.float32)
         row = 0  # src's send layout is destination-major; d returns them from its receive rows of src
         for d in range(world):
             c, first = int(rk.counts[src, d]), int(rk.counts[:src, d].sum())
