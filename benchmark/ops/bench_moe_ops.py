@@ -18,7 +18,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import MEMORY_COLUMNS, bench_ms, bench_parser, gbps, out_dir, print_table, write_csv  # noqa: E402
+from bench_utils import (  # noqa: E402
+    MEMORY_COLUMNS,
+    bench_ms,
+    bench_parser,
+    gbps,
+    host_ms,
+    out_dir,
+    print_table,
+    write_csv,
+)
 
 from primus_turbo.pytorch.kernels.moe.permute_impl import (  # noqa: E402
     PermuteTriton,
@@ -33,7 +42,7 @@ from primus_turbo.pytorch.ops.moe.router import fused_topk_routing  # noqa: E402
 QUICK = False  # --quick: torch.compile baselines only for permute and swiglu (compile time budget)
 
 
-def _row(label, shape, dtype, check, fwd_bytes, fwd_ms, bwd_bytes=None, bwd_ms=None):
+def _row(label, shape, dtype, check, fwd_bytes, fwd_ms, bwd_bytes=None, bwd_ms=None, host_us=None):
     return {
         "label": label,
         "shape": shape,
@@ -43,12 +52,14 @@ def _row(label, shape, dtype, check, fwd_bytes, fwd_ms, bwd_bytes=None, bwd_ms=N
         "Forward Time (ms)": fwd_ms,
         "Backward GB/s": gbps(bwd_bytes, bwd_ms) if bwd_ms else "",
         "Backward Time (ms)": bwd_ms if bwd_ms else "",
+        "host fwd us": host_us if host_us is not None else "",
     }
 
 
 def _fwd_bwd(fn, inputs, grad):
     """(fwd ms, bwd ms) of fn(*inputs) -> tensor; backward with retain_graph on one forward."""
     fwd, _ = bench_ms(lambda: fn(*inputs))
+    _fwd_bwd.host_us = host_ms(lambda: fn(*inputs), n=50, warmup=3) * 1e3
     out = fn(*inputs)
     bwd, _ = bench_ms(lambda: torch.autograd.grad(out, [i for i in inputs if i.requires_grad], grad,
                                                   retain_graph=True))  # fmt: skip
@@ -91,7 +102,7 @@ def bench_router(t, e, k, groups, topk_groups):
     for label, fn in impls:
         f, b = _fwd_bwd(fn, (logits,), grad)
         rows.append(_row(label, f"{t}x{e} top{k} g{groups}/{topk_groups}", logits.dtype,
-                         _check(fn(logits), ref), fwd_b, f, bwd_b, b))  # fmt: skip
+                         _check(fn(logits), ref), fwd_b, f, bwd_b, b, _fwd_bwd.host_us))  # fmt: skip
     return rows
 
 
@@ -133,7 +144,7 @@ def bench_permute(t, h, e, k):
                       ("permute/torch.compile", compiled_perm)):  # fmt: skip
         f, b = _fwd_bwd(fn, (x,), grad)
         rows.append(_row(label, f"{t}x{h} E{e} top{k}", x.dtype, _check(fn(x), ref_sorted, 0), p_bytes, f,
-                         p_bytes, b))  # fmt: skip
+                         p_bytes, b, _fwd_bwd.host_us))  # fmt: skip
 
     # Kernel-only: Triton vs csrc on the same row-id map (the benchmark's TRITON-vs-TURBO dispatch).
     row_id_map, _, num_rows = build_row_id_map(indices, e, n, 0, None)
@@ -175,10 +186,11 @@ def bench_permute(t, h, e, k):
     for label, fn in impls:
         ins = (y, probs_g)
         f, _ = bench_ms(lambda fn=fn, ins=ins: fn(*ins))
+        host = host_ms(lambda fn=fn, ins=ins: fn(*ins), n=50, warmup=3) * 1e3
         out = fn(*ins)
         b, _ = bench_ms(lambda out=out: torch.autograd.grad(out, [y], gout, retain_graph=True))
         rows.append(_row(label, f"{t}x{h} E{e} top{k}", x.dtype, _check(out, ref, 0.1), p_bytes, f,
-                         p_bytes + n * h * 2, b))  # fmt: skip
+                         p_bytes + n * h * 2, b, host))  # fmt: skip
     return rows
 
 
@@ -199,7 +211,8 @@ def bench_swiglu(n, inter):
     for label, fn in (("swiglu_with_probs/turbo", swiglu_with_probs), ("swiglu_with_probs/eager", eager),
                       ("swiglu_with_probs/torch.compile", compiled)):  # fmt: skip
         f, b = _fwd_bwd(fn, (x, p), grad)
-        rows.append(_row(label, f"{n}x{2 * inter}", x.dtype, _check(fn(x, p), ref), fwd_b, f, bwd_b, b))
+        rows.append(_row(label, f"{n}x{2 * inter}", x.dtype, _check(fn(x, p), ref), fwd_b, f, bwd_b, b,
+                         _fwd_bwd.host_us))  # fmt: skip
     return rows
 
 
@@ -220,8 +233,8 @@ def main():
         rows += bench_permute(t, h, e, k)
         rows += bench_swiglu(t * k, inter)
     path = out_dir(args) / ("bench_moe_ops_quick.csv" if args.quick else "bench_moe_ops.csv")
-    write_csv(path, rows, MEMORY_COLUMNS)
-    print_table(rows, MEMORY_COLUMNS)
+    write_csv(path, rows, MEMORY_COLUMNS + ["host fwd us"])
+    print_table(rows, MEMORY_COLUMNS + ["host fwd us"])
 
 
 if __name__ == "__main__":

@@ -80,28 +80,74 @@ def unpermute_bwd_probs_kernel(
     probs_ptr,
     grad_y_ptr,
     grad_probs_ptr,
+    covered_ptr,
     H,
     K,
     stride_g,
     stride_y,
+    BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """Backward of unpermute with merging probs: grad_y[d] = g[t] * p[t,k];
-    grad_probs[t,k] = <g[t], y[d]>. One program per token (the probs gradient spans H)."""
+    grad_probs[t,k] = <g[t], y[d]>; covered[d] = 1 for every row written (the rows left uncovered
+    are zeroed by ``zero_uncovered_rows_kernel``). One program per token; its K routes are one
+    [BLOCK_K, BLOCK_H] tile per step, so the g chunk is loaded once for all of them and the K row
+    streams are in flight together (one route at a time left the loads latency-bound)."""
     t = tl.program_id(0).to(tl.int64)
-    for k in range(K):
-        d = tl.load(map_ptr + t * K + k).to(tl.int64)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        d = tl.load(map_ptr + t * K + offs_k, mask=kmask, other=-1).to(tl.int64)
         valid = d >= 0
-        w = tl.load(probs_ptr + t * K + k).to(tl.float32)
-        dot = tl.zeros([BLOCK_H], dtype=tl.float32)
+        w = tl.load(probs_ptr + t * K + offs_k, mask=valid, other=0.0).to(tl.float32)
+        dot = tl.zeros([BLOCK_K, BLOCK_H], dtype=tl.float32)
         for start in range(0, H, BLOCK_H):
             offs = start + tl.arange(0, BLOCK_H)
-            m = (offs < H) & valid
-            g = tl.load(grad_out_ptr + t * stride_g + offs, mask=m, other=0.0).to(tl.float32)
-            y = tl.load(y_ptr + d * stride_y + offs, mask=m, other=0.0).to(tl.float32)
-            dot += g * y
-            tl.store(grad_y_ptr + d * stride_y + offs, (g * w).to(grad_y_ptr.dtype.element_ty), mask=m)
-        tl.store(grad_probs_ptr + t * K + k, tl.sum(dot, axis=0).to(grad_probs_ptr.dtype.element_ty))
+            hmask = offs < H
+            g = tl.load(grad_out_ptr + t * stride_g + offs, mask=hmask, other=0.0).to(tl.float32)
+            m2 = valid[:, None] & hmask[None, :]
+            rows = d[:, None] * stride_y + offs[None, :]
+            y = tl.load(y_ptr + rows, mask=m2, other=0.0).to(tl.float32)
+            dot += g[None, :] * y
+            tl.store(grad_y_ptr + rows, (g[None, :] * w[:, None]).to(grad_y_ptr.dtype.element_ty), mask=m2)
+        tl.store(grad_probs_ptr + t * K + offs_k, tl.sum(dot, axis=1).to(grad_probs_ptr.dtype.element_ty),
+                 mask=kmask)  # fmt: skip
+        tl.store(covered_ptr + d, tl.full([BLOCK_K], 1, dtype=tl.int8), mask=valid)
+
+
+@triton.jit
+def mark_covered_kernel(map_ptr, covered_ptr, numel, BLOCK: tl.constexpr):
+    """covered[d] = 1 for every destination row d >= 0 in the row-id map (flattened)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.load(map_ptr + offs, mask=offs < numel, other=-1).to(tl.int64)
+    tl.store(covered_ptr + d, tl.full([BLOCK], 1, dtype=tl.int8), mask=d >= 0)
+
+
+@triton.jit
+def zero_uncovered_rows_kernel(
+    out_ptr,
+    probs_ptr,
+    covered_ptr,
+    N,
+    H,
+    stride,
+    HAS_PROBS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[r] = 0 (and probs[r] = 0) for the rows r with covered[r] == 0 (padding, dropped and tail
+    rows); covered rows are only read as flags, so this costs N bytes plus the zero rows."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = offs_r < N
+    empty = (tl.load(covered_ptr + offs_r, mask=rmask, other=1) == 0) & rmask
+    if tl.sum(empty.to(tl.int32), axis=0) > 0:
+        rows = offs_r.to(tl.int64)[:, None] * stride
+        zeros = tl.zeros([BLOCK_R, BLOCK_H], dtype=out_ptr.dtype.element_ty)
+        for start in range(0, H, BLOCK_H):
+            offs = start + tl.arange(0, BLOCK_H)
+            tl.store(out_ptr + rows + offs[None, :], zeros, mask=empty[:, None] & (offs[None, :] < H))
+        if HAS_PROBS:
+            tl.store(probs_ptr + offs_r, tl.zeros([BLOCK_R], dtype=probs_ptr.dtype.element_ty), mask=empty)
 
 
 @triton.jit

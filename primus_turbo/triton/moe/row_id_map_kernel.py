@@ -1,22 +1,24 @@
-"""The permute's row-id map in three launches instead of ~15 small torch ops.
+"""The permute's row-id map in three launches, parallel over experts x token chunks.
 
 ``dest[t, c]`` = the row of token t's route c in the expert-grouped buffer (tokens in order within an
 expert), or -1. Columns c are the top-k slots (``indices`` [T, K], -1 = no route) or the experts
 (bool routing map [T, E]). The torch reference is ``permute_impl._build_row_id_map_torch``; these
-kernels reproduce it integer for integer.
+kernels reproduce it integer for integer. Tokens are cut into NT contiguous chunks of ``chunk_t``.
 
-1. ``expert_rank_kernel``, grid (E,): program e walks the tokens in BLOCK_T tiles, marks the routes to
-   e, and writes each one's rank among them (a running count plus an in-tile scan) into ``rank`` (laid
-   out like ``dest``), and the total into ``counts[e]``. One program per expert keeps the scan serial
-   over tokens without a grid-wide sync; T x K x E compares are cheap next to the torch path's
-   launches (4096 x 8 x 256 = 8.4 M).
-2. ``expert_offsets_kernel``, grid (1,): slots per expert (counts, padded up to ``pad_multiple`` or
-   ``capacity``), exclusive offsets, tokens_per_expert.
-3. ``row_id_map_kernel``, grid (cdiv(T, BLOCK_T),): dest = offsets[expert] + rank where the route is
-   kept (rank < capacity, dest < num_rows), else -1.
+1. ``expert_tile_count_kernel``, grid (E, NT): program (e, j) counts the routes to expert e in chunk j
+   into ``tile_counts[e, j]``.
+2. ``expert_scan_kernel``, grid (1,): counts per expert, slots (padded up to ``pad_multiple``, or
+   ``capacity``), exclusive offsets over experts, tokens_per_expert, and ``base[e, j]`` = offsets[e] +
+   the routes to e in chunks before j. NT is capped so this [E, NT] scan stays small.
+3. ``row_id_map_kernel``, grid (E, NT): program (e, j) rescans its chunk; dest = base[e, j] + the
+   in-chunk running count - 1 where kept (rank < capacity, dest < num_rows), else -1. Each entry is
+   written once: by its expert's program, or, for an index routed nowhere (< 0 or >= E), by e == 0.
 
-On H100 (bench_moe_ops, session 9, 4096 tokens x 256 experts top-8) the permute forward with the torch map
-took 0.376 ms against 0.20 ms for its kernel alone; with these kernels the forward takes 0.28 ms.
+Both per-expert kernels compare every route with their expert: T x K x E loads of a routing tensor
+small enough to stay in L2. On H100 (bench_moe_ops, session 9, 4096 tokens x 256 experts top-8) the
+permute forward took 0.376 ms with the torch map and 0.28 ms with the previous kernels, against 0.20 ms
+for the copy kernel alone; of that, the previous design's rank kernel (grid (E,), each program walking
+all tokens serially) took 59 us. This design is not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -26,76 +28,84 @@ import triton.language as tl
 
 
 @triton.jit
-def expert_rank_kernel(
+def expert_tile_count_kernel(
     routing_ptr,
-    rank_ptr,
-    counts_ptr,
+    tile_counts_ptr,
     T,
     C,
+    chunk_t,
     IS_MAP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     e = tl.program_id(0)
+    j = tl.program_id(1)
+    t_start = j * chunk_t
+    t_end = tl.minimum(t_start + chunk_t, T)
     offs_c = tl.arange(0, BLOCK_C)
-    running = tl.zeros((), dtype=tl.int32)
-    for t0 in range(0, T, BLOCK_T):
+    count = tl.zeros((), dtype=tl.int32)
+    for t0 in range(t_start, t_end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
-        tmask = offs_t < T
+        tmask = offs_t < t_end
         if IS_MAP:
             # column e of the [T, E] map: one flag per token
             flag = tl.load(routing_ptr + offs_t.to(tl.int64) * C + e, mask=tmask, other=0)
-            hit = (flag != 0).to(tl.int32)
-            rank = running + tl.cumsum(hit, axis=0) - 1
-            tl.store(rank_ptr + offs_t.to(tl.int64) * C + e, rank, mask=tmask & (hit > 0))
-            running += tl.sum(hit, axis=0)
+            count += tl.sum((flag != 0).to(tl.int32), axis=0)
         else:
             ptrs = offs_t.to(tl.int64)[:, None] * C + offs_c[None, :]
             m2 = tmask[:, None] & (offs_c[None, :] < C)
             idx = tl.load(routing_ptr + ptrs, mask=m2, other=-1)
-            match = (idx == e) & m2
-            hit = tl.sum(match.to(tl.int32), axis=1)  # a token routes to e at most once
-            rank = running + tl.cumsum(hit, axis=0) - 1
-            rank2 = tl.broadcast_to(rank[:, None], (BLOCK_T, BLOCK_C))
-            tl.store(rank_ptr + ptrs, rank2, mask=match)
-            running += tl.sum(hit, axis=0)
-    tl.store(counts_ptr + e, running)
+            count += tl.sum(tl.sum(((idx == e) & m2).to(tl.int32), axis=1), axis=0)
+    tl.store(tile_counts_ptr + e * tl.num_programs(1) + j, count)
 
 
 @triton.jit
-def expert_offsets_kernel(
-    counts_ptr,
+def expert_scan_kernel(
+    tile_counts_ptr,
+    base_ptr,
     offsets_ptr,
     tokens_per_expert_ptr,
     E,
+    NT,
     pad_multiple,
     capacity,
     HAS_CAPACITY: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCK_NT: tl.constexpr,
 ):
-    offs = tl.arange(0, BLOCK_E)
-    emask = offs < E
-    counts = tl.load(counts_ptr + offs, mask=emask, other=0)
-    if HAS_CAPACITY:
-        slots = tl.where(emask, capacity, 0)
-        tokens = tl.minimum(counts, capacity)
-    else:
-        slots = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
-        tokens = slots
-    offsets = tl.cumsum(slots, axis=0) - slots
-    tl.store(offsets_ptr + offs, offsets, mask=emask)
-    tl.store(tokens_per_expert_ptr + offs, tokens, mask=emask)
+    offs_j = tl.arange(0, BLOCK_NT)
+    carry = tl.zeros((), dtype=tl.int32)  # slots of the expert blocks already scanned
+    for e0 in range(0, E, BLOCK_E):
+        offs_e = e0 + tl.arange(0, BLOCK_E)
+        emask = offs_e < E
+        m2 = emask[:, None] & (offs_j[None, :] < NT)
+        ptrs = offs_e[:, None] * NT + offs_j[None, :]
+        tiles = tl.load(tile_counts_ptr + ptrs, mask=m2, other=0)
+        counts = tl.sum(tiles, axis=1)
+        if HAS_CAPACITY:
+            slots = tl.where(emask, capacity, 0)
+            tokens = tl.minimum(counts, capacity)
+        else:
+            slots = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+            tokens = slots
+        offsets = carry + tl.cumsum(slots, axis=0) - slots
+        base = offsets[:, None] + tl.cumsum(tiles, axis=1) - tiles
+        tl.store(offsets_ptr + offs_e, offsets, mask=emask)
+        tl.store(tokens_per_expert_ptr + offs_e, tokens, mask=emask)
+        tl.store(base_ptr + ptrs, base, mask=m2)
+        carry += tl.sum(slots, axis=0)
 
 
 @triton.jit
 def row_id_map_kernel(
     routing_ptr,
-    rank_ptr,
+    base_ptr,
     offsets_ptr,
     dest_ptr,
     T,
     C,
     E,
+    chunk_t,
     num_rows,
     capacity,
     IS_MAP: tl.constexpr,
@@ -103,21 +113,37 @@ def row_id_map_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(0)
+    j = tl.program_id(1)
+    t_start = j * chunk_t
+    t_end = tl.minimum(t_start + chunk_t, T)
     offs_c = tl.arange(0, BLOCK_C)
-    m2 = (offs_t[:, None] < T) & (offs_c[None, :] < C)
-    ptrs = offs_t.to(tl.int64)[:, None] * C + offs_c[None, :]
-    if IS_MAP:
-        routed = tl.load(routing_ptr + ptrs, mask=m2, other=0) != 0
-        expert = tl.broadcast_to(offs_c[None, :], (BLOCK_T, BLOCK_C))
-    else:
-        expert = tl.load(routing_ptr + ptrs, mask=m2, other=-1)
-        routed = (expert >= 0) & (expert < E)
-    rank = tl.load(rank_ptr + ptrs, mask=m2 & routed, other=0)
-    offset = tl.load(offsets_ptr + expert, mask=m2 & routed, other=0)
-    dest = offset + rank
-    keep = routed & (dest < num_rows)
-    if HAS_CAPACITY:
-        keep = keep & (rank < capacity)
-    tl.store(dest_ptr + ptrs, tl.where(keep, dest, -1), mask=m2)
+    offset = tl.load(offsets_ptr + e)
+    running = tl.load(base_ptr + e * tl.num_programs(1) + j)  # row of the chunk's first route to e
+    for t0 in range(t_start, t_end, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        tmask = offs_t < t_end
+        if IS_MAP:
+            ptrs = offs_t.to(tl.int64) * C + e
+            flag = tl.load(routing_ptr + ptrs, mask=tmask, other=0)
+            hit = (flag != 0).to(tl.int32)
+            dest = running + tl.cumsum(hit, axis=0) - 1
+            keep = (hit > 0) & (dest < num_rows)
+            if HAS_CAPACITY:
+                keep = keep & (dest - offset < capacity)
+            tl.store(dest_ptr + ptrs, tl.where(keep, dest, -1), mask=tmask)
+        else:
+            ptrs = offs_t.to(tl.int64)[:, None] * C + offs_c[None, :]
+            m2 = tmask[:, None] & (offs_c[None, :] < C)
+            idx = tl.load(routing_ptr + ptrs, mask=m2, other=-1)
+            match = (idx == e) & m2
+            hit = tl.sum(match.to(tl.int32), axis=1)  # >1 only for a repeated index, as in the reference
+            dest = running + tl.cumsum(hit, axis=0) - 1
+            keep = dest < num_rows
+            if HAS_CAPACITY:
+                keep = keep & (dest - offset < capacity)
+            dest2 = tl.broadcast_to(tl.where(keep, dest, -1)[:, None], (BLOCK_T, BLOCK_C))
+            routed_nowhere = (idx < 0) | (idx >= E)
+            owned = match | (routed_nowhere & (e == 0))
+            tl.store(dest_ptr + ptrs, tl.where(match, dest2, -1), mask=m2 & owned)
+        running += tl.sum(hit, axis=0)

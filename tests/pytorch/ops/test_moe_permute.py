@@ -72,6 +72,50 @@ def test_zero_fill_zeroes_the_rows_after_the_last_group(device):
 
 
 @pytest.mark.parametrize(
+    "pad_multiple,capacity,drop_frac", [(16, None, 0.3), (0, 16, 0.0), (0, 9, 0.2), (0, None, 0.4)]
+)
+@pytest.mark.parametrize("merging", [False, True])
+def test_rows_outside_the_map_are_zero_in_outputs_and_gradients(
+    pad_multiple, capacity, drop_frac, merging, device
+):
+    """Padding, dropped and tail rows are zeroed by flag (zero_rows_outside_map, the unpermute-with-probs
+    backward's covered flags) instead of a zero-filled allocation: they must be zero even where the buffer
+    reuses freed NaN memory, and the rows the map names must hold the exact values."""
+    t, e, k, h = 29, 8, 3, 40
+    indices, probs = _routing(t, e, k, device, drop_frac)
+    x = torch.randn(t, h, device=device)
+
+    def poison(rows):  # freed NaN blocks of the buffers' sizes for the allocator to hand out next
+        junk = [torch.full((rows, h), float("nan"), device=device) for _ in range(3)]
+        junk += [torch.full((rows,), float("nan"), device=device)]
+        del junk
+
+    poison(t * k + e * max(pad_multiple, 1) + e * (capacity or 0))
+    out, out_probs, rid, _ = token_permute(
+        x, indices, probs, num_experts=e, pad_multiple=pad_multiple, capacity=capacity, zero_fill=True
+    )
+    named = torch.zeros(out.shape[0], dtype=torch.bool, device=device)
+    named[rid[rid >= 0].long()] = True
+    assert (~named).any(), "the case must leave rows outside the map"
+    assert (out[~named] == 0).all() and (out_probs[~named] == 0).all()
+    y = (out.detach() * 1.5 + 0.25).requires_grad_(True)  # "expert output": nonzero everywhere
+    w = probs.clone().requires_grad_(True) if merging else None
+    res = token_unpermute(y, rid, w)
+    g = torch.randn_like(res)
+    poison(y.shape[0])
+    res.backward(g)
+    assert (y.grad[~named] == 0).all(), "rows outside the map get a zero gradient"
+    sel = rid >= 0
+    tok = torch.arange(t, device=device).unsqueeze(1).expand_as(rid)[sel]
+    want = g[tok] * (probs[sel].unsqueeze(-1) if merging else 1.0)
+    assert_close(y.grad[rid[sel].long()], want.double().cpu(), torch.float32)
+    if merging:
+        ref_gw = torch.zeros(probs.shape, dtype=torch.float64, device=device)
+        ref_gw[sel] = (g[tok].double() * y.detach()[rid[sel].long()].double()).sum(-1)
+        assert_close(w.grad, ref_gw.cpu(), torch.float32)
+
+
+@pytest.mark.parametrize(
     "n,h,start", [(37, 40, 11), (37, 40, 0), (37, 40, 37), (37, 40, 99), (300, 1100, 129)]
 )
 def test_zero_rows_from_zeroes_only_the_tail(n, h, start, device):
@@ -241,10 +285,12 @@ BSIG = {
     "probs_ptr": "*fp32",
     "grad_y_ptr": "*bf16",
     "grad_probs_ptr": "*fp32",
+    "covered_ptr": "*i8",
     "H": "i32",
     "K": "i32",
     "stride_g": "i32",
     "stride_y": "i32",
+    "BLOCK_K": "constexpr",
     "BLOCK_H": "constexpr",
 }
 QSIG = {
@@ -265,7 +311,14 @@ def _compile_all():
     for has_probs in (False, True):
         compile_for_sm90(pk.permute_kernel, SIG, {"HAS_PROBS": has_probs, "BLOCK_H": 2048})
         compile_for_sm90(pk.unpermute_kernel, USIG, {"HAS_PROBS": has_probs, "BLOCK_H": 2048})
-    compile_for_sm90(pk.unpermute_bwd_probs_kernel, BSIG, {"BLOCK_H": 1024})
+    compile_for_sm90(pk.unpermute_bwd_probs_kernel, BSIG, {"BLOCK_K": 8, "BLOCK_H": 512})
+    compile_for_sm90(pk.mark_covered_kernel, {"map_ptr": "*i32", "covered_ptr": "*i8", "numel": "i32",
+                                              "BLOCK": "constexpr"}, {"BLOCK": 4096})  # fmt: skip
+    zsig = {"out_ptr": "*bf16", "probs_ptr": "*fp32", "covered_ptr": "*i8", "N": "i32", "H": "i32"}
+    zsig |= {"stride": "i32", "HAS_PROBS": "constexpr", "BLOCK_R": "constexpr", "BLOCK_H": "constexpr"}
+    for has_probs in (False, True):
+        compile_for_sm90(pk.zero_uncovered_rows_kernel, zsig, {"HAS_PROBS": has_probs, "BLOCK_R": 4,
+                                                              "BLOCK_H": 1024})  # fmt: skip
     zsig = {"out_ptr": "*bf16", "probs_ptr": "*fp32", "start_ptr": "*i64", "N": "i32", "H": "i32"}
     zsig |= {"stride_out": "i32", "HAS_PROBS": "constexpr", "BLOCK_R": "constexpr", "BLOCK_H": "constexpr"}
     for has_probs in (False, True):
@@ -280,23 +333,24 @@ def _compile_row_id_map():
     """The row-id map kernels (primus_turbo/triton/moe/row_id_map_kernel.py), both routing forms."""
     from primus_turbo.triton.moe import row_id_map_kernel as rk
 
-    for is_map, routing, block_t, block_c in ((False, "*i64", 512, 8), (True, "*u8", 16, 256)):
-        rsig = {"routing_ptr": routing, "rank_ptr": "*i32", "counts_ptr": "*i32", "T": "i32", "C": "i32"}
-        rsig |= dict.fromkeys(["IS_MAP", "BLOCK_T", "BLOCK_C"], "constexpr")
-        rank_t = 1024 if is_map else block_t
-        consts = {"IS_MAP": is_map, "BLOCK_T": rank_t, "BLOCK_C": block_c}
-        compile_for_sm90(rk.expert_rank_kernel, rsig, consts)
-        msig = {"routing_ptr": routing} | dict.fromkeys(["rank_ptr", "offsets_ptr", "dest_ptr"], "*i32")
-        msig |= dict.fromkeys(["T", "C", "E", "num_rows", "capacity"], "i32")
+    for is_map, routing, block_t, block_c in ((False, "*i64", 512, 8), (True, "*u8", 1024, 1)):
+        csig = {"routing_ptr": routing, "tile_counts_ptr": "*i32"}
+        csig |= dict.fromkeys(["T", "C", "chunk_t"], "i32")
+        csig |= dict.fromkeys(["IS_MAP", "BLOCK_T", "BLOCK_C"], "constexpr")
+        consts = {"IS_MAP": is_map, "BLOCK_T": block_t, "BLOCK_C": block_c}
+        compile_for_sm90(rk.expert_tile_count_kernel, csig, consts)
+        msig = {"routing_ptr": routing} | dict.fromkeys(["base_ptr", "offsets_ptr", "dest_ptr"], "*i32")
+        msig |= dict.fromkeys(["T", "C", "E", "chunk_t", "num_rows", "capacity"], "i32")
         msig |= dict.fromkeys(["IS_MAP", "HAS_CAPACITY", "BLOCK_T", "BLOCK_C"], "constexpr")
         for cap in (False, True):
             consts = {"IS_MAP": is_map, "HAS_CAPACITY": cap, "BLOCK_T": block_t, "BLOCK_C": block_c}
             compile_for_sm90(rk.row_id_map_kernel, msig, consts)
-    osig = dict.fromkeys(["counts_ptr", "offsets_ptr", "tokens_per_expert_ptr"], "*i32")
-    osig |= dict.fromkeys(["E", "pad_multiple", "capacity"], "i32")
-    osig |= dict.fromkeys(["HAS_CAPACITY", "BLOCK_E"], "constexpr")
+    ssig = dict.fromkeys(["tile_counts_ptr", "base_ptr", "offsets_ptr", "tokens_per_expert_ptr"], "*i32")
+    ssig |= dict.fromkeys(["E", "NT", "pad_multiple", "capacity"], "i32")
+    ssig |= dict.fromkeys(["HAS_CAPACITY", "BLOCK_E", "BLOCK_NT"], "constexpr")
     for cap in (False, True):
-        compile_for_sm90(rk.expert_offsets_kernel, osig, {"HAS_CAPACITY": cap, "BLOCK_E": 256})
+        consts = {"HAS_CAPACITY": cap, "BLOCK_E": 512, "BLOCK_NT": 8}
+        compile_for_sm90(rk.expert_scan_kernel, ssig, consts)
 
 
 def _compile_ep():
@@ -419,31 +473,48 @@ def test_permute_unpermute_bitwise_deterministic(device):
 
 @pytest.mark.parametrize("form", ["indices", "map"])
 @pytest.mark.parametrize(
-    "t, e, k, pad_multiple, capacity, pass_num_out",
+    "t, e, k, pad_multiple, capacity, num_out, tile",
     [
-        (37, 8, 3, 0, None, True),
-        (300, 16, 4, 16, None, False),
-        (300, 16, 4, 0, 9, True),
-        (1, 4, 2, 128, None, True),
+        (37, 8, 3, 0, None, "exact", None),
+        (300, 16, 4, 16, None, None, None),
+        (300, 16, 4, 0, 9, "exact", None),
+        (1, 4, 2, 128, None, "exact", None),
+        # 5 chunks of 64 tokens, E not a power of two, drops (capacity, num_out) past the first chunk
+        (300, 7, 3, 0, 30, "exact", None),
+        (300, 12, 4, 8, None, "short", None),
+        (600, 33, 5, 0, 60, None, None),
+        # a 16-element tile: several sub-tiles per chunk and several expert blocks in the scan
+        (300, 12, 4, 0, 20, "short", 16),
+        (300, 12, 4, 16, None, None, 16),
     ],
 )
 def test_triton_row_id_map_equals_the_torch_reference(
-    form, t, e, k, pad_multiple, capacity, pass_num_out, device
+    form, t, e, k, pad_multiple, capacity, num_out, tile, device, monkeypatch
 ):
     """The three-launch Triton map and the torch reference agree integer for integer (dropped routes,
-    padding, capacity, the routing-map form with and without num_out_tokens)."""
-    from primus_turbo.pytorch.kernels.moe.permute_impl import (
-        _build_row_id_map_torch,
-        _build_row_id_map_triton,
-    )
+    padding, capacity, num_out_tokens below the route count, the routing-map form with and without
+    num_out_tokens, out-of-range ids in the index form). Above 64 tokens the map runs in several token
+    chunks, so the per-chunk bases are checked too."""
+    from primus_turbo.pytorch.kernels.moe import permute_impl
 
+    if tile is not None:
+        monkeypatch.setattr(permute_impl, "_TILE", tile)
     torch.manual_seed(t * e + k)
     indices, probs = _routing(t, e, k, device, drop_frac=0.25)
     rmap, _ = indices_to_map(indices, e, probs)
-    routing = indices if form == "indices" else rmap.to(device)
-    num_out = int((indices >= 0).sum()) if pass_num_out else None
-    got = _build_row_id_map_triton(routing, e, num_out, pad_multiple, capacity)
-    ref = _build_row_id_map_torch(routing, e, num_out, pad_multiple, capacity)
+    routes = int((indices >= 0).sum())
+    num_out = {"exact": routes, "short": routes // 2, None: None}[num_out]
+    if form == "indices":
+        # out-of-range ids route nowhere: the reference (whose scatter rejects ids >= E) sees them as -1
+        routing = indices.clone()
+        bad = torch.rand(t, k, device=device) < 0.1
+        routing[bad] = torch.tensor([-3, e, e + 5], device=device).repeat(t * k)[: int(bad.sum())]
+        ref_routing = torch.where(bad, torch.full_like(indices, -1), indices)
+        num_out = None if num_out is None else num_out - int((bad & (indices >= 0)).sum())
+    else:
+        routing = ref_routing = rmap.to(device)
+    got = permute_impl._build_row_id_map_triton(routing, e, num_out, pad_multiple, capacity)
+    ref = permute_impl._build_row_id_map_torch(ref_routing, e, num_out, pad_multiple, capacity)
     assert got[2] == ref[2]
     assert torch.equal(got[1].cpu(), ref[1].cpu().to(torch.int32))
     assert got[0].dtype == torch.int32 and torch.equal(got[0].cpu(), ref[0].cpu())

@@ -33,12 +33,29 @@ def build_row_id_map(
     """
     eager_triton = not torch.compiler.is_compiling() and triton_can_run_on(routing)
     if eager_triton and routing.shape[0] > 0 and num_experts <= _MAX_TRITON_EXPERTS:
+        # the kernels treat indices outside [0, E) as dropped routes themselves
         return _build_row_id_map_triton(routing, num_experts, num_out_tokens, pad_multiple, capacity)
-    return _build_row_id_map_torch(routing, num_experts, num_out_tokens, pad_multiple, capacity)
+    return _build_row_id_map_torch(
+        _safe_routing(routing, num_experts), num_experts, num_out_tokens, pad_multiple, capacity
+    )
 
 
-_MAX_TRITON_EXPERTS = 8192  # one program holds every expert's count for the offsets scan
-_TILE = 4096  # elements per program tile in the rank and map kernels
+def _safe_routing(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Indices on CUDA are not range-checked without PRIMUS_TURBO_DEBUG_CHECKS=1 (that needs a
+    sync): out-of-range values become dropped routes (-1), never an out-of-bounds write."""
+    if routing.dtype == torch.bool or routing.device.type == "cpu" or not routing.numel():
+        return routing
+    return torch.where((routing < -1) | (routing >= num_experts), -1, routing)
+
+
+_MAX_TRITON_EXPERTS = 8192  # the map kernels compare every route with every expert (T x K x E loads)
+_TILE = 4096  # elements per program tile in the map kernels and the scan's [experts, chunks] tile
+# Token chunks per expert (grid E x NT): aim for ~2048 programs, several waves over H100's 132 SMs
+# (NT = 8 at 256 experts, 64 at 8); at most 64 chunks so the one-program scan over [E, NT] stays a few
+# tiles; at least 64 tokens a chunk so small batches are not cut into slivers. Not yet tuned on a GPU.
+_TARGET_PROGRAMS = 2048
+_MAX_CHUNKS = 64
+_MIN_CHUNK_T = 64
 
 
 def _num_out_tokens(routing: torch.Tensor, counts: torch.Tensor, num_out_tokens: int | None) -> int:
@@ -53,8 +70,8 @@ def _num_out_tokens(routing: torch.Tensor, counts: torch.Tensor, num_out_tokens:
 
 def _build_row_id_map_triton(routing, num_experts, num_out_tokens, pad_multiple, capacity):
     from primus_turbo.triton.moe.row_id_map_kernel import (
-        expert_offsets_kernel,
-        expert_rank_kernel,
+        expert_scan_kernel,
+        expert_tile_count_kernel,
         row_id_map_kernel,
     )
 
@@ -63,30 +80,40 @@ def _build_row_id_map_triton(routing, num_experts, num_out_tokens, pad_multiple,
     src = src.view(torch.uint8) if is_map else src
     t, c = src.shape
     dev = src.device
-    block_c = triton.next_power_of_2(max(c, 1))
-    block_t = max(1, min(1024, _TILE // block_c))
-    rank = torch.empty((t, c), dtype=torch.int32, device=dev)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     # the map form reads one column per program: a [BLOCK_T] tile, not [BLOCK_T, E]
-    rank_block_t = 1024 if is_map else block_t
-    expert_rank_kernel[(num_experts,)](
-        src, rank, counts, t, c, IS_MAP=is_map, BLOCK_T=rank_block_t, BLOCK_C=block_c
+    block_c = 1 if is_map else triton.next_power_of_2(max(c, 1))
+    max_block_t = max(1, min(1024, _TILE // block_c))
+    num_chunks = max(1, min(_MAX_CHUNKS, triton.cdiv(_TARGET_PROGRAMS, num_experts)))
+    chunk_t = max(_MIN_CHUNK_T, triton.cdiv(t, num_chunks))
+    block_t = min(max_block_t, triton.next_power_of_2(chunk_t))
+    chunk_t = triton.cdiv(chunk_t, block_t) * block_t  # whole tiles per chunk
+    num_chunks = triton.cdiv(t, chunk_t)
+    grid = (num_experts, num_chunks)
+    has_cap = capacity is not None
+
+    tile_counts = torch.empty((num_experts, num_chunks), dtype=torch.int32, device=dev)
+    expert_tile_count_kernel[grid](
+        src, tile_counts, t, c, chunk_t, IS_MAP=is_map, BLOCK_T=block_t, BLOCK_C=block_c
     )
-    if capacity is not None:
+    if has_cap:
         num_rows = num_experts * capacity
     else:
-        num_out = _num_out_tokens(routing, counts, num_out_tokens)
+        # only a bool map without num_out_tokens reads the counts (their total: a host sync)
+        num_out = _num_out_tokens(routing, tile_counts, num_out_tokens)
         num_rows = num_out + (num_experts * (pad_multiple - 1) if pad_multiple > 1 else 0)
+    base = torch.empty((num_experts, num_chunks), dtype=torch.int32, device=dev)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=dev)
     tokens_per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    expert_offsets_kernel[(1,)](
-        counts, offsets, tokens_per_expert, num_experts, max(pad_multiple, 1), capacity or 0,
-        HAS_CAPACITY=capacity is not None, BLOCK_E=triton.next_power_of_2(num_experts),
+    block_nt = triton.next_power_of_2(num_chunks)
+    block_e = min(triton.next_power_of_2(num_experts), _TILE // block_nt)
+    expert_scan_kernel[(1,)](
+        tile_counts, base, offsets, tokens_per_expert, num_experts, num_chunks, max(pad_multiple, 1),
+        capacity or 0, HAS_CAPACITY=has_cap, BLOCK_E=block_e, BLOCK_NT=block_nt,
     )  # fmt: skip
     dest = torch.empty((t, c), dtype=torch.int32, device=dev)
-    row_id_map_kernel[(triton.cdiv(t, block_t),)](
-        src, rank, offsets, dest, t, c, num_experts, num_rows, capacity or 0,
-        IS_MAP=is_map, HAS_CAPACITY=capacity is not None, BLOCK_T=block_t, BLOCK_C=block_c,
+    row_id_map_kernel[grid](
+        src, base, offsets, dest, t, c, num_experts, chunk_t, num_rows, capacity or 0,
+        IS_MAP=is_map, HAS_CAPACITY=has_cap, BLOCK_T=block_t, BLOCK_C=block_c,
     )  # fmt: skip
     return dest, tokens_per_expert, num_rows
 
@@ -308,14 +335,13 @@ def _(y, row_id_map, probs, num_tokens):
 def moe_unpermute_bwd_probs(
     grad_out: torch.Tensor, y: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_y = torch.zeros_like(y)
-    grad_probs = torch.zeros(row_id_map.shape, dtype=torch.float32, device=y.device)
     t, k = row_id_map.shape
     h = y.shape[1]
-    if t == 0 or h == 0:
-        return grad_y, grad_probs
-    grad_out = grad_out.contiguous()
-    if not triton_can_run_on(y):
+    if t == 0 or h == 0 or not triton_can_run_on(y):
+        grad_y = torch.zeros_like(y)
+        grad_probs = torch.zeros(row_id_map.shape, dtype=torch.float32, device=y.device)
+        if t == 0 or h == 0:
+            return grad_y, grad_probs
         sel = row_id_map >= 0
         d = row_id_map[sel].long()
         tok = torch.arange(t, device=y.device).unsqueeze(1).expand_as(row_id_map)[sel]
@@ -325,11 +351,49 @@ def moe_unpermute_bwd_probs(
         return grad_y, grad_probs
     from primus_turbo.triton.moe.permute_kernel import unpermute_bwd_probs_kernel
 
+    grad_out, y = grad_out.contiguous(), y.contiguous()
+    # every row the map names is written by the kernel (which flags it); the others (padding, dropped,
+    # tail rows) are zeroed afterwards, instead of zero-filling the whole gradient first
+    grad_y = torch.empty_like(y)
+    grad_probs = torch.empty(row_id_map.shape, dtype=torch.float32, device=y.device)
+    covered = torch.zeros(y.shape[0], dtype=torch.int8, device=y.device)
+    block_k = min(16, triton.next_power_of_2(k))
+    block_h = max(16, min(triton.next_power_of_2(h), 4096 // block_k))
     unpermute_bwd_probs_kernel[(t,)](
-        grad_out, y, row_id_map, probs, grad_y, grad_probs, h, k, grad_out.stride(0), y.stride(0),
-        BLOCK_H=min(1024, 1 << (max(h, 16) - 1).bit_length()),
+        grad_out, y, row_id_map, probs, grad_y, grad_probs, covered, h, k, grad_out.stride(0), y.stride(0),
+        BLOCK_K=block_k, BLOCK_H=block_h,
     )  # fmt: skip
+    _zero_uncovered_rows(grad_y, covered)
     return grad_y, grad_probs
+
+
+def _zero_uncovered_rows(out: torch.Tensor, covered: torch.Tensor, probs: torch.Tensor | None = None) -> None:
+    from primus_turbo.triton.moe.permute_kernel import zero_uncovered_rows_kernel
+
+    n, h = out.shape
+    if n == 0:
+        return
+    block_h = min(1024, triton.next_power_of_2(max(h, 1)))
+    block_r = max(1, 4096 // block_h)
+    zero_uncovered_rows_kernel[(triton.cdiv(n, block_r),)](
+        out, probs if probs is not None else out, covered, n, h, out.stride(0),
+        HAS_PROBS=probs is not None, BLOCK_R=block_r, BLOCK_H=block_h,
+    )  # fmt: skip
+
+
+def zero_rows_outside_map(
+    out: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None = None
+) -> None:
+    """Zero the rows of a permuted-layout ``out`` (and entries of ``probs`` [N]) that no entry of
+    ``row_id_map`` names (padding, dropped and tail rows), in two launches that touch N flag bytes
+    plus those rows: a permute into an uninitialised buffer then equals one into a zero-filled one."""
+    from primus_turbo.triton.moe.permute_kernel import mark_covered_kernel
+
+    covered = torch.zeros(out.shape[0], dtype=torch.int8, device=out.device)
+    numel = row_id_map.numel()
+    if numel:
+        mark_covered_kernel[(triton.cdiv(numel, 4096),)](row_id_map, covered, numel, BLOCK=4096)
+    _zero_uncovered_rows(out, covered, probs)
 
 
 @moe_unpermute_bwd_probs.register_fake

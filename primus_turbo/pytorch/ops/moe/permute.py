@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.utils import debug_checks_enabled, zero_rows_from
+from primus_turbo.pytorch.core.utils import debug_checks_enabled, triton_can_run_on, zero_rows_from
 from primus_turbo.pytorch.kernels.moe.permute_impl import (
     build_row_id_map,
     moe_permute_fp8_rowwise,
     moe_permute_fwd,
     moe_unpermute_bwd_probs,
     moe_unpermute_fwd,
+    zero_rows_outside_map,
 )
 
 __all__ = ["token_permute", "token_unpermute", "token_permute_fp8"]
@@ -78,20 +79,22 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
     return num_experts
 
 
-def _safe_routing(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Indices on CUDA are not range-checked without PRIMUS_TURBO_DEBUG_CHECKS=1 (that needs a
-    sync): out-of-range values become dropped routes (-1), never an out-of-bounds write."""
-    if routing.dtype == torch.bool or routing.device.type == "cpu" or not routing.numel():
-        return routing
-    return torch.where((routing < -1) | (routing >= num_experts), -1, routing)
+def _zero_by_map(x: torch.Tensor) -> bool:
+    """Eager GPU/interpreter path: permute into an uninitialised buffer, then zero only the rows the
+    map does not name (``zero_rows_outside_map``) instead of zero-filling the whole buffer first."""
+    return not torch.compiler.is_compiling() and triton_can_run_on(x)
 
 
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, probs, row_id_map, num_rows, zero_fill, written):
-        out, out_probs = moe_permute_fwd(tokens, row_id_map, probs, num_rows, zero_fill and written is None)
+        by_map = zero_fill and written is None and _zero_by_map(tokens)
+        full_fill = zero_fill and written is None and not by_map
+        out, out_probs = moe_permute_fwd(tokens, row_id_map, probs, num_rows, full_fill)
         if zero_fill and written is not None:
             zero_rows_from(out, out_probs if probs is not None else None, written)
+        elif by_map:
+            zero_rows_outside_map(out, row_id_map, out_probs if probs is not None else None)
         ctx.save_for_backward(row_id_map)
         ctx.num_tokens = tokens.shape[0]
         return out, (out_probs if probs is not None else None)
@@ -121,7 +124,10 @@ class _Unpermute(torch.autograd.Function):
         y, row_id_map, probs = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         if probs is None:
-            grad_y, _ = moe_permute_fwd(grad_out, row_id_map, None, ctx.num_rows, True)
+            by_map = _zero_by_map(grad_out)
+            grad_y, _ = moe_permute_fwd(grad_out, row_id_map, None, ctx.num_rows, not by_map)
+            if by_map:
+                zero_rows_outside_map(grad_y, row_id_map)
             return grad_y, None, None, None
         grad_y, grad_probs = moe_unpermute_bwd_probs(grad_out, y, row_id_map, probs)
         return grad_y, None, grad_probs.to(probs.dtype), None
@@ -158,7 +164,6 @@ def token_permute(
     num_experts = _validate(
         tokens, routing, probs, num_experts, num_out_tokens, pad_multiple, capacity, "token_permute"
     )
-    routing = _safe_routing(routing, num_experts)
     tokens = tokens.contiguous()
     row_id_map, tokens_per_expert, num_rows = build_row_id_map(
         routing, num_experts, num_out_tokens, pad_multiple, capacity
@@ -220,7 +225,6 @@ def token_permute_fp8(
     num_experts = _validate(
         tokens, routing, None, num_experts, num_out_tokens, pad_multiple, capacity, "token_permute_fp8"
     )
-    routing = _safe_routing(routing, num_experts)
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"token_permute_fp8: fp8_dtype {fp8_dtype}; accepted float8_e4m3fn, float8_e5m2")
     row_id_map, tokens_per_expert, num_rows = build_row_id_map(
