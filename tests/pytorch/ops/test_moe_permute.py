@@ -333,24 +333,31 @@ def _compile_row_id_map():
     """The row-id map kernels (primus_turbo/triton/moe/row_id_map_kernel.py), both routing forms."""
     from primus_turbo.triton.moe import row_id_map_kernel as rk
 
-    for is_map, routing, block_t, block_c in ((False, "*i64", 512, 8), (True, "*u8", 1024, 1)):
-        csig = {"routing_ptr": routing, "tile_counts_ptr": "*i32"}
-        csig |= dict.fromkeys(["T", "C", "chunk_t"], "i32")
-        csig |= dict.fromkeys(["IS_MAP", "BLOCK_T", "BLOCK_C"], "constexpr")
-        consts = {"IS_MAP": is_map, "BLOCK_T": block_t, "BLOCK_C": block_c}
-        compile_for_sm90(rk.expert_tile_count_kernel, csig, consts)
-        msig = {"routing_ptr": routing} | dict.fromkeys(["base_ptr", "offsets_ptr", "dest_ptr"], "*i32")
-        msig |= dict.fromkeys(["T", "C", "E", "chunk_t", "num_rows", "capacity"], "i32")
-        msig |= dict.fromkeys(["IS_MAP", "HAS_CAPACITY", "BLOCK_T", "BLOCK_C"], "constexpr")
+    for idx_type in ("*i64", "*i32"):
+        csig = {"idx_ptr": idx_type, "tile_counts_ptr": "*i32"}
+        csig |= dict.fromkeys(["n_routes", "chunk_routes", "E", "NC"], "i32") | {"BLOCK_N": "constexpr"}
+        compile_for_sm90(rk.index_chunk_count_kernel, csig, {"BLOCK_N": 64}, num_warps=1)
+        rsig = {"idx_ptr": idx_type} | dict.fromkeys(["base_ptr", "offsets_ptr", "dest_ptr"], "*i32")
+        rsig |= dict.fromkeys(["n_routes", "chunk_routes", "K", "E", "NC", "num_rows", "capacity"], "i32")
+        rsig |= dict.fromkeys(["HAS_CAPACITY", "BLOCK_N"], "constexpr")
         for cap in (False, True):
-            consts = {"IS_MAP": is_map, "HAS_CAPACITY": cap, "BLOCK_T": block_t, "BLOCK_C": block_c}
-            compile_for_sm90(rk.row_id_map_kernel, msig, consts)
-    ssig = dict.fromkeys(["tile_counts_ptr", "base_ptr", "offsets_ptr", "tokens_per_expert_ptr"], "*i32")
-    ssig |= dict.fromkeys(["E", "NT", "pad_multiple", "capacity"], "i32")
-    ssig |= dict.fromkeys(["HAS_CAPACITY", "BLOCK_E", "BLOCK_NT"], "constexpr")
+            compile_for_sm90(rk.index_row_id_kernel, rsig, {"HAS_CAPACITY": cap, "BLOCK_N": 64}, num_warps=1)
+    csig = {"map_ptr": "*u8", "tile_counts_ptr": "*i32"} | dict.fromkeys(["T", "C", "chunk_t"], "i32")
+    compile_for_sm90(rk.map_column_count_kernel, csig | {"BLOCK_T": "constexpr"}, {"BLOCK_T": 1024})
+    msig = {"map_ptr": "*u8"} | dict.fromkeys(["base_ptr", "offsets_ptr", "dest_ptr"], "*i32")
+    msig |= dict.fromkeys(["T", "C", "chunk_t", "num_rows", "capacity"], "i32")
+    msig |= dict.fromkeys(["HAS_CAPACITY", "BLOCK_T"], "constexpr")
     for cap in (False, True):
-        consts = {"HAS_CAPACITY": cap, "BLOCK_E": 512, "BLOCK_NT": 8}
-        compile_for_sm90(rk.expert_scan_kernel, ssig, consts)
+        compile_for_sm90(rk.map_row_id_kernel, msig, {"HAS_CAPACITY": cap, "BLOCK_T": 1024})
+    ssig = dict.fromkeys(["tile_counts_ptr", "base_ptr", "counts_ptr"], "*i32")
+    ssig |= dict.fromkeys(["E", "NC"], "i32") | dict.fromkeys(["BLOCK_E", "BLOCK_NC"], "constexpr")
+    for block_e, block_nc in ((1, 4096), (8, 512)):
+        compile_for_sm90(rk.expert_chunk_scan_kernel, ssig, {"BLOCK_E": block_e, "BLOCK_NC": block_nc})
+    osig = dict.fromkeys(["counts_ptr", "offsets_ptr", "tokens_per_expert_ptr"], "*i32")
+    osig |= dict.fromkeys(["E", "pad_multiple", "capacity"], "i32")
+    osig |= dict.fromkeys(["HAS_CAPACITY", "BLOCK_E"], "constexpr")
+    for cap in (False, True):
+        compile_for_sm90(rk.expert_offsets_kernel, osig, {"HAS_CAPACITY": cap, "BLOCK_E": 4096})
 
 
 def _compile_ep():
@@ -473,34 +480,50 @@ def test_permute_unpermute_bitwise_deterministic(device):
 
 @pytest.mark.parametrize("form", ["indices", "map"])
 @pytest.mark.parametrize(
-    "t, e, k, pad_multiple, capacity, num_out, tile",
+    "t, e, k, pad_multiple, capacity, num_out, knobs",
     [
         (37, 8, 3, 0, None, "exact", None),
         (300, 16, 4, 16, None, None, None),
         (300, 16, 4, 0, 9, "exact", None),
         (1, 4, 2, 128, None, "exact", None),
-        # 5 chunks of 64 tokens, E not a power of two, drops (capacity, num_out) past the first chunk
+        # indices: 21-token chunks at top-3, 10 at top-6, 8 at top-8, 64 at top-1, so each expert's routes
+        # span many chunks; capacities cut each expert mid-way (30 of ~96, 4 of ~5, 7 of ~15 routes)
         (300, 7, 3, 0, 30, "exact", None),
         (300, 12, 4, 8, None, "short", None),
         (600, 33, 5, 0, 60, None, None),
-        # a 16-element tile: several sub-tiles per chunk and several expert blocks in the scan
-        (300, 12, 4, 0, 20, "short", 16),
-        (300, 12, 4, 16, None, None, 16),
+        (400, 64, 6, 0, None, "short", None),
+        (200, 256, 8, 0, 4, "short", None),
+        (300, 256, 8, 128, None, None, None),
+        (250, 12, 1, 0, 7, "exact", None),
+        (250, 12, 1, 4, None, "short", "int32"),
+        (300, 12, 4, 0, 20, "short", "small"),
+        (300, 12, 4, 16, None, None, "small"),
+        (300, 33, 3, 8, None, "exact", "small"),
+        (300, 33, 6, 0, 9, None, "small"),
+        # tokens naming one expert twice (not top-k output, but legal input)
+        (150, 5, 3, 0, None, None, "repeats"),
+        (150, 5, 3, 0, 40, None, "repeats"),
     ],
 )
 def test_triton_row_id_map_equals_the_torch_reference(
-    form, t, e, k, pad_multiple, capacity, num_out, tile, device, monkeypatch
+    form, t, e, k, pad_multiple, capacity, num_out, knobs, device, monkeypatch
 ):
-    """The three-launch Triton map and the torch reference agree integer for integer (dropped routes,
-    padding, capacity, num_out_tokens below the route count, the routing-map form with and without
-    num_out_tokens, out-of-range ids in the index form). Above 64 tokens the map runs in several token
-    chunks, so the per-chunk bases are checked too."""
+    """The Triton map and the torch reference agree integer for integer: dropped routes, padding,
+    capacity, num_out_tokens below the route count, the routing-map form with and without num_out_tokens,
+    out-of-range ids (-3, E, E + 5) in the index form, int64 and int32 indices, a token naming an expert
+    twice (both routes get the pair's second rank, as in the reference). Every case but the 1-token one
+    runs several token chunks, so the in-chunk ranks and the per-chunk bases both count."""
     from primus_turbo.pytorch.kernels.moe import permute_impl
 
-    if tile is not None:
-        monkeypatch.setattr(permute_impl, "_TILE", tile)
+    if knobs == "small":
+        # 2-token chunks at top-4, scan tiles of 16 (several chunk tiles a row, several tiles of earlier
+        # experts to sum) and several experts a scan program
+        for name, value in {"_TILE": 16, "_ROUTES_PER_CHUNK": 8}.items():
+            monkeypatch.setattr(permute_impl, name, value)
     torch.manual_seed(t * e + k)
     indices, probs = _routing(t, e, k, device, drop_frac=0.25)
+    if knobs == "repeats":  # (the map form sees these as a denser map)
+        indices = torch.randint(0, e, (t, k), device=device)
     rmap, _ = indices_to_map(indices, e, probs)
     routes = int((indices >= 0).sum())
     num_out = {"exact": routes, "short": routes // 2, None: None}[num_out]
@@ -509,6 +532,7 @@ def test_triton_row_id_map_equals_the_torch_reference(
         routing = indices.clone()
         bad = torch.rand(t, k, device=device) < 0.1
         routing[bad] = torch.tensor([-3, e, e + 5], device=device).repeat(t * k)[: int(bad.sum())]
+        routing = routing.to(torch.int32) if knobs == "int32" else routing
         ref_routing = torch.where(bad, torch.full_like(indices, -1), indices)
         num_out = None if num_out is None else num_out - int((bad & (indices >= 0)).sum())
     else:
@@ -529,12 +553,14 @@ def test_triton_row_id_map_at_deepseek_v3_size():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    t, e, k = 4096, 256, 8
-    indices, probs = _routing(t, e, k, "cuda", drop_frac=0.05)
-    rmap, _ = indices_to_map(indices, e, probs)
-    for routing in (indices, rmap.cuda()):
-        for pad, cap in ((0, None), (128, None), (0, 100)):
-            got = _build_row_id_map_triton(routing, e, t * k, pad, cap)
-            ref = _build_row_id_map_torch(routing, e, t * k, pad, cap)
-            assert got[2] == ref[2] and torch.equal(got[1], ref[1].to(torch.int32))
-            assert torch.equal(got[0], ref[0])
+    # DeepSeek-V3 (one EP rank's worth of tokens) and V2-Lite routing, with capacity and a short num_out
+    for t, e, k in ((4096, 256, 8), (32768, 64, 6)):
+        indices, probs = _routing(t, e, k, "cuda", drop_frac=0.05)
+        rmap, _ = indices_to_map(indices, e, probs)
+        modes = ((0, None, t * k), (128, None, t * k), (0, 100, None), (0, None, t * k // 2))
+        for routing in (indices, rmap.cuda()):
+            for pad, cap, num_out in modes:
+                got = _build_row_id_map_triton(routing, e, num_out, pad, cap)
+                ref = _build_row_id_map_torch(routing, e, num_out, pad, cap)
+                assert got[2] == ref[2] and torch.equal(got[1], ref[1].to(torch.int32))
+                assert torch.equal(got[0], ref[0])

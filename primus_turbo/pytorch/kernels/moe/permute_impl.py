@@ -27,9 +27,9 @@ def build_row_id_map(
     ``routing`` is a bool routing map [T, E] or int indices [T, K] (-1 = no route). Rows are
     grouped by expert, tokens in order within an expert. Returns (row_id_map [T, K or E] int32,
     tokens_per_expert [E] int32 with padding/capacity applied, number of output rows).
-    Eager: Triton (three launches, primus_turbo/triton/moe/row_id_map_kernel.py) where it can run, else
-    torch; the two agree integer for integer. Under torch.compile the torch ops are traced (Inductor
-    fuses them).
+    Eager: Triton (a memset and four launches for indices; primus_turbo/triton/moe/row_id_map_kernel.py)
+    where it can run, else torch; the two agree integer for integer. Under torch.compile the torch ops
+    are traced (Inductor fuses them).
     """
     eager_triton = not torch.compiler.is_compiling() and triton_can_run_on(routing)
     if eager_triton and routing.shape[0] > 0 and num_experts <= _MAX_TRITON_EXPERTS:
@@ -48,14 +48,23 @@ def _safe_routing(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.where((routing < -1) | (routing >= num_experts), -1, routing)
 
 
-_MAX_TRITON_EXPERTS = 8192  # the map kernels compare every route with every expert (T x K x E loads)
-_TILE = 4096  # elements per program tile in the map kernels and the scan's [experts, chunks] tile
-# Token chunks per expert (grid E x NT): aim for ~2048 programs, several waves over H100's 132 SMs
-# (NT = 8 at 256 experts, 64 at 8); at most 64 chunks so the one-program scan over [E, NT] stays a few
-# tiles; at least 64 tokens a chunk so small batches are not cut into slivers. Not yet tuned on a GPU.
+# Above this many experts the torch path runs: the count and base arrays hold E x NC ints each (for indices
+# E x T x K / 64: 0.5 MB at 4096 tokens top-8 x 256 experts, 128 MB at 32768 x 8 x 8192), a bool map is E
+# columns wide, and the index kernels' packed (expert, token) keys need E < 2^14
+_MAX_TRITON_EXPERTS = 8192
+_TILE = 4096  # elements per program tile in the bool-map kernels, the chunk scan and the offsets scan
+# Bool map: token chunks per expert column (grid E x NT): aim for ~2048 programs, several waves over H100's
+# 132 SMs (NT = 8 at 256 experts, 64 at 8); at most 64 chunks; at least 64 tokens a chunk so small batches
+# are not cut into slivers. Not yet tuned on a GPU.
 _TARGET_PROGRAMS = 2048
 _MAX_CHUNKS = 64
 _MIN_CHUNK_T = 64
+# Indices: ~64 flat routes a program (whole tokens: 8 at top-8, 10 at top-6, 64 at top-1), one warp. H200,
+# whole map, do_bench_cudagraph: 32 / 64 / 128 routes at 1 warp gave 9.4 / 10.3 / 14.0 us at 4096 x 8 x
+# E256 and 19.8 / 19.2 / 25.2 us at 32768 x 6 x E64; 2 and 4 warps were slower everywhere (38 us at
+# 32768 x 6 with 64 routes x 4 warps). 64 keeps the [E, NC] arrays half the size of 32's for ~1 us.
+_ROUTES_PER_CHUNK = 64
+_INDEX_NUM_WARPS = 1
 
 
 def _num_out_tokens(routing: torch.Tensor, counts: torch.Tensor, num_out_tokens: int | None) -> int:
@@ -69,52 +78,64 @@ def _num_out_tokens(routing: torch.Tensor, counts: torch.Tensor, num_out_tokens:
 
 
 def _build_row_id_map_triton(routing, num_experts, num_out_tokens, pad_multiple, capacity):
-    from primus_turbo.triton.moe.row_id_map_kernel import (
-        expert_scan_kernel,
-        expert_tile_count_kernel,
-        row_id_map_kernel,
-    )
+    """Count, scan, offsets and row launches (primus_turbo/triton/moe/row_id_map_kernel.py)."""
+    from primus_turbo.triton.moe import row_id_map_kernel as rk
 
     is_map = routing.dtype == torch.bool
     src = routing.contiguous()
     src = src.view(torch.uint8) if is_map else src
     t, c = src.shape
+    e = num_experts
     dev = src.device
-    # the map form reads one column per program: a [BLOCK_T] tile, not [BLOCK_T, E]
-    block_c = 1 if is_map else triton.next_power_of_2(max(c, 1))
-    max_block_t = max(1, min(1024, _TILE // block_c))
-    num_chunks = max(1, min(_MAX_CHUNKS, triton.cdiv(_TARGET_PROGRAMS, num_experts)))
-    chunk_t = max(_MIN_CHUNK_T, triton.cdiv(t, num_chunks))
-    block_t = min(max_block_t, triton.next_power_of_2(chunk_t))
-    chunk_t = triton.cdiv(chunk_t, block_t) * block_t  # whole tiles per chunk
-    num_chunks = triton.cdiv(t, chunk_t)
-    grid = (num_experts, num_chunks)
     has_cap = capacity is not None
+    if is_map:
+        num_chunks = max(1, min(_MAX_CHUNKS, triton.cdiv(_TARGET_PROGRAMS, e)))
+        chunk_t = max(_MIN_CHUNK_T, triton.cdiv(t, num_chunks))
+        block_t = min(1024, _TILE, triton.next_power_of_2(chunk_t))
+        chunk_t = triton.cdiv(chunk_t, block_t) * block_t  # whole tiles per chunk
+        num_chunks = triton.cdiv(t, chunk_t)
+        tile_counts = torch.empty((e, num_chunks), dtype=torch.int32, device=dev)  # every cell written
+        rk.map_column_count_kernel[(e, num_chunks)](src, tile_counts, t, c, chunk_t, BLOCK_T=block_t)
+    else:
+        chunk_t = max(1, _ROUTES_PER_CHUNK // max(c, 1))  # whole tokens: a token's routes share a chunk
+        block_n = triton.next_power_of_2(max(chunk_t * c, 1))
+        num_chunks = triton.cdiv(t, chunk_t)
+        tile_counts = torch.zeros((e, num_chunks), dtype=torch.int32, device=dev)  # atomically added to
+        rk.index_chunk_count_kernel[(num_chunks,)](
+            src, tile_counts, t * c, chunk_t * c, e, num_chunks, BLOCK_N=block_n, num_warps=_INDEX_NUM_WARPS
+        )
 
-    tile_counts = torch.empty((num_experts, num_chunks), dtype=torch.int32, device=dev)
-    expert_tile_count_kernel[grid](
-        src, tile_counts, t, c, chunk_t, IS_MAP=is_map, BLOCK_T=block_t, BLOCK_C=block_c
+    base = torch.empty_like(tile_counts)
+    counts = torch.empty(e, dtype=torch.int32, device=dev)
+    block_nc = min(triton.next_power_of_2(num_chunks), _TILE)
+    block_e = min(triton.next_power_of_2(e), max(1, _TILE // block_nc))
+    rk.expert_chunk_scan_kernel[(triton.cdiv(e, block_e),)](
+        tile_counts, base, counts, e, num_chunks, BLOCK_E=block_e, BLOCK_NC=block_nc
     )
+    offsets = torch.empty(e, dtype=torch.int32, device=dev)
+    tokens_per_expert = torch.empty(e, dtype=torch.int32, device=dev)
+    rk.expert_offsets_kernel[(1,)](
+        counts, offsets, tokens_per_expert, e, max(pad_multiple, 1), capacity or 0, HAS_CAPACITY=has_cap,
+        BLOCK_E=min(triton.next_power_of_2(e), _TILE),
+    )  # fmt: skip
     if has_cap:
-        num_rows = num_experts * capacity
+        num_rows = e * capacity
     else:
         # only a bool map without num_out_tokens reads the counts (their total: a host sync)
-        num_out = _num_out_tokens(routing, tile_counts, num_out_tokens)
-        num_rows = num_out + (num_experts * (pad_multiple - 1) if pad_multiple > 1 else 0)
-    base = torch.empty((num_experts, num_chunks), dtype=torch.int32, device=dev)
-    offsets = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    tokens_per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    block_nt = triton.next_power_of_2(num_chunks)
-    block_e = min(triton.next_power_of_2(num_experts), _TILE // block_nt)
-    expert_scan_kernel[(1,)](
-        tile_counts, base, offsets, tokens_per_expert, num_experts, num_chunks, max(pad_multiple, 1),
-        capacity or 0, HAS_CAPACITY=has_cap, BLOCK_E=block_e, BLOCK_NT=block_nt,
-    )  # fmt: skip
+        num_out = _num_out_tokens(routing, counts, num_out_tokens)
+        num_rows = num_out + (e * (pad_multiple - 1) if pad_multiple > 1 else 0)
+
     dest = torch.empty((t, c), dtype=torch.int32, device=dev)
-    row_id_map_kernel[grid](
-        src, base, offsets, dest, t, c, num_experts, chunk_t, num_rows, capacity or 0,
-        IS_MAP=is_map, HAS_CAPACITY=has_cap, BLOCK_T=block_t, BLOCK_C=block_c,
-    )  # fmt: skip
+    if is_map:
+        rk.map_row_id_kernel[(e, num_chunks)](
+            src, base, offsets, dest, t, c, chunk_t, num_rows, capacity or 0,
+            HAS_CAPACITY=has_cap, BLOCK_T=block_t,
+        )  # fmt: skip
+    else:
+        rk.index_row_id_kernel[(num_chunks,)](
+            src, base, offsets, dest, t * c, chunk_t * c, max(c, 1), e, num_chunks, num_rows, capacity or 0,
+            HAS_CAPACITY=has_cap, BLOCK_N=block_n, num_warps=_INDEX_NUM_WARPS,
+        )  # fmt: skip
     return dest, tokens_per_expert, num_rows
 
 

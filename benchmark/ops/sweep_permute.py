@@ -1,0 +1,88 @@
+"""Launch-parameter sweep for the permute's helper kernels (a diagnosis tool, not a benchmark of record).
+
+    python benchmark/ops/sweep_permute.py [--out DIR]
+
+GPU time per call with ``triton.testing.do_bench_cudagraph`` (no host overhead), each variant checked
+against the default's output:
+- the row-id map (``_build_row_id_map_triton``) at DeepSeek-V3 / V2-Lite routing sizes vs the torch reference;
+- ``unpermute_bwd_probs_kernel`` (BLOCK_K x BLOCK_H tile, num_warps) at 4096 x 7168 top-8.
+Writes DIR/sweep_permute.txt.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing as tt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import bench_parser, out_dir  # noqa: E402
+
+import primus_turbo.pytorch.kernels.moe.permute_impl as pi  # noqa: E402
+from primus_turbo.triton.moe.permute_kernel import unpermute_bwd_probs_kernel  # noqa: E402
+
+
+def _us(fn) -> float:
+    return tt.do_bench_cudagraph(fn, return_mode="median") * 1e3
+
+
+def sweep_map(report: io.StringIO) -> None:
+    report.write("| T, E, K | torch us | triton us | equal |\n|---|---|---|---|\n")
+    for t, e, k in [(4096, 256, 8), (16384, 256, 8), (4096, 64, 6), (32768, 64, 6), (16384, 8, 2)]:
+        idx = torch.rand(t, e, device="cuda").topk(k, -1).indices
+        want = pi._build_row_id_map_torch(idx, e, t * k, 0, None)[0]
+        args = (idx, e, t * k, 0, None)
+        ref_us = _us(lambda args=args: pi._build_row_id_map_torch(*args))
+        ok = torch.equal(pi._build_row_id_map_triton(*args)[0], want)
+        us = _us(lambda args=args: pi._build_row_id_map_triton(*args))
+        report.write(f"| {t}, {e}, {k} | {ref_us:.1f} | {us:.1f} | {ok} |\n")
+
+
+def sweep_unpermute_bwd(report: io.StringIO) -> None:
+    t, e, k, h = 4096, 256, 8, 7168
+    idx = torch.rand(t, e, device="cuda").topk(k, -1).indices
+    rid, _, n = pi.build_row_id_map(idx, e, t * k, 0, None)
+    y = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(t, k, device="cuda")
+    want_y, want_p = pi.moe_unpermute_bwd_probs(g, y, rid, probs)
+    nbytes = t * h * 2 + 2 * n * h * 2
+    report.write("\n| BLOCK_K | BLOCK_H | warps | us | GB/s | equal |\n|---|---|---|---|---|---|\n")
+    variants = [(8, 512, 4), (8, 512, 8), (8, 256, 4), (8, 1024, 8), (4, 1024, 8), (2, 2048, 8)]
+    for block_k, block_h, warps in variants:
+        gy = torch.empty_like(y)
+        gp = torch.empty(rid.shape, dtype=torch.float32, device="cuda")
+        cov = torch.zeros(n, dtype=torch.int8, device="cuda")
+
+        def run(block_k=block_k, block_h=block_h, warps=warps, gy=gy, gp=gp, cov=cov):
+            unpermute_bwd_probs_kernel[(t,)](
+                g, y, rid, probs, gy, gp, cov, h, k, g.stride(0), y.stride(0),
+                BLOCK_K=block_k, BLOCK_H=block_h, num_warps=warps,
+            )  # fmt: skip
+
+        run()
+        ok = torch.equal(gy, want_y) and torch.allclose(gp, want_p, rtol=1e-5, atol=1e-3)
+        us = _us(run)
+        report.write(f"| {block_k} | {block_h} | {warps} | {us:.1f} | {nbytes / us / 1e3:.0f} | {ok} |\n")
+    full_us = _us(lambda: pi.moe_unpermute_bwd_probs(g, y, rid, probs))
+    report.write(f"\nmoe_unpermute_bwd_probs as shipped (kernel, flags, zeroing): {full_us:.1f} us\n")
+
+
+def main() -> None:
+    args = bench_parser(__doc__).parse_args()
+    torch.manual_seed(0)
+    report = io.StringIO()
+    report.write(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}\n\n")
+    sweep_map(report)
+    sweep_unpermute_bwd(report)
+    path = out_dir(args) / "sweep_permute.txt"
+    path.write_text(report.getvalue())
+    print(report.getvalue())
+
+
+if __name__ == "__main__":
+    main()
