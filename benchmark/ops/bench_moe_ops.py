@@ -146,12 +146,16 @@ def bench_permute(t, h, e, k):
         rows.append(_row(label, f"{t}x{h} E{e} top{k}", x.dtype, _check(fn(x), ref_sorted, 0), p_bytes, f,
                          p_bytes, b, _fwd_bwd.host_us))  # fmt: skip
 
-    # The row-id map alone: the Triton kernels vs the torch reference (the path under torch.compile).
-    from primus_turbo.pytorch.kernels.moe.permute_impl import _build_row_id_map_torch
+    # The row-id map alone: what token_permute runs (csrc when built), the Triton kernels, the torch path.
+    from primus_turbo.pytorch.kernels.moe.permute_impl import (
+        _build_row_id_map_torch,
+        _build_row_id_map_triton,
+    )
 
     map_bytes = t * k * (indices.element_size() + 4)  # read the indices, write the int32 map
     want = _build_row_id_map_torch(indices, e, n, 0, None)[0]
-    builders = (("row-id-map/turbo", build_row_id_map), ("row-id-map/torch", _build_row_id_map_torch))
+    builders = (("row-id-map/turbo", build_row_id_map), ("row-id-map/triton", _build_row_id_map_triton),
+                ("row-id-map/torch", _build_row_id_map_torch))  # fmt: skip  (turbo: the csrc op when built)
     for label, build in builders:
         ms, _ = bench_ms(lambda build=build: build(indices, e, n, 0, None))
         host = host_ms(lambda build=build: build(indices, e, n, 0, None), n=50, warmup=3) * 1e3

@@ -31,7 +31,7 @@ def _us(fn) -> float:
 
 
 def sweep_map(report: io.StringIO) -> None:
-    report.write("| T, E, K | torch us | triton us | equal |\n|---|---|---|---|\n")
+    report.write("| T, E, K | torch us | triton us | csrc us | equal |\n|---|---|---|---|---|\n")
     for t, e, k in [(4096, 256, 8), (16384, 256, 8), (4096, 64, 6), (32768, 64, 6), (16384, 8, 2)]:
         idx = torch.rand(t, e, device="cuda").topk(k, -1).indices
         want = pi._build_row_id_map_torch(idx, e, t * k, 0, None)[0]
@@ -39,7 +39,11 @@ def sweep_map(report: io.StringIO) -> None:
         ref_us = _us(lambda args=args: pi._build_row_id_map_torch(*args))
         ok = torch.equal(pi._build_row_id_map_triton(*args)[0], want)
         us = _us(lambda args=args: pi._build_row_id_map_triton(*args))
-        report.write(f"| {t}, {e}, {k} | {ref_us:.1f} | {us:.1f} | {ok} |\n")
+        cpp_us = "n/a"
+        if pi._cpp_map_can_run(idx, e):
+            ok = ok and torch.equal(pi._build_row_id_map_cpp(*args)[0], want)
+            cpp_us = f"{_us(lambda args=args: pi._build_row_id_map_cpp(*args)):.1f}"
+        report.write(f"| {t}, {e}, {k} | {ref_us:.1f} | {us:.1f} | {cpp_us} | {ok} |\n")
 
 
 def sweep_unpermute_bwd(report: io.StringIO) -> None:

@@ -2,6 +2,9 @@
 //
 //   torch.ops.primus_turbo_cpp_extension.moe_permute(x, row_id_map, probs?, num_rows, zero_fill) -> (out, out_probs)
 //   torch.ops.primus_turbo_cpp_extension.moe_unpermute(y, row_id_map, probs?, num_tokens) -> out
+//   torch.ops.primus_turbo_cpp_extension.moe_row_id_map(indices, num_experts, num_rows, pad_multiple, capacity,
+//                                                       chunk_tokens) -> (row_id_map, tokens_per_expert)
+//     (csrc/kernels/moe/row_id_map.cu; indices int32/int64 [T, K], capacity < 0: none)
 //
 // x / y: contiguous [rows, hidden] (permute: any dtype with even row bytes; unpermute: fp32/fp16/bf16);
 // row_id_map: int32 [T, K] (K <= 1024); probs: fp32 [T, K]. The Python layer
@@ -27,6 +30,10 @@ cudaError_t moe_permute_launch(const void* x, const int32_t* row_id_map, const f
 cudaError_t moe_unpermute_launch(const void* y, const int32_t* row_id_map, const float* probs, void* out,
                                  int64_t num_tokens, int64_t hidden, int K, DType dtype, bool aligned16,
                                  cudaStream_t stream);
+cudaError_t moe_row_id_map_launch(const void* idx, bool idx_is_int64, int32_t* tile_counts, int32_t* base,
+                                  int32_t* counts, int32_t* offsets, int32_t* tokens_per_expert, int32_t* dest,
+                                  int64_t T, int K, int E, int chunk_t, int64_t num_rows, int pad_multiple,
+                                  int capacity, cudaStream_t stream);
 }  // namespace primus_turbo
 
 namespace {
@@ -90,6 +97,41 @@ Tensor moe_unpermute_cuda(const Tensor& y, const Tensor& row_id_map, const std::
     return out;
 }
 
+std::tuple<Tensor, Tensor> moe_row_id_map_cuda(const Tensor& indices, int64_t num_experts, int64_t num_rows,
+                                               int64_t pad_multiple, int64_t capacity, int64_t chunk_tokens) {
+    TORCH_CHECK(indices.is_cuda() && indices.dim() == 2 && indices.is_contiguous() &&
+                    (indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt),
+                "moe_row_id_map: indices must be a contiguous int32/int64 [T, K] CUDA tensor, got ",
+                indices.scalar_type(), " ", indices.sizes());
+    const int64_t T = indices.size(0), K = indices.size(1);
+    TORCH_CHECK(num_experts >= 1 && num_experts < (1 << 30), "moe_row_id_map: num_experts=", num_experts);
+    TORCH_CHECK(chunk_tokens >= 1 && chunk_tokens * K <= 1024, "moe_row_id_map: chunk_tokens * K must be in [1, 1024], got ",
+                chunk_tokens, " * ", K);
+    TORCH_CHECK(pad_multiple >= 1, "moe_row_id_map: pad_multiple must be >= 1, got ", pad_multiple);
+    const c10::cuda::CUDAGuard guard(indices.device());
+    const auto i32 = indices.options().dtype(at::kInt);
+    const int64_t nc = (T + chunk_tokens - 1) / chunk_tokens;
+    Tensor dest = at::empty({T, K}, i32);
+    Tensor tokens_per_expert = at::zeros({num_experts}, i32);
+    if (T == 0 || K == 0) return {dest, tokens_per_expert};
+    Tensor tile_counts = at::zeros({num_experts, nc}, i32);
+    Tensor base = at::empty({num_experts, nc}, i32);
+    Tensor small = at::empty({2, num_experts}, i32);  // counts, offsets
+    C10_CUDA_CHECK(primus_turbo::moe_row_id_map_launch(
+        indices.data_ptr(), indices.scalar_type() == at::kLong, tile_counts.data_ptr<int32_t>(),
+        base.data_ptr<int32_t>(), small.data_ptr<int32_t>(), small.data_ptr<int32_t>() + num_experts,
+        tokens_per_expert.data_ptr<int32_t>(), dest.data_ptr<int32_t>(), T, static_cast<int>(K),
+        static_cast<int>(num_experts), static_cast<int>(chunk_tokens), num_rows, static_cast<int>(pad_multiple),
+        static_cast<int>(capacity < 0 ? -1 : capacity), c10::cuda::getCurrentCUDAStream()));
+    return {dest, tokens_per_expert};
+}
+
+std::tuple<Tensor, Tensor> moe_row_id_map_meta(const Tensor& indices, int64_t num_experts, int64_t num_rows,
+                                               int64_t pad_multiple, int64_t capacity, int64_t chunk_tokens) {
+    const auto i32 = indices.options().dtype(at::kInt);
+    return {at::empty(indices.sizes(), i32), at::empty({num_experts}, i32)};
+}
+
 std::tuple<Tensor, Tensor> moe_permute_meta(const Tensor& x, const Tensor& row_id_map,
                                             const std::optional<Tensor>& probs, int64_t num_rows, bool zero_fill) {
     return {at::empty({num_rows, x.size(1)}, x.options()),
@@ -106,14 +148,18 @@ Tensor moe_unpermute_meta(const Tensor& y, const Tensor& row_id_map, const std::
 TORCH_LIBRARY_FRAGMENT(primus_turbo_cpp_extension, m) {
     m.def("moe_permute(Tensor x, Tensor row_id_map, Tensor? probs, int num_rows, bool zero_fill) -> (Tensor, Tensor)");
     m.def("moe_unpermute(Tensor y, Tensor row_id_map, Tensor? probs, int num_tokens) -> Tensor");
+    m.def("moe_row_id_map(Tensor indices, int num_experts, int num_rows, int pad_multiple, int capacity, "
+          "int chunk_tokens) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, CUDA, m) {
     m.impl("moe_permute", &moe_permute_cuda);
     m.impl("moe_unpermute", &moe_unpermute_cuda);
+    m.impl("moe_row_id_map", &moe_row_id_map_cuda);
 }
 
 TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, Meta, m) {
     m.impl("moe_permute", &moe_permute_meta);
     m.impl("moe_unpermute", &moe_unpermute_meta);
+    m.impl("moe_row_id_map", &moe_row_id_map_meta);
 }

@@ -13,10 +13,11 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-def test_moe_permute_cu_compiles_sm90a(tmp_path):
-    cmd = [NVCC, "-c", str(ROOT / "csrc/kernels/moe/permute.cu"), "-I", str(ROOT / "csrc/include"),
+@pytest.mark.parametrize("name", ["permute", "row_id_map"])
+def test_moe_cu_compiles_sm90a(name, tmp_path):
+    cmd = [NVCC, "-c", str(ROOT / f"csrc/kernels/moe/{name}.cu"), "-I", str(ROOT / "csrc/include"),
            "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
-           "-Xptxas", "-warn-spills", "-o", str(tmp_path / "permute.o")]  # fmt: skip
+           "-Xptxas", "-warn-spills", "-o", str(tmp_path / f"{name}.o")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "spill" not in proc.stderr.lower(), proc.stderr[-2000:]

@@ -505,8 +505,9 @@ def test_permute_unpermute_bitwise_deterministic(device):
         (150, 5, 3, 0, 40, None, "repeats"),
     ],
 )
+@pytest.mark.parametrize("builder", ["triton", "csrc"])
 def test_triton_row_id_map_equals_the_torch_reference(
-    form, t, e, k, pad_multiple, capacity, num_out, knobs, device, monkeypatch
+    builder, form, t, e, k, pad_multiple, capacity, num_out, knobs, device, monkeypatch
 ):
     """The Triton map and the torch reference agree integer for integer: dropped routes, padding,
     capacity, num_out_tokens below the route count, the routing-map form with and without num_out_tokens,
@@ -515,6 +516,11 @@ def test_triton_row_id_map_equals_the_torch_reference(
     runs several token chunks, so the in-chunk ranks and the per-chunk bases both count."""
     from primus_turbo.pytorch.kernels.moe import permute_impl
 
+    if builder == "csrc":  # the CUDA twin of the index form (csrc/kernels/moe/row_id_map.cu)
+        if form == "map" or not permute_impl._cpp_map_can_run(
+            torch.zeros(1, k, dtype=torch.long, device=device), e
+        ):
+            pytest.skip("the csrc row-id map serves int indices on CUDA with the extension built")
     if knobs == "small":
         # 2-token chunks at top-4, scan tiles of 16 (several chunk tiles a row, several tiles of earlier
         # experts to sum) and several experts a scan program
@@ -537,7 +543,8 @@ def test_triton_row_id_map_equals_the_torch_reference(
         num_out = None if num_out is None else num_out - int((bad & (indices >= 0)).sum())
     else:
         routing = ref_routing = rmap.to(device)
-    got = permute_impl._build_row_id_map_triton(routing, e, num_out, pad_multiple, capacity)
+    build = permute_impl._build_row_id_map_cpp if builder == "csrc" else permute_impl._build_row_id_map_triton
+    got = build(routing, e, num_out, pad_multiple, capacity)
     ref = permute_impl._build_row_id_map_torch(ref_routing, e, num_out, pad_multiple, capacity)
     assert got[2] == ref[2]
     assert torch.equal(got[1].cpu(), ref[1].cpu().to(torch.int32))
@@ -547,12 +554,15 @@ def test_triton_row_id_map_equals_the_torch_reference(
 @pytest.mark.gpu
 def test_triton_row_id_map_at_deepseek_v3_size():
     from primus_turbo.pytorch.kernels.moe.permute_impl import (
+        _build_row_id_map_cpp,
         _build_row_id_map_torch,
         _build_row_id_map_triton,
+        _cpp_map_can_run,
     )
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    has_cpp = _cpp_map_can_run(torch.zeros(1, 8, dtype=torch.long, device="cuda"), 256)
     # DeepSeek-V3 (one EP rank's worth of tokens) and V2-Lite routing, with capacity and a short num_out
     for t, e, k in ((4096, 256, 8), (32768, 64, 6)):
         indices, probs = _routing(t, e, k, "cuda", drop_frac=0.05)
@@ -560,7 +570,10 @@ def test_triton_row_id_map_at_deepseek_v3_size():
         modes = ((0, None, t * k), (128, None, t * k), (0, 100, None), (0, None, t * k // 2))
         for routing in (indices, rmap.cuda()):
             for pad, cap, num_out in modes:
-                got = _build_row_id_map_triton(routing, e, num_out, pad, cap)
                 ref = _build_row_id_map_torch(routing, e, num_out, pad, cap)
-                assert got[2] == ref[2] and torch.equal(got[1], ref[1].to(torch.int32))
-                assert torch.equal(got[0], ref[0])
+                builders = [_build_row_id_map_triton]
+                builders += [_build_row_id_map_cpp] if has_cpp and routing.dtype != torch.bool else []
+                for build in builders:
+                    got = build(routing, e, num_out, pad, cap)
+                    assert got[2] == ref[2] and torch.equal(got[1], ref[1].to(torch.int32)), build.__name__
+                    assert torch.equal(got[0], ref[0]), build.__name__

@@ -31,7 +31,10 @@ def build_row_id_map(
     where it can run, else torch; the two agree integer for integer. Under torch.compile the torch ops
     are traced (Inductor fuses them).
     """
-    eager_triton = not torch.compiler.is_compiling() and triton_can_run_on(routing)
+    eager = not torch.compiler.is_compiling()
+    if eager and _cpp_map_can_run(routing, num_experts):
+        return _build_row_id_map_cpp(routing, num_experts, num_out_tokens, pad_multiple, capacity)
+    eager_triton = eager and triton_can_run_on(routing)
     if eager_triton and routing.shape[0] > 0 and num_experts <= _MAX_TRITON_EXPERTS:
         # the kernels treat indices outside [0, E) as dropped routes themselves
         return _build_row_id_map_triton(routing, num_experts, num_out_tokens, pad_multiple, capacity)
@@ -75,6 +78,37 @@ def _num_out_tokens(routing: torch.Tensor, counts: torch.Tensor, num_out_tokens:
         # num_out_tokens (Megatron knows it) to avoid it.
         return int(counts.sum().item())
     return routing.numel()  # upper bound; exact when no route is -1
+
+
+def _cpp_map_can_run(routing: torch.Tensor, num_experts: int) -> bool:
+    """The CUDA twin (csrc/kernels/moe/row_id_map.cu) serves int indices on CUDA when the extension is built:
+    the same kernels as the Triton index form, launched from one C++ call (a Triton launch costs 20-40 us of
+    host time on the H200 machines; the whole map ~10 us of GPU time)."""
+    if routing.dtype == torch.bool or not routing.is_cuda or routing.shape[0] == 0:
+        return False
+    k = routing.shape[1]
+    if not 1 <= k <= 1024 or num_experts > _MAX_TRITON_EXPERTS:
+        return False
+    from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION
+
+    return HAS_CPP_EXTENSION and hasattr(torch.ops.primus_turbo_cpp_extension, "moe_row_id_map")
+
+
+def _index_rows(t: int, k: int, num_experts: int, num_out_tokens, pad_multiple: int, capacity) -> int:
+    if capacity is not None:
+        return num_experts * capacity
+    num_out = num_out_tokens if num_out_tokens is not None else t * k
+    return num_out + (num_experts * (pad_multiple - 1) if pad_multiple > 1 else 0)
+
+
+def _build_row_id_map_cpp(routing, num_experts, num_out_tokens, pad_multiple, capacity):
+    t, k = routing.shape
+    num_rows = _index_rows(t, k, num_experts, num_out_tokens, pad_multiple, capacity)
+    dest, tokens_per_expert = torch.ops.primus_turbo_cpp_extension.moe_row_id_map(
+        routing.contiguous(), num_experts, num_rows, max(pad_multiple, 1),
+        -1 if capacity is None else capacity, max(1, _ROUTES_PER_CHUNK // k),
+    )  # fmt: skip
+    return dest, tokens_per_expert, num_rows
 
 
 def _build_row_id_map_triton(routing, num_experts, num_out_tokens, pad_multiple, capacity):
