@@ -14,6 +14,7 @@ Nothing is downloaded and nothing is committed; the printed sha256 identifies th
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import sys
 import sysconfig
@@ -34,7 +35,10 @@ def main() -> None:
     limit = int(args.mb * (1 << 20))
     digest, size, files = hashlib.sha256(), 0, 0
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as out:
+    # a .gz name is written gzip-compressed: the data loader opens .gz paths with gzip (a plain file under
+    # that name failed at start-up), and 20 MB of text compresses to ~5 MB for the device's carry limit
+    opener = gzip.open if args.output.endswith(".gz") else open
+    with opener(args.output, "wt", encoding="utf-8") as out:
         for path in stdlib_sources():
             text = path.read_text(encoding="utf-8", errors="replace")
             chunk = f"# file: {path.name}\n{text}\n"
