@@ -169,6 +169,25 @@ def test_a_gzipped_text_corpus_gives_the_same_tokens_as_the_plain_file(tmp_path)
     assert len(plain) == len(text.encode("utf-8")) and (plain == packed).all()
 
 
+def test_build_corpus_writes_what_the_loader_reads_for_plain_and_gz_names(tmp_path):
+    """scripts/build_corpus.py with a .gz name writes gzip: the loader opens .gz paths with gzip, and a plain
+    file under that name stopped two GPU parity runs at start-up."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from primus_turbo.integrations.common.data import load_tokens
+
+    script = Path(__file__).resolve().parents[3] / "scripts/build_corpus.py"
+    outs = [tmp_path / "c.txt", tmp_path / "c.txt.gz"]
+    for out in outs:
+        cmd = [sys.executable, str(script), str(out), "--mb", "0.2"]
+        subprocess.run(cmd, check=True, capture_output=True)
+    plain, packed = (load_tokens(str(o)) for o in outs)
+    assert len(plain) >= 0.2 * 2**20 and (plain == packed).all()
+    assert outs[1].stat().st_size < outs[0].stat().st_size
+
+
 def test_turbo_ep_buffers_are_sized_from_the_config_unless_the_user_set_it(monkeypatch):
     """turbo.dispatch at ep > 1: TURBO's sync-free buffers fit the tokens a rank feeds its MoE layers
     (seq / cp x micro-batch / tp under sequence parallel), the same on every rank; a user's value stays."""
