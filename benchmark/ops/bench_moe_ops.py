@@ -57,13 +57,14 @@ def _row(label, shape, dtype, check, fwd_bytes, fwd_ms, bwd_bytes=None, bwd_ms=N
 
 
 def _fwd_bwd(fn, inputs, grad):
-    """(fwd ms, bwd ms) of fn(*inputs) -> tensor; backward with retain_graph on one forward."""
+    """(fwd ms, bwd ms, host us per forward) of fn(*inputs) -> tensor; backward with retain_graph on one
+    forward."""
     fwd, _ = bench_ms(lambda: fn(*inputs))
-    _fwd_bwd.host_us = host_ms(lambda: fn(*inputs), n=50, warmup=3) * 1e3
+    host_us = host_ms(lambda: fn(*inputs), n=50, warmup=3) * 1e3
     out = fn(*inputs)
     bwd, _ = bench_ms(lambda: torch.autograd.grad(out, [i for i in inputs if i.requires_grad], grad,
                                                   retain_graph=True))  # fmt: skip
-    return fwd, bwd
+    return fwd, bwd, host_us
 
 
 def _check(a, b, atol=2e-2):
@@ -100,9 +101,9 @@ def bench_router(t, e, k, groups, topk_groups):
         [] if QUICK else [("router/torch.compile", compiled)]
     )
     for label, fn in impls:
-        f, b = _fwd_bwd(fn, (logits,), grad)
+        f, b, host = _fwd_bwd(fn, (logits,), grad)
         rows.append(_row(label, f"{t}x{e} top{k} g{groups}/{topk_groups}", logits.dtype,
-                         _check(fn(logits), ref), fwd_b, f, bwd_b, b, _fwd_bwd.host_us))  # fmt: skip
+                         _check(fn(logits), ref), fwd_b, f, bwd_b, b, host))  # fmt: skip
     return rows
 
 
@@ -142,9 +143,9 @@ def bench_permute(t, h, e, k):
     # turbo groups by expert with tokens in order: same order as Megatron's routing-map permute
     for label, fn in (("permute/turbo", turbo_perm), ("permute/eager", eager_perm),
                       ("permute/torch.compile", compiled_perm)):  # fmt: skip
-        f, b = _fwd_bwd(fn, (x,), grad)
+        f, b, host = _fwd_bwd(fn, (x,), grad)
         rows.append(_row(label, f"{t}x{h} E{e} top{k}", x.dtype, _check(fn(x), ref_sorted, 0), p_bytes, f,
-                         p_bytes, b, _fwd_bwd.host_us))  # fmt: skip
+                         p_bytes, b, host))  # fmt: skip
 
     # The row-id map alone: what token_permute runs (csrc when built), the Triton kernels, the torch path.
     from primus_turbo.pytorch.kernels.moe.permute_impl import (
@@ -226,9 +227,9 @@ def bench_swiglu(n, inter):
     rows = []
     for label, fn in (("swiglu_with_probs/turbo", swiglu_with_probs), ("swiglu_with_probs/eager", eager),
                       ("swiglu_with_probs/torch.compile", compiled)):  # fmt: skip
-        f, b = _fwd_bwd(fn, (x, p), grad)
+        f, b, host = _fwd_bwd(fn, (x, p), grad)
         rows.append(_row(label, f"{n}x{2 * inter}", x.dtype, _check(fn(x, p), ref), fwd_b, f, bwd_b, b,
-                         _fwd_bwd.host_us))  # fmt: skip
+                         host))  # fmt: skip
     return rows
 
 

@@ -27,8 +27,9 @@ def build_row_id_map(
     ``routing`` is a bool routing map [T, E] or int indices [T, K] (-1 = no route). Rows are
     grouped by expert, tokens in order within an expert. Returns (row_id_map [T, K or E] int32,
     tokens_per_expert [E] int32 with padding/capacity applied, number of output rows).
-    Eager: Triton (a memset and four launches for indices; primus_turbo/triton/moe/row_id_map_kernel.py)
-    where it can run, else torch; the two agree integer for integer. Under torch.compile the torch ops
+    Eager: for int indices on CUDA the C++ op (csrc/kernels/moe/row_id_map.cu) when the extension is
+    built, else Triton (a memset and four launches for indices; primus_turbo/triton/moe/row_id_map_kernel.py)
+    where it can run, else torch; all three agree integer for integer. Under torch.compile the torch ops
     are traced (Inductor fuses them).
     """
     eager = not torch.compiler.is_compiling()
@@ -70,20 +71,22 @@ _ROUTES_PER_CHUNK = 64
 _INDEX_NUM_WARPS = 1
 
 
-def _num_out_tokens(routing: torch.Tensor, counts: torch.Tensor, num_out_tokens: int | None) -> int:
-    if num_out_tokens is not None:
-        return num_out_tokens
-    if routing.dtype == torch.bool:
-        # The only host sync of the op: the output size of a routing-map permute. Pass
-        # num_out_tokens (Megatron knows it) to avoid it.
-        return int(counts.sum().item())
-    return routing.numel()  # upper bound; exact when no route is -1
+def _num_rows(routing, counts, num_experts, num_out_tokens, pad_multiple, capacity) -> int:
+    """Rows of the permuted buffer (shared by the three map builders). ``counts`` (routes per expert on
+    the device) is read only for a bool map without num_out_tokens: the op's one host sync."""
+    if capacity is not None:
+        return num_experts * capacity
+    if num_out_tokens is None:
+        # Pass num_out_tokens (Megatron knows it) to avoid the sync; for indices T * K is an upper bound,
+        # exact when no route is -1.
+        num_out_tokens = int(counts.sum().item()) if routing.dtype == torch.bool else routing.numel()
+    return num_out_tokens + (num_experts * (pad_multiple - 1) if pad_multiple > 1 else 0)
 
 
 def _cpp_map_can_run(routing: torch.Tensor, num_experts: int) -> bool:
     """The CUDA twin (csrc/kernels/moe/row_id_map.cu) serves int indices on CUDA when the extension is built:
-    the same kernels as the Triton index form, launched from one C++ call (a Triton launch costs 20-40 us of
-    host time on the H200 machines; the whole map ~10 us of GPU time)."""
+    the same kernels as the Triton index form, launched from one C++ call. H200, 4096 x 8 x E256: ~10 us of
+    GPU time either way; host 47 us against 123 us for the Triton launches (bench_moe_ops, session 15)."""
     if routing.dtype == torch.bool or not routing.is_cuda or routing.shape[0] == 0:
         return False
     k = routing.shape[1]
@@ -94,16 +97,9 @@ def _cpp_map_can_run(routing: torch.Tensor, num_experts: int) -> bool:
     return HAS_CPP_EXTENSION and hasattr(torch.ops.primus_turbo_cpp_extension, "moe_row_id_map")
 
 
-def _index_rows(t: int, k: int, num_experts: int, num_out_tokens, pad_multiple: int, capacity) -> int:
-    if capacity is not None:
-        return num_experts * capacity
-    num_out = num_out_tokens if num_out_tokens is not None else t * k
-    return num_out + (num_experts * (pad_multiple - 1) if pad_multiple > 1 else 0)
-
-
 def _build_row_id_map_cpp(routing, num_experts, num_out_tokens, pad_multiple, capacity):
-    t, k = routing.shape
-    num_rows = _index_rows(t, k, num_experts, num_out_tokens, pad_multiple, capacity)
+    k = routing.shape[1]
+    num_rows = _num_rows(routing, None, num_experts, num_out_tokens, pad_multiple, capacity)
     dest, tokens_per_expert = torch.ops.primus_turbo_cpp_extension.moe_row_id_map(
         routing.contiguous(), num_experts, num_rows, max(pad_multiple, 1),
         -1 if capacity is None else capacity, max(1, _ROUTES_PER_CHUNK // k),
@@ -152,12 +148,7 @@ def _build_row_id_map_triton(routing, num_experts, num_out_tokens, pad_multiple,
         counts, offsets, tokens_per_expert, e, max(pad_multiple, 1), capacity or 0, HAS_CAPACITY=has_cap,
         BLOCK_E=min(triton.next_power_of_2(e), _TILE),
     )  # fmt: skip
-    if has_cap:
-        num_rows = e * capacity
-    else:
-        # only a bool map without num_out_tokens reads the counts (their total: a host sync)
-        num_out = _num_out_tokens(routing, counts, num_out_tokens)
-        num_rows = num_out + (e * (pad_multiple - 1) if pad_multiple > 1 else 0)
+    num_rows = _num_rows(routing, counts, e, num_out_tokens, pad_multiple, capacity)
 
     dest = torch.empty((t, c), dtype=torch.int32, device=dev)
     if is_map:
@@ -193,7 +184,6 @@ def _build_row_id_map_torch(routing, num_experts, num_out_tokens, pad_multiple, 
         slots = torch.full_like(counts, capacity)
         keep = (mask > 0) & (rank < capacity)
         tokens_per_expert = counts.clamp(max=capacity)
-        num_rows = num_experts * capacity
     else:
         keep = mask > 0
         if pad_multiple > 1:
@@ -201,8 +191,7 @@ def _build_row_id_map_torch(routing, num_experts, num_out_tokens, pad_multiple, 
         else:
             slots = counts
         tokens_per_expert = slots
-        num_out_tokens = _num_out_tokens(routing, counts, num_out_tokens)
-        num_rows = num_out_tokens + (num_experts * (pad_multiple - 1) if pad_multiple > 1 else 0)
+    num_rows = _num_rows(routing, counts, num_experts, num_out_tokens, pad_multiple, capacity)
     offsets = torch.cumsum(slots, 0, dtype=torch.int32) - slots
     dest = offsets.unsqueeze(0) + rank
     dest = torch.where(keep & (dest < num_rows), dest, torch.full_like(dest, -1))
