@@ -5,8 +5,9 @@ by wrapping ``StepMetrics.record`` (called once per step on every rank), so trai
 writes ``$E2E_PROFILE_OUT`` (JSON), per profiled step: the wall time, the summed GPU kernel time and the
 top kernels (CUDA), the top host ops by self CPU time (both devices; on CPU runs they are ``top``), and the
 blocking CUDA calls per step by the op that made them (``E2E_PROFILE_STACKS=1`` adds their Python callers).
-``E2E_PROFILE_CENSUS=1`` adds ``census``: the aten ops issued from Python per step and the Python sites
-issuing them (``op_census``; on a CPU-only machine too, e.g. the deepseek model at small dims).
+``E2E_PROFILE_TOP=N`` sets the rows per table (default 15). ``E2E_PROFILE_CENSUS=1`` adds ``census``: the
+aten ops issued from Python per step and the Python sites issuing them (``op_census``; on a CPU-only
+machine too, e.g. the deepseek model at small dims).
 ``E2E_PROFILE_PY=1``: cProfile instead of torch.profiler over the same steps (where the host's Python time
 goes: Megatron, turbo, torch); writes the top functions by own and by cumulative time to
 ``$E2E_PROFILE_OUT`` with ``.py.txt`` appended. cProfile slows Python calls, so read shares, not wall time.
@@ -36,7 +37,7 @@ from primus_turbo.integrations.hydra_main import RECIPES_DIR, run  # noqa: E402
 WAIT = int(os.environ.get("E2E_PROFILE_WAIT", "5"))  # steps before the profiler warm-up step
 ACTIVE = int(os.environ.get("E2E_PROFILE_STEPS", "3"))
 CENSUS = os.environ.get("E2E_PROFILE_CENSUS", "0") == "1"
-TOP = 15
+TOP = int(os.environ.get("E2E_PROFILE_TOP", "15"))  # rows per table
 
 
 def _self_time_us(event, device: bool) -> float:
