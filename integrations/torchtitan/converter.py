@@ -12,6 +12,9 @@ module, or through ``train.py framework=torchtitan`` (which sets the options fro
   permute       MoE's token reorder / gather / un-sort -> turbo token_permute / token_unpermute
   dispatch      (ep > 1) ExpertParallel's all-to-all + permute -> moe_dispatch / moe_combine in MoE.forward
 
+Single-device runs (fp32 parameters under autocast): the turbo linears and experts cast (quantize) each weight
+once per optimizer step and add its gradient into ``.grad`` in the backward (``amp_weights``).
+
 Parameter names and shapes never change. Fail-closed: a requested feature that cannot serve the run stops it
 (``PatchError``) unless turbo.strict=false; every decision is a row of the turbo report.
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from primus_turbo.integrations.common.patch_registry import PatchRegistry, apply_patches, format_report
 from primus_turbo.integrations.megatron import turbo_ops  # framework-agnostic op lookup
+from primus_turbo.integrations.torchtitan import amp_weights
 from primus_turbo.integrations.torchtitan import turbo_modules as tm
 from torch import nn
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
@@ -315,11 +319,13 @@ class PrimusTurboConverter:
 
     def convert(self, model: nn.Module) -> None:
         rows = convert_model(model, self.options)
+        amp_weights.new_step()  # TorchTitan's Trainer calls post_optimizer_hook after every optimizer step
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(format_report(f"torchtitan, turbo.enabled={self.options.enabled}", rows), flush=True)
 
     def post_optimizer_hook(self, model) -> None:
-        return None
+        """The weights changed: single-device AMP runs cast (quantize) them again on the next micro-batch."""
+        amp_weights.new_step()
 
 
 if CONVERTER_NAME not in _registered_converters:

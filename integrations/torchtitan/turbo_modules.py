@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from primus_turbo.integrations.torchtitan import amp_weights as amp
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_module
 from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 
+from primus_turbo.pytorch.core.fp8_autocast import resolve_fp8_config
+from primus_turbo.pytorch.core.low_precision import ScalingStrategy
 from primus_turbo.pytorch.modules import Float8Linear, Linear, RMSNorm, TurboAttention
 from primus_turbo.pytorch.modules.token_dispatcher import TokenDispatcher
-from primus_turbo.pytorch.ops import fused_topk_routing, gemm, grouped_gemm, grouped_gemm_fp8
+from primus_turbo.pytorch.ops import fused_topk_routing, gemm, gemm_fp8, grouped_gemm, grouped_gemm_fp8
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute
 
 
@@ -59,7 +62,10 @@ class TitanLinear(Linear):
         return _share_linear_params(new, linear)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.weight.dtype == x2d.dtype else self.weight.to(x2d.dtype)
+        if amp.applies(self.weight, x2d):  # fp32 weight under autocast: cast once per step
+            weight = amp.cast_weight(self, "weight", self.weight, x2d.dtype)
+        else:
+            weight = self.weight if self.weight.dtype == x2d.dtype else self.weight.to(x2d.dtype)
         return gemm(x2d, weight, trans_b=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,6 +82,13 @@ class TitanFloat8Linear(Float8Linear):
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config,
                   device="meta")  # fmt: skip
         return _share_linear_params(new, linear)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        config = resolve_fp8_config(self.config, fp8_by_default=True)
+        if config is None or config.strategy is ScalingStrategy.DELAYED or not amp.applies(self.weight, x2d):
+            return super()._matmul(x2d)
+        w8 = amp.fp8_weight(self, "weight", self.weight, config)  # fp32 weight: once per step
+        return gemm_fp8(x2d, w8, trans_b=True, out_dtype=x2d.dtype, config=config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = autocast_input(x)
@@ -126,10 +139,17 @@ class TurboGroupedExperts(GroupedExperts):
     [G, N, K] layout TorchTitan stores). Rows of ``x`` are grouped by expert as ``num_tokens_per_expert``
     says; with EP, TorchTitan's ExpertParallel (or ``TurboEPMoE``) has already grouped them. No host sync."""
 
-    def _grouped(self, x: torch.Tensor, w: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
-        w = w if w.dtype == x.dtype else w.to(x.dtype)
-        if EXPERTS_FP8_CONFIG is not None:
-            return grouped_gemm_fp8(x, w, group_lens, trans_b=True, config=EXPERTS_FP8_CONFIG)
+    def _grouped(self, x: torch.Tensor, name: str, w: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
+        config = EXPERTS_FP8_CONFIG
+        if amp.applies(w, x):  # fp32 weights under autocast: cast (quantize) once per step
+            if config is not None:
+                w8 = amp.fp8_grouped_weight(self, name, w, config, x.dtype)
+                return grouped_gemm_fp8(x, w8, group_lens, trans_b=True, config=config)
+            w = amp.cast_weight(self, name, w, x.dtype)
+        elif w.dtype != x.dtype:
+            w = w.to(x.dtype)
+        if config is not None:
+            return grouped_gemm_fp8(x, w, group_lens, trans_b=True, config=config)
         return grouped_gemm(x, w, group_lens, trans_b=True)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -138,8 +158,8 @@ class TurboGroupedExperts(GroupedExperts):
         if x.device.type == "cuda" or torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.bfloat16)  # the stock grouped_mm path computes in bf16 as well
         group_lens = num_tokens_per_expert.to(torch.int64)  # the router's histc gives float counts
-        h = F.silu(self._grouped(x, w1, group_lens)) * self._grouped(x, w3, group_lens)
-        return self._grouped(h, w2, group_lens).to(in_dtype)
+        h = F.silu(self._grouped(x, "w1", w1, group_lens)) * self._grouped(x, "w3", w3, group_lens)
+        return self._grouped(h, "w2", w2, group_lens).to(in_dtype)
 
 
 class TurboTopKRouter(TokenChoiceTopKRouter):

@@ -13,7 +13,9 @@ import torch
 
 from primus_turbo.pytorch.core.utils import triton_can_run_on
 
-__all__ = ["check_main_grad", "wgrad_placeholder", "wgrad_placeholders", "accumulate_into_main_grads_"]
+__all__ = [
+    "check_main_grad", "wgrad_placeholder", "wgrad_placeholders", "accumulate_into_main_grads_", "add_into_",
+]  # fmt: skip
 
 
 def check_main_grad(weight: torch.Tensor, op: str = "gemm", name: str = "b") -> None:
@@ -83,6 +85,22 @@ def accumulate_into_main_grads_(weights, grad: torch.Tensor) -> None:
 
     for start, stop, stride in runs:
         launch_accumulate_grouped(main_grads[start], grad[start:stop], stride)
+
+
+def add_into_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst += src`` for a contiguous ``dst`` (e.g. an fp32 gradient) and a same-shape ``src`` of any float
+    dtype (e.g. a bf16 weight gradient): one vectorized launch reading src once (10 bytes per element for
+    fp32 += bf16), where torch's mixed-dtype ``add_`` runs an unvectorized dynamic-cast kernel. The sum is
+    taken in fp32 and rounded to dst's dtype, as ``add_`` does. Elsewhere (CPU without the interpreter,
+    a non-contiguous dst): ``dst.add_(src)``."""
+    if dst.shape != src.shape:
+        raise ValueError(f"add_into_: dst is {tuple(dst.shape)}, src {tuple(src.shape)}")
+    if not (dst.is_contiguous() and triton_can_run_on(dst, src)):
+        dst.add_(src)
+        return
+    from primus_turbo.triton.main_grad.accumulate_kernel import launch_accumulate_grouped
+
+    launch_accumulate_grouped(dst, src.contiguous().reshape(1, -1), 0)
 
 
 # id(first main_grad) -> (the main_grad tensors, their runs or None): DDP's buffers live for the whole run, so

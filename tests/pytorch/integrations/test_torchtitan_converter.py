@@ -7,8 +7,6 @@ test_utils). The converted model runs the turbo ops' TORCH backends here; GPU ke
 op tests and the GPU training runs.
 """
 
-import os
-
 import pytest
 import torch
 from test_utils import assert_close
@@ -16,7 +14,6 @@ from test_utils import assert_close
 pytest.importorskip("torchtitan")
 pytest.importorskip("hydra")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 from primus_turbo.integrations.common.config import ConfigError  # noqa: E402
 from primus_turbo.integrations.common.patch_registry import FALLBACK, PatchError  # noqa: E402
 from primus_turbo.integrations.torchtitan import converter as conv  # noqa: E402
@@ -28,17 +25,7 @@ from primus_turbo.integrations.torchtitan.job_config import (  # noqa: E402
 )
 from torchtitan.distributed.expert_parallel import ExpertParallel  # noqa: E402
 from torchtitan.models.moe.moe import MoE  # noqa: E402
-
-RECIPES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "recipes"))
-TINY_MLA = [
-    "recipe=deepseek_moe_bf16", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
-    "model.num_attention_heads=2", "model.vocab_size=128", "model.seq_length=32", "model.mla.kv_lora_rank=32",
-    "model.mla.qk_head_dim=32", "model.mla.qk_pos_emb_head_dim=16", "model.mla.v_head_dim=32",
-    "model.moe.num_experts=8", "model.moe.topk=4", "model.moe.num_groups=4", "model.moe.group_topk=2",
-    "model.moe.ffn_hidden_size=32", "model.moe.shared_expert_ffn_hidden_size=64",
-]  # fmt: skip
-TINY_GQA_MOE = ["recipe=tiny_moe", "model.seq_length=32", "model.vocab_size=128"]
-TINY_DENSE = ["recipe=tiny_dense", "model.seq_length=32"]
+from torchtitan_models import TINY_DENSE, TINY_GQA_MOE, TINY_MLA, build, cfg_of, options  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -47,34 +34,6 @@ def _histc_on_cpu(monkeypatch):
     from primus_turbo.integrations.torchtitan.cpu_shims import _histc_accepting_integers
 
     monkeypatch.setattr(torch, "histc", _histc_accepting_integers(torch.histc))
-
-
-def _cfg(*overrides):
-    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
-        return compose(config_name="config", overrides=["framework=torchtitan", *overrides])
-
-
-def _build(cfg, seed=0):
-    import torchtitan.protocols.train_spec as ts
-
-    family, args = build_model_args(cfg)
-    args.update_from_config(build_job_config(cfg, family, cfg.recipe_name))
-    model_cls = ts.get_train_spec(family).model_cls
-    with torch.device("meta"):
-        model = model_cls(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    return family, model
-
-
-def _options(cfg, **overrides):
-    options = conv.options_from_cfg(cfg)
-    options.ep = 1  # in-process: no expert-parallel world
-    for key, value in overrides.items():
-        setattr(options, key, value)
-    return options
 
 
 def _shapes(model):
@@ -112,13 +71,13 @@ def _assert_matches_stock(stock, turbo, cfg, seed):
     ids=["deepseek_v3_mla_moe", "qwen3_gqa_moe", "llama3_dense"],
 )  # fmt: skip
 def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family, expected):
-    cfg = _cfg(*overrides)
-    built_family, stock = _build(cfg)
+    cfg = cfg_of(*overrides)
+    built_family, stock = build(cfg)
     assert built_family == family
-    _, turbo = _build(cfg)
+    _, turbo = build(cfg)
     turbo.load_state_dict(stock.state_dict())
     names_before = _shapes(turbo)
-    rows = conv.convert_model(turbo, _options(cfg))
+    rows = conv.convert_model(turbo, options(cfg))
     assert _shapes(turbo) == names_before  # checkpoints load either way
     counts = {cls: sum(type(m) is cls for m in turbo.modules()) for cls in expected}
     assert counts == expected
@@ -129,19 +88,19 @@ def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family
 
 
 def test_fp8_recipe_swaps_float8_linears_and_fp8_experts_keeping_head_bf16():
-    cfg = _cfg(*TINY_MLA)
-    _, model = _build(cfg)
-    rows = conv.convert_model(model, _options(cfg, fp8_recipe="rowwise", fp8_wgrad="fp8"))
+    cfg = cfg_of(*TINY_MLA)
+    _, model = build(cfg)
+    rows = conv.convert_model(model, options(cfg, fp8_recipe="rowwise", fp8_wgrad="fp8"))
     status = {r.name: r.status for r in rows}
     assert status["turbo.fp8"] == "active" and status["turbo.grouped_gemm"] == "active"
     assert type(model.output) is tm.TitanLinear  # LM head stays bf16
     assert sum(type(m) is tm.TitanFloat8Linear for m in model.modules()) == 14
     assert tm.EXPERTS_FP8_CONFIG is not None and tm.EXPERTS_FP8_CONFIG.granularity.name == "ROWWISE"
     assert not tm.EXPERTS_FP8_CONFIG.high_precision_wgrad
-    conv.convert_model(torch.nn.Sequential(), _options(cfg))  # resets the expert FP8 config
+    conv.convert_model(torch.nn.Sequential(), options(cfg))  # resets the expert FP8 config
     assert tm.EXPERTS_FP8_CONFIG is None
-    _, model = _build(cfg)
-    rows = conv.convert_model(model, _options(cfg, fp8_recipe="rowwise", fp8_wgrad="bf16"))  # fp8.wgrad=bf16
+    _, model = build(cfg)
+    rows = conv.convert_model(model, options(cfg, fp8_recipe="rowwise", fp8_wgrad="bf16"))  # fp8.wgrad=bf16
     assert "weight gradients in bf16" in {r.name: r.detail for r in rows}["turbo.fp8"]
     assert tm.EXPERTS_FP8_CONFIG.high_precision_wgrad
     linears = [m for m in model.modules() if type(m) is tm.TitanFloat8Linear]
@@ -149,19 +108,19 @@ def test_fp8_recipe_swaps_float8_linears_and_fp8_experts_keeping_head_bf16():
 
 
 def test_fp8_delayed_is_refused_under_strict():
-    cfg = _cfg(*TINY_DENSE)
-    _, model = _build(cfg)
+    cfg = cfg_of(*TINY_DENSE)
+    _, model = build(cfg)
     with pytest.raises(PatchError, match="fp8.recipe=delayed"):
-        conv.convert_model(model, _options(cfg, fp8_recipe="delayed"))
+        conv.convert_model(model, options(cfg, fp8_recipe="delayed"))
 
 
 def test_strict_stops_on_a_feature_that_cannot_serve_and_non_strict_falls_back():
-    cfg = _cfg(*TINY_GQA_MOE)
-    _, model = _build(cfg)
+    cfg = cfg_of(*TINY_GQA_MOE)
+    _, model = build(cfg)
     with pytest.raises(PatchError, match=r"turbo\.dispatch cannot serve this run.*turbo\.strict=false"):
-        conv.convert_model(model, _options(cfg, dispatch=True, ep=2, grouped_gemm=False))
-    _, model = _build(cfg)
-    rows = conv.convert_model(model, _options(cfg, dispatch=True, ep=2, grouped_gemm=False, strict=False))
+        conv.convert_model(model, options(cfg, dispatch=True, ep=2, grouped_gemm=False))
+    _, model = build(cfg)
+    rows = conv.convert_model(model, options(cfg, dispatch=True, ep=2, grouped_gemm=False, strict=False))
     row = {r.name: r for r in rows}["turbo.dispatch"]
     assert row.status == FALLBACK and "needs turbo.grouped_gemm" in row.detail
     assert not any(type(m) is tm.TurboEPMoE for m in model.modules())
@@ -172,10 +131,10 @@ def test_turbo_dispatch_with_ep_moves_the_token_exchange_into_moe_forward(permut
     """ep > 1: every MoE becomes TurboEPMoE (moe_dispatch / token_permute / moe_combine, also with
     turbo.permute=false), its experts are marked for ExpertParallel to shard without its all-to-all hooks, the
     report row says so, and parameter names/shapes are unchanged (EP numerics: test_torchtitan_dispatch)."""
-    cfg = _cfg(*TINY_GQA_MOE)
-    _, model = _build(cfg)
+    cfg = cfg_of(*TINY_GQA_MOE)
+    _, model = build(cfg)
     before = _shapes(model)
-    rows = {r.name: r for r in conv.convert_model(model, _options(cfg, dispatch=True, ep=2, permute=permute))}
+    rows = {r.name: r for r in conv.convert_model(model, options(cfg, dispatch=True, ep=2, permute=permute))}
     row = rows["turbo.dispatch"]
     assert row.status == "active", row
     assert row.target == "torchtitan.distributed.expert_parallel.ExpertParallel._apply"
@@ -193,9 +152,9 @@ def test_turbo_dispatch_with_ep_moves_the_token_exchange_into_moe_forward(permut
     "ep, tp, reason", [(1, 1, "ep=1"), (2, 2, "tp > 1 with ep > 1")], ids=["ep1", "tp2_ep2"]
 )  # fmt: skip
 def test_turbo_dispatch_is_not_applicable_without_ep_or_with_tp(ep, tp, reason):
-    cfg = _cfg(*TINY_GQA_MOE)
-    _, model = _build(cfg)
-    row = {r.name: r for r in conv.convert_model(model, _options(cfg, dispatch=True, ep=ep, tp=tp))}[
+    cfg = cfg_of(*TINY_GQA_MOE)
+    _, model = build(cfg)
+    row = {r.name: r for r in conv.convert_model(model, options(cfg, dispatch=True, ep=ep, tp=tp))}[
         "turbo.dispatch"
     ]
     assert row.status == "n/a" and reason in row.detail, row
@@ -203,19 +162,19 @@ def test_turbo_dispatch_is_not_applicable_without_ep_or_with_tp(ep, tp, reason):
 
 
 def test_router_with_semantics_the_fused_kernel_lacks_is_refused_under_strict():
-    cfg = _cfg(*TINY_GQA_MOE)
-    _, model = _build(cfg)
+    cfg = cfg_of(*TINY_GQA_MOE)
+    _, model = build(cfg)
     for module in model.modules():
         if hasattr(module, "route_norm"):
             module._debug_force_load_balance = True  # round-robin routing, not a top-k of scores
     with pytest.raises(PatchError, match=r"turbo\.router.*moe_force_load_balance"):
-        conv.convert_model(model, _options(cfg))
+        conv.convert_model(model, options(cfg))
 
 
 def _stock_and_turbo(cfg, attribute, value):
     """Two same-weight builds of ``cfg`` with ``attribute`` set to ``value`` on every module that has it."""
-    _, stock = _build(cfg)
-    _, turbo = _build(cfg)
+    _, stock = build(cfg)
+    _, turbo = build(cfg)
     turbo.load_state_dict(stock.state_dict())
     for model in (stock, turbo):
         for module in model.modules():
@@ -228,13 +187,13 @@ def _stock_and_turbo(cfg, attribute, value):
 def test_router_score_function_and_route_norm_match_stock(score_func, route_norm):
     """route_norm maps to fused_topk_routing(norm_topk=...): softmax + route_norm (Qwen3-MoE) and sigmoid
     without it route like the stock router, forward and backward."""
-    cfg = _cfg(*TINY_GQA_MOE)
+    cfg = cfg_of(*TINY_GQA_MOE)
     stock, turbo = _stock_and_turbo(cfg, "route_norm", route_norm)
     for model in (stock, turbo):
         for module in model.modules():
             if hasattr(module, "route_norm"):
                 module.score_func = score_func
-    rows = conv.convert_model(turbo, _options(cfg))
+    rows = conv.convert_model(turbo, options(cfg))
     assert {r.name: r.status for r in rows}["turbo.router"] == "active"
     _assert_matches_stock(stock, turbo, cfg, seed=2)
 
@@ -245,9 +204,9 @@ def test_turbo_permute_matches_the_stock_moe_forward_and_backward(overrides, sco
     """turbo.permute swaps MoE.forward's argsort / gather / zero-filled scatter + bmm for token_permute and
     token_unpermute: same logits and gradients as the stock MoE, with the scores applied after the experts
     (merged in the unpermute) or before them (carried with the permuted rows)."""
-    cfg = _cfg(*overrides)
+    cfg = cfg_of(*overrides)
     stock, turbo = _stock_and_turbo(cfg, "score_before_experts", score_before_experts)
-    rows = conv.convert_model(turbo, _options(cfg, permute=True))
+    rows = conv.convert_model(turbo, options(cfg, permute=True))
     assert {r.name: r.status for r in rows}["turbo.permute"] == "active"
     assert sum(type(m) is tm.TurboMoE for m in turbo.modules()) >= 1
     _assert_matches_stock(stock, turbo, cfg, seed=3)
@@ -256,18 +215,18 @@ def test_turbo_permute_matches_the_stock_moe_forward_and_backward(overrides, sco
 def test_turbo_permute_leaves_the_tp_split_reorder_of_tp_with_ep_to_torchtitan():
     """With tp > 1 and ep > 1 TorchTitan's plan shards the reorderer over TP ranks
     (ReordererSequenceParallel), which TurboMoE.forward would bypass: n/a with the reason, stock MoE stays."""
-    cfg = _cfg(*TINY_GQA_MOE)
-    _, model = _build(cfg)
-    rows = {r.name: r for r in conv.convert_model(model, _options(cfg, permute=True, tp=2, ep=2))}
+    cfg = cfg_of(*TINY_GQA_MOE)
+    _, model = build(cfg)
+    rows = {r.name: r for r in conv.convert_model(model, options(cfg, permute=True, tp=2, ep=2))}
     row = rows["turbo.permute"]
     assert row.status == "n/a" and "splits the token reorder" in row.detail
     assert not any(type(m) is tm.TurboMoE for m in model.modules())
 
 
 def test_turbo_disabled_converts_nothing():
-    cfg = _cfg(*TINY_DENSE)
-    _, model = _build(cfg)
-    rows = conv.convert_model(model, _options(cfg, enabled=False))
+    cfg = cfg_of(*TINY_DENSE)
+    _, model = build(cfg)
+    rows = conv.convert_model(model, options(cfg, enabled=False))
     assert all(r.status in ("off", "n/a") for r in rows)
     assert not any(type(m).__module__.endswith("turbo_modules") for m in model.modules())
 
@@ -294,7 +253,7 @@ def test_turbo_disabled_converts_nothing():
     ],
 )
 def test_recipes_torchtitan_cannot_express_fail_before_any_work(overrides, message):
-    cfg = _cfg(*overrides)
+    cfg = cfg_of(*overrides)
     with pytest.raises(ConfigError, match=message):
         check_expressible(cfg)
         build_model_args(cfg)
@@ -302,7 +261,7 @@ def test_recipes_torchtitan_cannot_express_fail_before_any_work(overrides, messa
 
 def test_shared_experts_must_be_whole_experts():
     with pytest.raises(ConfigError, match="shared_expert_ffn_hidden_size=96"):
-        build_model_args(_cfg("model.moe.shared_expert_ffn_hidden_size=96"))
+        build_model_args(cfg_of("model.moe.shared_expert_ffn_hidden_size=96"))
 
 
 @pytest.mark.parametrize(
@@ -310,7 +269,7 @@ def test_shared_experts_must_be_whole_experts():
                        ("llama3_8b_fp8", "llama3"), ("tiny_moe", "qwen3")],
 )  # fmt: skip
 def test_recipes_translate_to_torchtitan_flavors_and_job_config(recipe, family):
-    cfg = _cfg(f"recipe={recipe}")
+    cfg = cfg_of(f"recipe={recipe}")
     check_expressible(cfg)
     got_family, args = build_model_args(cfg)
     assert got_family == family
@@ -331,5 +290,5 @@ def test_recipes_translate_to_torchtitan_flavors_and_job_config(recipe, family):
     assert job.training.global_batch_size == cfg.data.global_batch_size
     assert job.parallelism.expert_parallel_degree == cfg.parallel.ep
     assert job.lr_scheduler.decay_type == "cosine" and job.optimizer.lr == cfg.train.lr
-    off = build_job_config(_cfg(f"recipe={recipe}", "turbo.enabled=false"), "x", recipe)
+    off = build_job_config(cfg_of(f"recipe={recipe}", "turbo.enabled=false"), "x", recipe)
     assert off.model.converters == []

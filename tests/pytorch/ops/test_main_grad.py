@@ -10,7 +10,7 @@ import torch
 from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.core import main_grad as main_grad_module
-from primus_turbo.pytorch.core.main_grad import _equally_spaced_runs, accumulate_into_main_grads_
+from primus_turbo.pytorch.core.main_grad import _equally_spaced_runs, accumulate_into_main_grads_, add_into_
 
 
 def _layout(kind, groups, shape, dtype, device):
@@ -54,6 +54,32 @@ def test_accumulate_falls_back_to_foreach(device, monkeypatch):
     expected = [m.clone().add_(g) for m, g in zip(main_grads, grad)]
     accumulate_into_main_grads_([SimpleNamespace(main_grad=m) for m in main_grads], grad)
     assert all(torch.equal(m, e) for m, e in zip(main_grads, expected))
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 5), (4099,), (64, 2048)])
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+def test_add_into_matches_add(shape, src_dtype, device, monkeypatch):
+    """One tensor pair (TorchTitan's fp32 .grad += a bf16 weight gradient): bitwise ``add_``, and the
+    ``add_`` fallback for a non-contiguous destination or without Triton."""
+    dst = torch.randn(shape, device=device)
+    src = torch.randn(shape, device=device).to(src_dtype)
+    expected = dst.clone().add_(src)
+    add_into_(dst, src)
+    assert torch.equal(dst, expected)
+    if len(shape) == 2:
+        dst_t = torch.randn(shape[::-1], device=device).t()
+        expected = dst_t.clone().add_(src)
+        add_into_(dst_t, src)
+        assert torch.equal(dst_t, expected)
+    monkeypatch.setattr(main_grad_module, "triton_can_run_on", lambda *t: False)
+    expected = dst.clone().add_(src)
+    add_into_(dst, src)
+    assert torch.equal(dst, expected)
+
+
+def test_add_into_rejects_a_shape_mismatch():
+    with pytest.raises(ValueError, match=r"add_into_: dst is \(4, 5\), src \(5, 4\)"):
+        add_into_(torch.zeros(4, 5), torch.zeros(5, 4))
 
 
 def test_layout_is_cached_per_buffer_set_and_recomputed_when_one_changes(device, monkeypatch):

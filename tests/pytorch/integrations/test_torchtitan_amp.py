@@ -1,0 +1,128 @@
+"""Single-device TorchTitan AMP (fp32 parameters under bf16 autocast) with the turbo converter: each weight is
+cast (quantized) once per optimizer step and its gradient is added into ``.grad`` in the backward
+(``integrations/torchtitan/amp_weights.py``).
+
+Over several micro-batches the parameter gradients are bitwise those of the plain path (a cast per call,
+gradients through autograd), in bf16 and in FP8; the cached copy is reused within a step and rebuilt after
+``new_step`` or an in-place write; weights with gradient hooks keep the plain path. CPU: the turbo ops'
+TORCH backends and the accumulation kernel under the Triton interpreter.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("hydra")
+
+from primus_turbo.integrations.torchtitan import amp_weights as amp  # noqa: E402
+from primus_turbo.integrations.torchtitan import converter as conv  # noqa: E402
+from primus_turbo.integrations.torchtitan import turbo_modules as tm  # noqa: E402
+from torchtitan_models import TINY_MLA, build, cfg_of, options  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _step_counter():
+    """A fresh step counter per test (the converter module keeps one per process)."""
+    saved = amp._STEP[0]
+    amp.new_step()
+    yield
+    amp._STEP[0] = saved
+
+
+def _turbo_model(fp8_recipe=None):
+    cfg = cfg_of(*TINY_MLA)
+    _, model = build(cfg)
+    conv.convert_model(model, options(cfg, fp8_recipe=fp8_recipe, fp8_wgrad="bf16"))
+    return cfg, model
+
+
+def _accumulate(model, cfg, micro_batches: int, seed: int) -> dict[str, torch.Tensor]:
+    """TorchTitan's step without the optimizer: zero_grad(set_to_none), then forward under bf16 autocast
+    and backward per micro-batch."""
+    model.zero_grad(set_to_none=True)
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    for _ in range(micro_batches):
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten()
+            )
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("fp8_recipe", [None, "rowwise"], ids=["bf16", "fp8_rowwise"])
+def test_step_cached_weights_give_the_plain_autocast_gradients(fp8_recipe, device, monkeypatch):
+    """Bitwise on CPU; on a GPU within 1% (the attention backward need not be deterministic)."""
+    cfg, model = _turbo_model(fp8_recipe)
+    model.to(device)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    fused = _accumulate(model, cfg, micro_batches=3, seed=5)
+    cached = [m for m in model.modules() if m.__dict__.get("_turbo_amp_cache")]
+    kinds = {type(m) for m in cached}
+    expected = {tm.TitanLinear, tm.TurboGroupedExperts} | ({tm.TitanFloat8Linear} if fp8_recipe else set())
+    assert kinds == expected, kinds  # the path was taken by every turbo linear and the experts
+    experts = next(m for m in cached if type(m) is tm.TurboGroupedExperts)
+    assert set(experts._turbo_amp_cache) == {"w1", "w2", "w3"}
+    monkeypatch.setattr(amp, "applies", lambda weight, x: False)  # the plain path: cast per call, autograd
+    plain = _accumulate(model, cfg, micro_batches=3, seed=5)
+    assert fused.keys() == plain.keys()
+    for name, grad in plain.items():
+        if device.type == "cpu":
+            assert torch.equal(fused[name], grad), name
+        else:
+            torch.testing.assert_close(fused[name], grad, rtol=1e-2, atol=1e-2 * grad.abs().max().item())
+    assert all(g.abs().sum() > 0 for n, g in fused.items() if "experts" in n)  # never compared zeros
+
+
+def test_the_cached_cast_is_reused_within_a_step_and_rebuilt_after_it_or_a_write():
+    lin = tm.TitanLinear(32, 16, bias=False)
+    x = torch.randn(4, 32)
+
+    def cast_in_use():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lin(x).sum().backward()
+        return lin._turbo_amp_cache["weight"][1]
+
+    first = cast_in_use()
+    assert first.dtype == torch.bfloat16 and torch.equal(first, lin.weight.detach().bfloat16())
+    assert cast_in_use() is first  # the second micro-batch reuses it
+    assert torch.allclose(lin.weight.grad, 2 * (torch.ones(4, 16).t() @ x.bfloat16().float()), rtol=1e-2)
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # a write between micro-batches (no new_step): the version key rebuilds it
+    rebuilt = cast_in_use()
+    assert rebuilt is not first and torch.equal(rebuilt, lin.weight.detach().bfloat16())
+    amp.new_step()
+    assert cast_in_use() is not rebuilt
+    amp.disable_cache()  # no step announcements: a cast per call, nothing kept
+    lin._turbo_amp_cache.clear()
+    cast = amp.cast_weight(lin, "weight", lin.weight, torch.bfloat16)
+    assert cast.dtype == torch.bfloat16 and not lin._turbo_amp_cache
+
+
+def test_weights_with_gradient_hooks_or_a_differentiable_gradient_keep_autograd():
+    """A post-accumulate-grad hook (TorchTitan's optimizer-in-backward) must see every gradient: such a
+    weight takes the plain path. ``create_graph`` gets a gradient through autograd."""
+    lin = tm.TitanLinear(32, 16, bias=False)
+    x = torch.randn(4, 32)
+    calls = []
+    lin.weight.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.clone()))
+    assert not amp.applies(lin.weight, x.bfloat16())
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lin(x).sum().backward()
+    assert len(calls) == 2 and "_turbo_amp_cache" not in lin.__dict__
+    plain = tm.TitanLinear(32, 16, bias=False)
+    w16 = amp.cast_weight(plain, "weight", plain.weight, torch.bfloat16)
+    (grad,) = torch.autograd.grad(w16.float().pow(2).sum(), plain.weight, create_graph=True)
+    assert grad.requires_grad and torch.allclose(grad, 2 * plain.weight.detach().bfloat16().float())
+    assert plain.weight.grad is None
+
+
+def test_the_converter_announces_each_optimizer_step():
+    step = amp._STEP[0]
+    converter = conv.PrimusTurboConverter.__new__(conv.PrimusTurboConverter)
+    converter.post_optimizer_hook([torch.nn.Linear(2, 2)])
+    assert amp._STEP[0] == step + 1
