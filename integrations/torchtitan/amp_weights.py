@@ -10,11 +10,13 @@ Here the turbo linears and experts, when their weight is such an fp32 parameter 
 precision:
 
 - read the weight cast to bf16 (or quantized to FP8) once per optimizer step: the copy is cached on the
-  module, keyed by the step (``new_step``, called by the converter's post-optimizer hook), the weight's
-  storage and its version counter, so an in-place write between micro-batches also rebuilds it;
+  module (for a gate/up pair, w1 and w3 concatenated into the weight of one GEMM), keyed by the step
+  (``new_step``, called by the converter's post-optimizer hook), the weights' storage and their version
+  counters, so an in-place write between micro-batches also rebuilds it;
 - add the half-precision weight gradient into the fp32 ``.grad`` in the backward, in one vectorized pass
-  (``core.main_grad.add_into_``; the first micro-batch of a step stores it as ``.grad``) and give
-  autograd no gradient for the weight: no fp32 temporary, no AccumulateGrad.
+  (``core.main_grad.add_into_``; the first micro-batch of a step stores it as ``.grad``; a gate/up
+  gradient is split in place) and give autograd no gradient for the weight: no fp32 temporary, no
+  AccumulateGrad.
 
 The gradient is rounded to bf16 before the fp32 sum, as under plain autocast. A weight that is a DTensor,
 has gradient hooks (e.g. TorchTitan's optimizer-in-backward) or needs a differentiable gradient
@@ -56,33 +58,36 @@ def applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
     )
 
 
-class _GradIntoWeight(torch.autograd.Function):
-    """forward: ``carrier`` (the step's cast of ``weight``, or a zero-storage stand-in of its shape for an
-    FP8 copy) as a view; backward: the gradient goes into ``weight.grad`` and autograd gets none."""
+class _GradIntoWeights(torch.autograd.Function):
+    """forward: ``carrier`` (the step's copy of the weights, concatenated along dim -2 when several, or a
+    zero-storage stand-in of that shape for an FP8 copy) as a view; backward: each weight's rows of the
+    gradient go into its ``.grad`` and autograd gets none."""
 
     @staticmethod
-    def forward(ctx, carrier, weight):
-        ctx.weight = weight  # the Parameter object: its .grad is read and written at backward time
+    def forward(ctx, carrier, *weights):
+        ctx.weights = weights  # the Parameter objects: their .grad is read and written at backward time
         return carrier.view_as(carrier)
 
     @staticmethod
     def backward(ctx, grad):
-        weight = ctx.weight
+        weights = ctx.weights
+        parts = grad.split([w.shape[-2] for w in weights], dim=-2) if len(weights) > 1 else (grad,)
         if torch.is_grad_enabled():  # create_graph: the gradient must stay differentiable
-            return None, grad.to(weight.dtype)
-        if weight.grad is None:
-            weight.grad = grad.to(weight.dtype, memory_format=torch.contiguous_format)
-        else:
-            add_into_(weight.grad, grad)
-        return None, None
+            return None, *(part.to(w.dtype) for part, w in zip(parts, weights))
+        for weight, part in zip(weights, parts):
+            if weight.grad is None:
+                weight.grad = part.to(weight.dtype, memory_format=torch.contiguous_format)
+            else:
+                add_into_(weight.grad, part)
+        return (None,) * (1 + len(weights))
 
 
-def _cached(owner: torch.nn.Module, name: str, weight: torch.Tensor, tag, build):
-    """``build()`` for ``owner.<name>`` once per step (the entry dies with the next step's rebuild)."""
+def _cached(owner: torch.nn.Module, name: str, weights, tag, build):
+    """``build()`` for ``owner``'s entry ``name`` once per step (the entry dies with the next rebuild)."""
     step = _STEP[0]
     if step is None:
         return build()
-    key = (step, weight.data_ptr(), weight._version, tag)
+    key = (step, tuple((w.data_ptr(), w._version) for w in weights), tag)
     cache = owner.__dict__.setdefault("_turbo_amp_cache", {})
     hit = cache.get(name)
     if hit is not None and hit[0] == key:
@@ -93,21 +98,36 @@ def _cached(owner: torch.nn.Module, name: str, weight: torch.Tensor, tag, build)
     return value
 
 
-def _with_grad(carrier: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return _GradIntoWeight.apply(carrier, weight)
+def _with_grad(carrier: torch.Tensor, weights) -> torch.Tensor:
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        return _GradIntoWeights.apply(carrier, *weights)
     return carrier
+
+
+def _cast(weights, dtype: torch.dtype) -> torch.Tensor:
+    if len(weights) == 1:
+        return weights[0].to(dtype)
+    return torch.cat([w.to(dtype) for w in weights], dim=-2)
+
+
+def cast_weights(owner: torch.nn.Module, name: str, weights, dtype: torch.dtype) -> torch.Tensor:
+    """``weights`` in ``dtype`` (one weight, or several concatenated along dim -2, e.g. w1 and w3 as one
+    [..., 2F, K] gate/up weight), cached per step, their gradients going into each weight's ``.grad``."""
+    weights = tuple(weights)
+    with torch.no_grad():
+        cast = _cached(owner, name, weights, ("cast", dtype), lambda: _cast(weights, dtype))
+    return _with_grad(cast, weights)
 
 
 def cast_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` in ``dtype`` (cached per step) whose gradient goes into ``weight.grad``."""
-    with torch.no_grad():
-        cast = _cached(owner, name, weight, ("cast", dtype), lambda: weight.to(dtype))
-    return _with_grad(cast, weight)
+    return cast_weights(owner, name, (weight,), dtype)
 
 
-def _stand_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty((), dtype=dtype, device=weight.device).expand(weight.shape)
+def _stand_in(weights, dtype: torch.dtype) -> torch.Tensor:
+    shape = list(weights[0].shape)
+    shape[-2] = sum(w.shape[-2] for w in weights)
+    return torch.empty((), dtype=dtype, device=weights[0].device).expand(shape)
 
 
 def fp8_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, config):
@@ -117,17 +137,19 @@ def fp8_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, config):
     from primus_turbo.pytorch.modules.float8_linear import quantize_weight
 
     with torch.no_grad():
-        w8 = _cached(owner, name, weight, ("fp8", config), lambda: quantize_weight(weight, config))
-    return dataclasses.replace(w8, source=_with_grad(_stand_in(weight, weight.dtype), weight))
+        w8 = _cached(owner, name, (weight,), ("fp8", config), lambda: quantize_weight(weight, config))
+    return dataclasses.replace(w8, source=_with_grad(_stand_in((weight,), weight.dtype), (weight,)))
 
 
-def fp8_grouped_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, config, dtype: torch.dtype):
-    """Expert weights [G, N, K] as the GroupedFloat8Weight ``grouped_gemm_fp8(x, ., trans_b=True)`` reads
-    (quantized once per step), their gradient (in ``dtype``, the input's: the op takes one dtype for a and
-    b) going into ``weight.grad``."""
+def fp8_grouped_weights(owner: torch.nn.Module, name: str, weights, config, dtype: torch.dtype):
+    """Expert weights [G, N, K] (several: concatenated along N) as the GroupedFloat8Weight
+    ``grouped_gemm_fp8(x, ., trans_b=True)`` reads, quantized once per step from their ``dtype`` cast (as
+    the plain path quantizes the cast weight on every call); their gradients (in ``dtype``, the input's:
+    the op takes one dtype for a and b) go into each weight's ``.grad``."""
     from primus_turbo.pytorch.ops.grouped_gemm_fp8 import quantize_grouped_weight
 
-    with torch.no_grad():  # from the cast, as the plain path quantizes the cast weight on every call
-        build = lambda: quantize_grouped_weight(weight.to(dtype), config)  # noqa: E731
-        w8 = _cached(owner, name, weight, ("fp8", config, dtype), build)
-    return dataclasses.replace(w8, source=_with_grad(_stand_in(weight, dtype), weight))
+    weights = tuple(weights)
+    with torch.no_grad():
+        build = lambda: quantize_grouped_weight(_cast(weights, dtype), config)  # noqa: E731
+        w8 = _cached(owner, name, weights, ("fp8", config, dtype), build)
+    return dataclasses.replace(w8, source=_with_grad(_stand_in(weights, dtype), weights))

@@ -4,7 +4,8 @@ Enable it in any TorchTitan 0.2.2 job with ``--model.converters primus_turbo`` a
 module, or through ``train.py framework=torchtitan`` (which sets the options from the Hydra recipe).
 ``convert(model)`` runs on the meta-device model before parallelisation, swapping per turbo flag:
 
-  gemm          nn.Linear (all but the MoE router gate) -> turbo Linear, or Float8Linear with precision=fp8
+  gemm          nn.Linear (all but the MoE router gate) -> turbo Linear, or Float8Linear with precision=fp8;
+                FeedForward w1/w3 -> one GEMM + turbo swiglu (bf16 linears over fp32 weights under autocast)
   attention     ScaledDotProductAttentionWrapper -> TurboAttention "bhsd" (MLA 192/128, GQA)
   rmsnorm       nn.RMSNorm -> turbo RMSNorm
   grouped_gemm  GroupedExperts -> turbo grouped GEMM (bf16 or FP8) over the stacked w1/w2/w3
@@ -30,11 +31,15 @@ from primus_turbo.integrations.torchtitan import amp_weights
 from primus_turbo.integrations.torchtitan import turbo_modules as tm
 from torch import nn
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward
+from torchtitan.models.moe.moe import FeedForward as MoEFeedForward
 from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
+from torchtitan.models.qwen3.model.model import FeedForward as Qwen3FeedForward
 from torchtitan.protocols.model_converter import _registry_model_converter_cls as _registered_converters
 from torchtitan.protocols.model_converter import register_model_converter
 
 TESTED = ("0.2.2",)
+_FEED_FORWARDS = (MoEFeedForward, Llama3FeedForward, Qwen3FeedForward)  # w2(silu(w1(x)) * w3(x))
 CONVERTER_NAME = "primus_turbo"
 REGISTRY = PatchRegistry(framework="torchtitan")
 _FP8_GRANULARITY = {"tensorwise": "TENSORWISE", "rowwise": "ROWWISE", "blockwise": "BLOCKWISE"}
@@ -176,7 +181,13 @@ def _gemm(ctx) -> str:
             setattr(parent, name, tm.TitanLinear.from_stock(linear))
         swapped += 1
     kind = "Float8Linear (LM head: bf16)" if ctx.fp8_config is not None else "Linear"
-    return f"{swapped} nn.Linear -> turbo {kind}; router gates kept ({len(kept)})"
+    ffns = [m for m in ctx.model.modules() if type(m) in _FEED_FORWARDS]
+    for ffn in ffns:
+        ffn.__class__ = tm.feed_forward_class(type(ffn))
+    return (
+        f"{swapped} nn.Linear -> turbo {kind}; router gates kept ({len(kept)}); {len(ffns)} FeedForward: "
+        "w1/w3 as one GEMM + turbo swiglu where bf16 linears read fp32 weights under autocast"
+    )
 
 
 def _attention_condition(ctx) -> str | None:

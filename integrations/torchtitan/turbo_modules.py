@@ -32,7 +32,14 @@ from primus_turbo.pytorch.core.fp8_autocast import resolve_fp8_config
 from primus_turbo.pytorch.core.low_precision import ScalingStrategy
 from primus_turbo.pytorch.modules import Float8Linear, Linear, RMSNorm, TurboAttention
 from primus_turbo.pytorch.modules.token_dispatcher import TokenDispatcher
-from primus_turbo.pytorch.ops import fused_topk_routing, gemm, gemm_fp8, grouped_gemm, grouped_gemm_fp8
+from primus_turbo.pytorch.ops import (
+    fused_topk_routing,
+    gemm,
+    gemm_fp8,
+    grouped_gemm,
+    grouped_gemm_fp8,
+    swiglu,
+)
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute
 
 
@@ -134,16 +141,31 @@ class TitanRMSNorm(RMSNorm):
 EXPERTS_FP8_CONFIG = None
 
 
+# One GEMM on [w1; w3] + turbo.ops.swiglu for the gate/up pair of the experts and FeedForwards whose fp32
+# weights run under autocast (the concatenation is cached per step, so it costs nothing per micro-batch).
+FUSE_GATE_UP = True
+
+
+def _gate_up_fp8_exact(config, hidden: int) -> bool:
+    """Quantizing [w1; w3] as one weight gives w1's and w3's own FP8 values: rowwise scales, or 128 x 128
+    blocks that do not straddle the two halves."""
+    g = config.granularity.name
+    return g == "ROWWISE" or (g == "BLOCKWISE" and hidden % config.block_size == 0)
+
+
 class TurboGroupedExperts(GroupedExperts):
-    """``GroupedExperts`` with the SwiGLU expert MLP on turbo grouped GEMMs (one per weight, trans_b: the
-    [G, N, K] layout TorchTitan stores). Rows of ``x`` are grouped by expert as ``num_tokens_per_expert``
-    says; with EP, TorchTitan's ExpertParallel (or ``TurboEPMoE``) has already grouped them. No host sync."""
+    """``GroupedExperts`` with the SwiGLU expert MLP on turbo grouped GEMMs (trans_b: the [G, N, K] layout
+    TorchTitan stores). Rows of ``x`` are grouped by expert as ``num_tokens_per_expert`` says; with EP,
+    TorchTitan's ExpertParallel (or ``TurboEPMoE``) has already grouped them. No host sync. Under
+    single-device AMP (fp32 weights, see ``amp_weights``) w1 and w3 run as one grouped GEMM on their
+    per-step concatenation, followed by ``turbo.ops.swiglu`` (one kernel each way); otherwise one grouped
+    GEMM per weight and silu * mul."""
 
     def _grouped(self, x: torch.Tensor, name: str, w: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
         config = EXPERTS_FP8_CONFIG
         if amp.applies(w, x):  # fp32 weights under autocast: cast (quantize) once per step
             if config is not None:
-                w8 = amp.fp8_grouped_weight(self, name, w, config, x.dtype)
+                w8 = amp.fp8_grouped_weights(self, name, (w,), config, x.dtype)
                 return grouped_gemm_fp8(x, w8, group_lens, trans_b=True, config=config)
             w = amp.cast_weight(self, name, w, x.dtype)
         elif w.dtype != x.dtype:
@@ -152,14 +174,58 @@ class TurboGroupedExperts(GroupedExperts):
             return grouped_gemm_fp8(x, w, group_lens, trans_b=True, config=config)
         return grouped_gemm(x, w, group_lens, trans_b=True)
 
+    def _gate_up(self, x, w1, w3, group_lens) -> torch.Tensor | None:
+        """silu(x @ w1^T) * (x @ w3^T) from one grouped GEMM on [w1; w3], or None: not this path."""
+        config = EXPERTS_FP8_CONFIG
+        if not (FUSE_GATE_UP and amp.applies(w1, x) and amp.applies(w3, x)):
+            return None
+        if config is None:
+            h = grouped_gemm(x, amp.cast_weights(self, "w13", (w1, w3), x.dtype), group_lens, trans_b=True)
+        elif _gate_up_fp8_exact(config, w1.shape[-2]):
+            w8 = amp.fp8_grouped_weights(self, "w13", (w1, w3), config, x.dtype)
+            h = grouped_gemm_fp8(x, w8, group_lens, trans_b=True, config=config)
+        else:
+            return None
+        return swiglu(h)
+
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         in_dtype = x.dtype
         if x.device.type == "cuda" or torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.bfloat16)  # the stock grouped_mm path computes in bf16 as well
         group_lens = num_tokens_per_expert.to(torch.int64)  # the router's histc gives float counts
-        h = F.silu(self._grouped(x, "w1", w1, group_lens)) * self._grouped(x, "w3", w3, group_lens)
+        h = self._gate_up(x, w1, w3, group_lens)
+        if h is None:
+            h = F.silu(self._grouped(x, "w1", w1, group_lens)) * self._grouped(x, "w3", w3, group_lens)
         return self._grouped(h, "w2", w2, group_lens).to(in_dtype)
+
+
+class GateUpFeedForward:
+    """Mixin over TorchTitan's FeedForward classes (``w2(silu(w1(x)) * w3(x))``; see ``feed_forward_class``):
+    when w1 and w3 are bf16 turbo linears over fp32 weights under autocast, they run as one GEMM on the
+    step's cached [w1; w3] followed by ``turbo.ops.swiglu``; otherwise the stock forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w1, w3 = self.w1, self.w3
+        x16 = autocast_input(x)
+        fused = FUSE_GATE_UP and all(
+            type(lin) is TitanLinear and lin.bias is None and amp.applies(lin.weight, x16) for lin in (w1, w3)
+        )
+        if not fused:
+            return super().forward(x)
+        w13 = amp.cast_weights(self, "w13", (w1.weight, w3.weight), x16.dtype)
+        h = swiglu(gemm(x16.reshape(-1, x16.shape[-1]), w13, trans_b=True))
+        return self.w2(h.reshape(*x16.shape[:-1], h.shape[-1]))
+
+
+_FEED_FORWARD_CLASSES: dict[type, type] = {}
+
+
+def feed_forward_class(stock: type) -> type:
+    """The ``GateUpFeedForward`` subclass of a TorchTitan FeedForward class (one per stock class)."""
+    if stock not in _FEED_FORWARD_CLASSES:
+        _FEED_FORWARD_CLASSES[stock] = type(f"Turbo{stock.__name__}", (GateUpFeedForward, stock), {})
+    return _FEED_FORWARD_CLASSES[stock]
 
 
 class TurboTopKRouter(TokenChoiceTopKRouter):

@@ -90,17 +90,25 @@ def accumulate_into_main_grads_(weights, grad: torch.Tensor) -> None:
 def add_into_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst += src`` for a contiguous ``dst`` (e.g. an fp32 gradient) and a same-shape ``src`` of any float
     dtype (e.g. a bf16 weight gradient): one vectorized launch reading src once (10 bytes per element for
-    fp32 += bf16), where torch's mixed-dtype ``add_`` runs an unvectorized dynamic-cast kernel. The sum is
+    fp32 += bf16), where torch's mixed-dtype ``add_`` runs an unvectorized dynamic-cast kernel. ``src``
+    may be strided along its first dim (one half of a [G, 2F, K] gradient) without a copy. The sum is
     taken in fp32 and rounded to dst's dtype, as ``add_`` does. Elsewhere (CPU without the interpreter,
     a non-contiguous dst): ``dst.add_(src)``."""
     if dst.shape != src.shape:
         raise ValueError(f"add_into_: dst is {tuple(dst.shape)}, src {tuple(src.shape)}")
+    if src.numel() == 0:
+        return
     if not (dst.is_contiguous() and triton_can_run_on(dst, src)):
         dst.add_(src)
         return
     from primus_turbo.triton.main_grad.accumulate_kernel import launch_accumulate_grouped
 
-    launch_accumulate_grouped(dst, src.contiguous().reshape(1, -1), 0)
+    if src.is_contiguous() or src.dim() < 2:
+        launch_accumulate_grouped(dst, src.contiguous().reshape(1, -1), 0)
+    elif src[0].is_contiguous():  # G contiguous rows at a stride
+        launch_accumulate_grouped(dst[0], src.reshape(src.shape[0], -1), dst[0].numel())
+    else:
+        launch_accumulate_grouped(dst, src.contiguous().reshape(1, -1), 0)
 
 
 # id(first main_grad) -> (the main_grad tensors, their runs or None): DDP's buffers live for the whole run, so

@@ -77,6 +77,18 @@ def test_add_into_matches_add(shape, src_dtype, device, monkeypatch):
     assert torch.equal(dst, expected)
 
 
+def test_add_into_reads_a_half_of_a_gate_up_gradient_in_place(device, monkeypatch):
+    """src strided along dim 0 (w1's half of a [G, 2F, K] gradient): no contiguous copy, same sums."""
+    grad = torch.randn(4, 2 * 24, 40, device=device).bfloat16()
+    for half in grad.split(24, dim=1):
+        dst = torch.randn(4, 24, 40, device=device)
+        expected = dst.clone().add_(half)
+        monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **k: pytest.fail("copied src"))
+        add_into_(dst, half)
+        monkeypatch.undo()
+        assert torch.equal(dst, expected)
+
+
 def test_add_into_rejects_a_shape_mismatch():
     with pytest.raises(ValueError, match=r"add_into_: dst is \(4, 5\), src \(5, 4\)"):
         add_into_(torch.zeros(4, 5), torch.zeros(5, 4))
@@ -122,7 +134,8 @@ def _compile_all():
     from primus_turbo.triton.main_grad import accumulate_kernel as ak
 
     for dst, src in (("*fp32", "*bf16"), ("*fp32", "*fp32"), ("*bf16", "*bf16")):
-        sig = {"dst_ptr": dst, "src_ptr": src, "numel": "i64", "dst_stride_g": "i64", "BLOCK": "constexpr"}
+        sig = {"dst_ptr": dst, "src_ptr": src, "numel": "i64", "dst_stride_g": "i64", "src_stride_g": "i64",
+               "BLOCK": "constexpr"}  # fmt: skip
         compile_for_sm90(ak.accumulate_grouped_kernel, sig, {"BLOCK": ak.BLOCK}, num_warps=4)
 
 
