@@ -47,11 +47,13 @@ def disable_cache() -> None:
 
 
 def applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether ``weight`` takes this path for input ``x``: an fp32 plain-tensor parameter under a half
-    precision compute dtype, without gradient hooks (their owners expect autograd to deliver the gradient)."""
+    """Whether ``weight`` takes this path for input ``x``: an fp32 plain-tensor parameter (a leaf: not e.g.
+    a DTensor's ``to_local()`` view, whose gradient must reach the DTensor) under a half precision compute
+    dtype, without gradient hooks (their owners expect autograd to deliver the gradient)."""
     return (
         weight.dtype == torch.float32
         and x.dtype in _HALF
+        and weight.is_leaf
         and not isinstance(weight, DTensor)
         and not getattr(weight, "_post_accumulate_grad_hooks", None)
         and not getattr(weight, "_backward_hooks", None)

@@ -142,6 +142,7 @@ def test_weights_with_gradient_hooks_or_a_differentiable_gradient_keep_autograd(
         with torch.autocast("cpu", dtype=torch.bfloat16):
             lin(x).sum().backward()
     assert len(calls) == 2 and "_turbo_amp_cache" not in lin.__dict__
+    assert not amp.applies(lin.weight.view_as(lin.weight), x.bfloat16())  # a view (DTensor.to_local)
     plain = tm.TitanLinear(32, 16, bias=False)
     w16 = amp.cast_weight(plain, "weight", plain.weight, torch.bfloat16)
     (grad,) = torch.autograd.grad(w16.float().pow(2).sum(), plain.weight, create_graph=True)
