@@ -147,8 +147,10 @@ FUSE_GATE_UP = True
 
 
 def _gate_up_fp8_exact(config, hidden: int) -> bool:
-    """Quantizing [w1; w3] as one weight gives w1's and w3's own FP8 values: rowwise scales, or 128 x 128
-    blocks that do not straddle the two halves."""
+    """Whether [w1; w3] quantized as one weight keeps each half's forward scales: rowwise (a scale per
+    output row; the dgrad copy's per-column scales then span both halves, as for Megatron's fused fc1
+    [2F, K] weight), or 128 x 128 blocks that do not straddle the halves (exact both ways). Tensorwise
+    would share one scale: not fused."""
     g = config.granularity.name
     return g == "ROWWISE" or (g == "BLOCKWISE" and hidden % config.block_size == 0)
 
