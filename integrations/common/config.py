@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
+FP8_FORMATS = ("auto", "hybrid", "e4m3")  # auto: e4m3 for blockwise (DeepSeek-V3's recipe), else hybrid
 FP8_WGRAD = ("bf16", "fp8")  # bf16: weight gradients from the high-precision tensors (Float8QuantConfig)
 DTYPES = ("auto", "bf16", "fp32")
 DATA_KINDS = ("synthetic", "text")
@@ -113,6 +114,8 @@ def _check_precision(cfg: DictConfig) -> None:
     _require(isinstance(emulate, bool), f"fp8.emulate={emulate!r}: expected true or false")
     wgrad = cfg.fp8.get("wgrad", "bf16")
     _require(wgrad in FP8_WGRAD, f"fp8.wgrad={wgrad!r}: expected one of {FP8_WGRAD}")
+    fmt = cfg.fp8.get("format", "auto")
+    _require(fmt in FP8_FORMATS, f"fp8.format={fmt!r}: expected one of {FP8_FORMATS}")
     if not cfg.fp8.enabled:
         return
     if not torch.cuda.is_available():
@@ -197,3 +200,14 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     _check_precision(cfg)
     _check_data_and_schedule(cfg, dp)
     _check_turbo(cfg)
+
+
+def fp8_format_name(recipe: str, fmt: str = "auto") -> str:
+    """The ``primus_turbo`` ``Format`` member an FP8 recipe runs: ``fp8.format`` (hybrid: E4M3 forward
+    operands, E5M2 gradients; e4m3: E4M3 everywhere), or for ``auto`` E4M3 with blockwise scaling and
+    HYBRID otherwise."""
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"fp8.format={fmt!r}: expected one of {FP8_FORMATS}")
+    if fmt == "auto":
+        return "E4M3" if recipe == "blockwise" else "HYBRID"
+    return fmt.upper()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
+from primus_turbo.integrations.common.config import fp8_format_name
 from primus_turbo.integrations.megatron import turbo_layers, turbo_moe, turbo_ops
 from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_moe, _needs_op
 
@@ -354,21 +355,19 @@ def _fp8(ctx) -> str:
     recipe = ctx.cfg.fp8.recipe
     hp_wgrad = ctx.cfg.fp8.get("wgrad", "bf16") == "bf16"
     wgrad = "; weight gradients in bf16" if hp_wgrad else ""
+    fmt = Format[fp8_format_name(recipe, ctx.cfg.fp8.get("format", "auto"))]
     if recipe == "delayed":
         # Linears keep a per-module amax history (DelayedScalingState); grouped_gemm_fp8 has no delayed
         # scaling, so the experts use current tensorwise scaling.
         turbo_layers.FP8_CONFIG = Float8QuantConfig(
-            format=Format.HYBRID, strategy=ScalingStrategy.DELAYED, high_precision_wgrad=hp_wgrad
+            format=fmt, strategy=ScalingStrategy.DELAYED, high_precision_wgrad=hp_wgrad
         )
-        turbo_layers.FP8_GROUPED_CONFIG = Float8QuantConfig(
-            format=Format.HYBRID, high_precision_wgrad=hp_wgrad
-        )
+        turbo_layers.FP8_GROUPED_CONFIG = Float8QuantConfig(format=fmt, high_precision_wgrad=hp_wgrad)
         return (
-            "linears: FP8 HYBRID TENSORWISE delayed scaling; experts: FP8 HYBRID TENSORWISE current scaling"
-            + wgrad
+            f"linears: FP8 {fmt.value} TENSORWISE delayed scaling; experts: FP8 {fmt.value} TENSORWISE "
+            "current scaling" + wgrad
         )
     granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
-    fmt = Format.E4M3 if recipe == "blockwise" else Format.HYBRID
     turbo_layers.FP8_CONFIG = Float8QuantConfig(
         format=fmt, granularity=granularity, high_precision_wgrad=hp_wgrad
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+from primus_turbo.integrations.common.config import fp8_format_name
 from primus_turbo.integrations.common.patch_registry import PatchRegistry, apply_patches, format_report
 from primus_turbo.integrations.megatron import turbo_ops  # framework-agnostic op lookup
 from primus_turbo.integrations.torchtitan import amp_weights
@@ -62,6 +63,7 @@ class TurboOptions:
     async_tp: bool = False
     fp8_recipe: str | None = None  # None = bf16; tensorwise | rowwise | blockwise | delayed
     fp8_wgrad: str = "bf16"  # bf16 | fp8 (bf16: Float8QuantConfig.high_precision_wgrad)
+    fp8_format: str = "auto"  # auto | hybrid | e4m3 (common.config.fp8_format_name)
     tp: int = 1
     ep: int = 1
     cp: int = 1
@@ -80,8 +82,8 @@ def options_from_cfg(cfg) -> TurboOptions:
     flags = {k: bool(t[k]) for k in ("enabled", "strict", "gemm", "grouped_gemm", "attention", "rmsnorm",
                                        "router", "permute", "dispatch", "async_tp")}  # fmt: skip
     fp8 = cfg.fp8.recipe if cfg.fp8.enabled else None
-    wgrad = cfg.fp8.get("wgrad", "bf16")
-    return TurboOptions(**flags, fp8_recipe=fp8, fp8_wgrad=wgrad, tp=p.tp, ep=p.ep, cp=p.cp)
+    wgrad, fmt = cfg.fp8.get("wgrad", "bf16"), cfg.fp8.get("format", "auto")
+    return TurboOptions(**flags, fp8_recipe=fp8, fp8_wgrad=wgrad, fp8_format=fmt, tp=p.tp, ep=p.ep, cp=p.cp)
 
 
 def set_options(options: TurboOptions | None) -> None:
@@ -153,7 +155,7 @@ def _fp8(ctx) -> str:
 
     recipe = ctx.options.fp8_recipe
     granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
-    fmt = Format.E4M3 if recipe == "blockwise" else Format.HYBRID
+    fmt = Format[fp8_format_name(recipe, ctx.options.fp8_format)]
     hp_wgrad = ctx.options.fp8_wgrad == "bf16"
     ctx.fp8_config = Float8QuantConfig(format=fmt, granularity=granularity, high_precision_wgrad=hp_wgrad)
     wgrad = "; weight gradients in bf16" if hp_wgrad else ""

@@ -52,6 +52,22 @@ def test_precision_override_and_fp8_recipe_choice():
     assert _cfg("recipe=deepseek_moe_fp8", "precision=bf16").fp8.enabled is False
 
 
+@pytest.mark.parametrize(
+    "recipe, fmt, expected",
+    [("rowwise", "auto", "HYBRID"), ("tensorwise", "auto", "HYBRID"), ("delayed", "auto", "HYBRID"),
+     ("blockwise", "auto", "E4M3"), ("rowwise", "e4m3", "E4M3"), ("blockwise", "hybrid", "HYBRID")],
+)  # fmt: skip
+def test_fp8_format_follows_the_recipe_unless_given(recipe, fmt, expected):
+    from primus_turbo.integrations.common.config import fp8_format_name
+
+    from primus_turbo.pytorch.core.low_precision import Format
+
+    assert _cfg().fp8.format == "auto"
+    assert Format[fp8_format_name(recipe, fmt)].name == expected
+    with pytest.raises(ValueError, match="fp8.format='E4M3'"):
+        fp8_format_name(recipe, "E4M3")
+
+
 def test_unknown_recipe_lists_the_options():
     with pytest.raises(ConfigCompositionException) as err:
         _cfg("recipe=no_such_recipe")
@@ -82,6 +98,7 @@ def test_unknown_recipe_lists_the_options():
         (["parallel.sequence_parallel=true"], 2, "sequence_parallel=true needs parallel.tp > 1"),
         (["data.global_batch_size=6"], 2, "global_batch_size=6 is not a multiple of micro_batch_size\\*dp"),
         (["fp8.recipe=mxfp8"], 2, "fp8.recipe='mxfp8': expected one of"),
+        (["fp8.format=e5m2"], 2, r"fp8.format='e5m2': expected one of \('auto', 'hybrid', 'e4m3'\)"),
         (["train.dtype=fp16"], 2, "train.dtype='fp16'"),
         (["train.steps=0"], 2, "train.steps=0"),
         (["resume=true"], 2, "resume=true needs train.ckpt_dir"),

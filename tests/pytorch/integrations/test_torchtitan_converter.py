@@ -105,6 +105,12 @@ def test_fp8_recipe_swaps_float8_linears_and_fp8_experts_keeping_head_bf16():
     assert tm.EXPERTS_FP8_CONFIG.high_precision_wgrad
     linears = [m for m in model.modules() if type(m) is tm.TitanFloat8Linear]
     assert linears and all(m.config.high_precision_wgrad for m in linears)
+    assert tm.EXPERTS_FP8_CONFIG.format.name == "HYBRID"  # fp8.format=auto with rowwise
+    _, model = build(cfg)
+    rows = conv.convert_model(model, options(cfg, fp8_recipe="rowwise", fp8_format="e4m3"))  # fp8.format=e4m3
+    assert "E4M3 ROWWISE" in {r.name: r.detail for r in rows}["turbo.fp8"]
+    assert tm.EXPERTS_FP8_CONFIG.format.name == "E4M3"
+    assert all(m.config.format.name == "E4M3" for m in model.modules() if type(m) is tm.TitanFloat8Linear)
 
 
 def test_fp8_delayed_is_refused_under_strict():

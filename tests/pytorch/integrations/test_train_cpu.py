@@ -201,6 +201,7 @@ def test_async_tp_linears_train_like_the_unfused_ones(tmp_path):
         (["precision=fp8", "fp8.emulate=true", "turbo.enabled=false"], "runs the turbo FP8 ops"),
         (["fp8.emulate=maybe"], "fp8.emulate='maybe': expected true or false"),
         (["fp8.wgrad=fp16"], "fp8.wgrad='fp16': expected one of ('bf16', 'fp8')"),
+        (["fp8.format=e5m2"], "fp8.format='e5m2': expected one of ('auto', 'hybrid', 'e4m3')"),
         (["train.autograd_threads=maybe"], "train.autograd_threads='maybe': expected true or false"),
         (["parallel.ep=3"], "does not divide world size 2"),
         (["recipe=no_such_recipe"], "Could not find 'recipe/no_such_recipe'"),
@@ -243,8 +244,25 @@ def test_emulated_fp8_with_bf16_wgrad_runs_the_bf16_wgrad_on_cpu(tmp_path):
         assert rc == 0, out[-3000:]
         losses[wgrad] = _losses(metrics)
         assert ("weight gradients in bf16" in out) == (wgrad == "bf16"), out[-3000:]
+        assert "HYBRID ROWWISE" in out, out[-3000:]  # fp8.format=auto with the rowwise recipe
     assert losses["bf16"][1] == losses["fp8"][1], losses
     assert losses["bf16"][3] != losses["fp8"][3], losses
+
+
+def test_emulated_fp8_format_e4m3_runs_e4m3_gradients_on_cpu(tmp_path):
+    """fp8.format=e4m3: the rowwise recipe with E4M3 gradients (HYBRID's are E5M2): the report says so and the
+    gradients differ (the step-1 forward is the same; step 1's learning rate is 0 in warm-up, so step 3 is the
+    first to see them)."""
+    common = ["parallel.ep=1", "train.steps=3", "train.progress=false", "precision=fp8", "fp8.emulate=true"]
+    losses = {}
+    for fmt in ("hybrid", "e4m3"):
+        metrics = tmp_path / f"{fmt}.jsonl"
+        rc, out, _ = torchrun(*common, f"fp8.format={fmt}", f"train.metrics_file={metrics}", nproc=1)
+        assert rc == 0, out[-3000:]
+        assert f"{fmt.upper()} ROWWISE current scaling" in out, out[-3000:]
+        losses[fmt] = _losses(metrics)
+    assert losses["hybrid"][1] == losses["e4m3"][1], losses
+    assert losses["hybrid"][3] != losses["e4m3"][3], losses
 
 
 def test_megatron_torch_adam_fallback_is_switched_to_fused_adam():
