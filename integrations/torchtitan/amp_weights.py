@@ -20,7 +20,9 @@ precision:
 
 The gradient is rounded to bf16 before the fp32 sum, as under plain autocast. A weight that is a DTensor,
 has gradient hooks (e.g. TorchTitan's optimizer-in-backward) or needs a differentiable gradient
-(``create_graph``) keeps the plain path: cast per call, gradient through autograd. Without
+(``create_graph``), and any call inside a ``torch.compile`` trace (TorchTitan's per-block compile), keep the
+plain path: cast per call, gradient through autograd. ``torch.autograd.grad(loss, weight)`` sees no gradient
+for a weight on this path (it goes to ``.grad``), as with Megatron's gradient-accumulation fusion. Without
 ``new_step`` calls (a loop other than the converter's) nothing is cached; the gradient fusion still holds.
 """
 
@@ -50,6 +52,8 @@ def applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``weight`` takes this path for input ``x``: an fp32 plain-tensor parameter (a leaf: not e.g.
     a DTensor's ``to_local()`` view, whose gradient must reach the DTensor) under a half precision compute
     dtype, without gradient hooks (their owners expect autograd to deliver the gradient)."""
+    if torch.compiler.is_compiling():  # data_ptr / _version / the cache dict break a fullgraph trace
+        return False
     return (
         weight.dtype == torch.float32
         and x.dtype in _HALF

@@ -155,3 +155,20 @@ def test_the_converter_announces_each_optimizer_step():
     converter = conv.PrimusTurboConverter.__new__(conv.PrimusTurboConverter)
     converter.post_optimizer_hook([torch.nn.Linear(2, 2)])
     assert amp._STEP[0] == step + 1
+
+
+def test_calls_inside_a_compiled_block_take_the_plain_path():
+    """TorchTitan compiles each block with fullgraph=True: the cache (data_ptr, _version, a dict) must stay
+    out of the trace, so a traced call casts per call and hands the gradient to autograd."""
+    lin = tm.TitanLinear(32, 16, bias=False)
+    x = torch.randn(4, 32)
+
+    def block(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return lin(x)
+
+    out = torch.compile(block, fullgraph=True, backend="eager")(x)
+    out.float().sum().backward()
+    assert "_turbo_amp_cache" not in lin.__dict__
+    expected = torch.ones(4, 16).t() @ x.bfloat16().float()
+    assert torch.allclose(lin.weight.grad, expected, rtol=1e-2, atol=1e-2)
