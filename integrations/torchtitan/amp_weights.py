@@ -45,6 +45,7 @@ def new_step() -> None:
 
 
 def disable_cache() -> None:
+    """No caching until the next ``new_step`` (every call casts; the gradient fusion stays)."""
     _STEP[0] = None
 
 

@@ -146,7 +146,7 @@ EXPERTS_FP8_CONFIG = None
 FUSE_GATE_UP = True
 
 
-def _gate_up_fp8_exact(config, hidden: int) -> bool:
+def _gate_up_fp8_fusable(config, hidden: int) -> bool:
     """Whether [w1; w3] quantized as one weight keeps each half's forward scales: rowwise (a scale per
     output row; the dgrad copy's per-column scales then span both halves, as for Megatron's fused fc1
     [2F, K] weight), or 128 x 128 blocks that do not straddle the halves (exact both ways). Tensorwise
@@ -183,7 +183,7 @@ class TurboGroupedExperts(GroupedExperts):
             return None
         if config is None:
             h = grouped_gemm(x, amp.cast_weights(self, "w13", (w1, w3), x.dtype), group_lens, trans_b=True)
-        elif _gate_up_fp8_exact(config, w1.shape[-2]):
+        elif _gate_up_fp8_fusable(config, w1.shape[-2]):
             w8 = amp.fp8_grouped_weights(self, "w13", (w1, w3), config, x.dtype)
             h = grouped_gemm_fp8(x, w8, group_lens, trans_b=True, config=config)
         else:
