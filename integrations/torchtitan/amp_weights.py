@@ -49,20 +49,25 @@ def disable_cache() -> None:
     _STEP[0] = None
 
 
-def applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether ``weight`` takes this path for input ``x``: an fp32 plain-tensor parameter (a leaf: not e.g.
-    a DTensor's ``to_local()`` view, whose gradient must reach the DTensor) under a half precision compute
-    dtype, without gradient hooks (their owners expect autograd to deliver the gradient)."""
+def grad_fusable(weight: torch.Tensor) -> bool:
+    """Whether an op may add ``weight``'s gradient into its ``.grad`` itself: an fp32 plain-tensor parameter
+    (a leaf: not e.g. a DTensor's ``to_local()`` view, whose gradient must reach the DTensor) without
+    gradient hooks (their owners expect autograd to deliver the gradient), outside a compile trace."""
     if torch.compiler.is_compiling():  # data_ptr / _version / the cache dict break a fullgraph trace
         return False
     return (
         weight.dtype == torch.float32
-        and x.dtype in _HALF
         and weight.is_leaf
         and not isinstance(weight, DTensor)
         and not getattr(weight, "_post_accumulate_grad_hooks", None)
         and not getattr(weight, "_backward_hooks", None)
     )
+
+
+def applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``weight`` takes this path for input ``x``: :func:`grad_fusable` under a half precision
+    compute dtype."""
+    return x.dtype in _HALF and grad_fusable(weight)
 
 
 class _GradIntoWeights(torch.autograd.Function):

@@ -8,6 +8,7 @@ module, or through ``train.py framework=torchtitan`` (which sets the options fro
                 FeedForward w1/w3 -> one GEMM + turbo swiglu (bf16 linears over fp32 weights under autocast)
   attention     ScaledDotProductAttentionWrapper -> TurboAttention "bhsd" (MLA 192/128, GQA)
   rmsnorm       nn.RMSNorm -> turbo RMSNorm
+  embedding     nn.Embedding -> weight gradient into the fp32 .grad by turbo.ops.embedding (no FSDP, tp == 1)
   grouped_gemm  GroupedExperts -> turbo grouped GEMM (bf16 or FP8) over the stacked w1/w2/w3
   router        TokenChoiceTopKRouter -> turbo fused_topk_routing
   permute       MoE's token reorder / gather / un-sort -> turbo token_permute / token_unpermute
@@ -61,12 +62,14 @@ class TurboOptions:
     permute: bool = False
     dispatch: bool = False
     async_tp: bool = False
+    embedding: bool = True
     fp8_recipe: str | None = None  # None = bf16; tensorwise | rowwise | blockwise | delayed
     fp8_wgrad: str = "bf16"  # bf16 | fp8 (bf16: Float8QuantConfig.high_precision_wgrad)
     fp8_format: str = "auto"  # auto | hybrid | e4m3 (common.config.fp8_format_name)
     tp: int = 1
     ep: int = 1
     cp: int = 1
+    fsdp: bool = False  # TorchTitan shards the parameters (bf16 under FSDP's mixed precision)
 
     def get(self, key, default=None):
         return getattr(self, key, default)
@@ -80,7 +83,7 @@ def options_from_cfg(cfg) -> TurboOptions:
     """TurboOptions from the Hydra config (turbo.*, fp8.*, parallel.*)."""
     t, p = cfg.turbo, cfg.parallel
     flags = {k: bool(t[k]) for k in ("enabled", "strict", "gemm", "grouped_gemm", "attention", "rmsnorm",
-                                       "router", "permute", "dispatch", "async_tp")}  # fmt: skip
+                                       "router", "permute", "dispatch", "async_tp", "embedding")}  # fmt: skip
     fp8 = cfg.fp8.recipe if cfg.fp8.enabled else None
     wgrad, fmt = cfg.fp8.get("wgrad", "bf16"), cfg.fp8.get("format", "auto")
     return TurboOptions(**flags, fp8_recipe=fp8, fp8_wgrad=wgrad, fp8_format=fmt, tp=p.tp, ep=p.ep, cp=p.cp)
@@ -189,6 +192,26 @@ def _gemm(ctx) -> str:
     return (
         f"{swapped} nn.Linear -> turbo {kind}; router gates kept ({len(kept)}); {len(ffns)} FeedForward: "
         "w1/w3 as one GEMM + turbo swiglu where bf16 linears read fp32 weights under autocast"
+    )
+
+
+def _embedding_condition(ctx) -> str | None:
+    if ctx.options.tp > 1:
+        return "tp > 1: TorchTitan's TP plan shards the embedding; stock nn.Embedding"
+    if ctx.options.fsdp:
+        return "FSDP shards the embedding and reduces its gradient itself; stock nn.Embedding"
+    return None if ctx.modules_of(nn.Embedding) else "no nn.Embedding"
+
+
+@REGISTRY.register("turbo.embedding", "torch.nn.Embedding", TESTED, feature="embedding",
+                   condition=_embedding_condition, probe=_needs("ops.embedding"))  # fmt: skip
+def _embedding(ctx) -> str:
+    embeddings = ctx.modules_of(nn.Embedding)
+    for _, _, module in embeddings:
+        module.__class__ = tm.TitanEmbedding
+    return (
+        f"{len(embeddings)} nn.Embedding -> TitanEmbedding (the weight gradient goes into the fp32 .grad "
+        "through turbo.ops.embedding, touched rows only)"
     )
 
 
@@ -328,6 +351,7 @@ class PrimusTurboConverter:
         options.tp = parallel_dims.tp
         options.ep = parallel_dims.ep
         options.cp = parallel_dims.cp
+        options.fsdp = bool(getattr(parallel_dims, "fsdp_enabled", False))
         self.options = options
 
     def convert(self, model: nn.Module) -> None:

@@ -8,6 +8,7 @@ All of them work on the meta device (TorchTitan converts the model before ``to_e
   ``torch.autocast`` like ``nn.Linear`` (single-GPU TorchTitan runs bf16 through AMP, not FSDP).
 - ``TitanInnerAttention``: ``turbo.modules.TurboAttention`` (layout "bhsd") with the SDPA wrapper's call
   signature; covers DeepSeek-V3 MLA (q/k 192, v 128) and Llama3/Qwen3 GQA.
+- ``TitanEmbedding``: ``nn.Embedding``, its weight gradient added into ``.grad`` by ``turbo.ops.embedding``.
 - ``TitanRMSNorm``: ``turbo.modules.RMSNorm`` honouring ``nn.RMSNorm(eps=None)`` (eps = finfo(dtype).eps).
 - ``TurboGroupedExperts``: ``GroupedExperts`` over ``turbo.ops.grouped_gemm`` / ``grouped_gemm_fp8`` on the
   stacked ``w1/w2/w3`` [G, ...] parameters.
@@ -33,6 +34,7 @@ from primus_turbo.pytorch.core.low_precision import ScalingStrategy
 from primus_turbo.pytorch.modules import Float8Linear, Linear, RMSNorm, TurboAttention
 from primus_turbo.pytorch.modules.token_dispatcher import TokenDispatcher
 from primus_turbo.pytorch.ops import (
+    embedding,
     fused_topk_routing,
     gemm,
     gemm_fp8,
@@ -118,6 +120,24 @@ class TitanInnerAttention(TurboAttention):
                 f"TitanInnerAttention: scale={scale} differs from the converted {self.softmax_scale}"
             )
         return super().forward(q, k, v)
+
+
+class TitanEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose weight gradient ``turbo.ops.embedding`` adds into the fp32 ``.grad`` over the
+    touched rows only (one deterministic kernel), instead of a dense [V, H] gradient (zero-fill + scatter)
+    that AccumulateGrad then adds; the step's first micro-batch zero-fills ``.grad``. For weights
+    ``amp_weights.grad_fusable`` accepts (single-device runs); otherwise, and with padding_idx, max_norm,
+    scale_grad_by_freq or sparse, the stock forward."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        plain = self.padding_idx is not None or self.max_norm is not None or self.scale_grad_by_freq
+        if plain or self.sparse or not (torch.is_grad_enabled() and w.requires_grad and amp.grad_fusable(w)):
+            return super().forward(input)
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        w.main_grad = w.grad  # where turbo.ops.embedding accumulates (Megatron's main_grad contract)
+        return embedding(input, w, accumulate_into_main_grad=True)
 
 
 class TitanRMSNorm(RMSNorm):

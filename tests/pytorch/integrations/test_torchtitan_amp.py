@@ -172,3 +172,27 @@ def test_calls_inside_a_compiled_block_take_the_plain_path():
     assert "_turbo_amp_cache" not in lin.__dict__
     expected = torch.ones(4, 16).t() @ x.bfloat16().float()
     assert torch.allclose(lin.weight.grad, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_embedding_gradient_goes_into_grad_over_the_touched_rows(device, monkeypatch):
+    """turbo.embedding: the token embedding's gradient is added into the fp32 .grad by turbo.ops.embedding
+    (zero-filled on the step's first micro-batch): the stock gradient up to fp32 summation order, every
+    other gradient unchanged."""
+    cfg, model = _turbo_model()
+    model.to(device)
+    assert type(model.tok_embeddings) is tm.TitanEmbedding
+    fused = _accumulate(model, cfg, micro_batches=3, seed=11)
+    monkeypatch.setattr(tm.TitanEmbedding, "forward", torch.nn.Embedding.forward)
+    plain = _accumulate(model, cfg, micro_batches=3, seed=11)
+    name = "tok_embeddings.weight"
+    torch.testing.assert_close(fused.pop(name), plain.pop(name), rtol=1e-5, atol=1e-7)
+    _assert_same(fused, plain, exact=device.type == "cpu")
+
+
+@pytest.mark.parametrize("overrides, reason", [({"tp": 2}, "tp > 1"), ({"fsdp": True}, "FSDP shards")])
+def test_embedding_stays_stock_where_torchtitan_shards_it(overrides, reason):
+    cfg = cfg_of(*TINY_MLA)
+    _, model = build(cfg)
+    rows = {r.name: r for r in conv.convert_model(model, options(cfg, **overrides))}
+    assert rows["turbo.embedding"].status == "n/a" and reason in rows["turbo.embedding"].detail
+    assert type(model.tok_embeddings) is torch.nn.Embedding
