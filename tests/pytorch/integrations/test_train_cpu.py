@@ -234,35 +234,27 @@ def test_emulated_fp8_trains_like_bf16_on_cpu(tmp_path):
     assert abs(final["fp8"] / final["bf16"] - 1) < 0.15, final
 
 
-def test_emulated_fp8_with_bf16_wgrad_runs_the_bf16_wgrad_on_cpu(tmp_path):
-    """fp8.wgrad=bf16: same forward as the FP8 wgrad (identical step-1 loss), different weight update."""
+@pytest.mark.parametrize(
+    "key, reference, choice, report",
+    [("fp8.wgrad", "fp8", "bf16", "HYBRID ROWWISE current scaling; weight gradients in bf16"),
+     ("fp8.format", "hybrid", "e4m3", "E4M3 ROWWISE current scaling")],
+    ids=["wgrad_bf16", "format_e4m3"],
+)  # fmt: skip
+def test_emulated_fp8_backward_options_on_cpu(tmp_path, key, reference, choice, report):
+    """fp8.wgrad=bf16 (weight gradients from the saved bf16 inputs) and fp8.format=e4m3 (E4M3 gradients where
+    HYBRID has E5M2): the turbo report names the choice, the step-1 forward is the same, the weights then
+    differ (step 1's learning rate is 0 in warm-up, so step 3 is the first loss to see it)."""
     common = ["parallel.ep=1", "train.steps=3", "train.progress=false", "precision=fp8", "fp8.emulate=true"]
-    losses = {}
-    for wgrad in ("fp8", "bf16"):
-        metrics = tmp_path / f"{wgrad}.jsonl"
-        rc, out, _ = torchrun(*common, f"fp8.wgrad={wgrad}", f"train.metrics_file={metrics}", nproc=1)
-        assert rc == 0, out[-3000:]
-        losses[wgrad] = _losses(metrics)
-        assert ("weight gradients in bf16" in out) == (wgrad == "bf16"), out[-3000:]
-        assert "HYBRID ROWWISE" in out, out[-3000:]  # fp8.format=auto with the rowwise recipe
-    assert losses["bf16"][1] == losses["fp8"][1], losses
-    assert losses["bf16"][3] != losses["fp8"][3], losses
-
-
-def test_emulated_fp8_format_e4m3_runs_e4m3_gradients_on_cpu(tmp_path):
-    """fp8.format=e4m3: the rowwise recipe with E4M3 gradients (HYBRID's are E5M2): the report says so and the
-    gradients differ (the step-1 forward is the same; step 1's learning rate is 0 in warm-up, so step 3 is the
-    first to see them)."""
-    common = ["parallel.ep=1", "train.steps=3", "train.progress=false", "precision=fp8", "fp8.emulate=true"]
-    losses = {}
-    for fmt in ("hybrid", "e4m3"):
-        metrics = tmp_path / f"{fmt}.jsonl"
-        rc, out, _ = torchrun(*common, f"fp8.format={fmt}", f"train.metrics_file={metrics}", nproc=1)
-        assert rc == 0, out[-3000:]
-        assert f"{fmt.upper()} ROWWISE current scaling" in out, out[-3000:]
-        losses[fmt] = _losses(metrics)
-    assert losses["hybrid"][1] == losses["e4m3"][1], losses
-    assert losses["hybrid"][3] != losses["e4m3"][3], losses
+    losses, outs = {}, {}
+    for value in (reference, choice):
+        metrics = tmp_path / f"{value}.jsonl"
+        rc, outs[value], _ = torchrun(*common, f"{key}={value}", f"train.metrics_file={metrics}", nproc=1)
+        assert rc == 0, outs[value][-3000:]
+        losses[value] = _losses(metrics)
+    assert report in outs[choice] and report not in outs[reference], outs[choice][-3000:]
+    assert "HYBRID ROWWISE" in outs[reference], outs[reference][-3000:]  # fp8.format=auto with rowwise
+    assert losses[choice][1] == losses[reference][1], losses
+    assert losses[choice][3] != losses[reference][3], losses
 
 
 def test_megatron_torch_adam_fallback_is_switched_to_fused_adam():
