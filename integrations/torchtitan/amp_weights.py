@@ -137,6 +137,8 @@ def cast_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, dtype: 
 
 
 def _stand_in(weights, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-storage tensor of the (concatenated) weights' shape: the FP8 GEMM's gradient carrier, built
+    with the step's FP8 copy rather than on every call."""
     shape = list(weights[0].shape)
     shape[-2] = sum(w.shape[-2] for w in weights)
     return torch.empty((), dtype=dtype, device=weights[0].device).expand(shape)
@@ -149,8 +151,9 @@ def fp8_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, config):
     from primus_turbo.pytorch.modules.float8_linear import quantize_weight
 
     with torch.no_grad():
-        w8 = _cached(owner, name, (weight,), ("fp8", config), lambda: quantize_weight(weight, config))
-    return dataclasses.replace(w8, source=_with_grad(_stand_in((weight,), weight.dtype), (weight,)))
+        build = lambda: (quantize_weight(weight, config), _stand_in((weight,), weight.dtype))  # noqa: E731
+        w8, stand_in = _cached(owner, name, (weight,), ("fp8", config), build)
+    return dataclasses.replace(w8, source=_with_grad(stand_in, (weight,)))
 
 
 def fp8_grouped_weights(owner: torch.nn.Module, name: str, weights, config, dtype: torch.dtype):
@@ -161,7 +164,10 @@ def fp8_grouped_weights(owner: torch.nn.Module, name: str, weights, config, dtyp
     from primus_turbo.pytorch.ops.grouped_gemm_fp8 import quantize_grouped_weight
 
     weights = tuple(weights)
+
+    def build():
+        return quantize_grouped_weight(_cast(weights, dtype), config), _stand_in(weights, dtype)
+
     with torch.no_grad():
-        build = lambda: quantize_grouped_weight(_cast(weights, dtype), config)  # noqa: E731
-        w8 = _cached(owner, name, weights, ("fp8", config, dtype), build)
-    return dataclasses.replace(w8, source=_with_grad(_stand_in(weights, dtype), weights))
+        w8, stand_in = _cached(owner, name, weights, ("fp8", config, dtype), build)
+    return dataclasses.replace(w8, source=_with_grad(stand_in, weights))
