@@ -1,8 +1,10 @@
 """Test harness: CPU interpreter mode, GPU pinning, markers and suite-selection flags.
 
 With no CUDA device, TRITON_INTERPRET=1 is set here, before any kernel module is imported, and
-two interpreter gaps are patched:
+three interpreter gaps are patched:
   * bf16 ``tl.dot`` multiplies raw uint16 bits: operands are upcast to fp32 first;
+  * fp32 -> bf16 casts truncate (and "RTNE" drops ties-to-even and the carry into the exponent):
+    they round to nearest even through torch, as ``cvt.rn.bf16.f32`` does on the GPU;
   * ``@triton.autotune`` with several configs wants a GPU benchmarker: on CPU every config
     "times" the same, so the first config runs (the GPU suite tunes for real).
 """
@@ -44,6 +46,26 @@ def _patch_triton_interpreter() -> None:
         return interpreter.TensorHandle(out, d.dtype.scalar)
 
     builder_cls.create_dot = create_dot
+
+    original_cast, original_fp_to_fp = builder_cls.cast_impl, builder_cls.create_fp_to_fp
+    rtne = interpreter._ir.ROUNDING_MODE.RTNE
+
+    def _to_bf16(src):
+        bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
+        return interpreter.TensorHandle(bits.view(np.uint16).reshape(src.data.shape), tl.bfloat16)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return _to_bf16(src)
+        return original_cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        to_bf16 = src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16
+        if to_bf16 and rounding_mode in (None, rtne):
+            return _to_bf16(src)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder_cls.cast_impl, builder_cls.create_fp_to_fp = cast_impl, create_fp_to_fp
 
     def _bench(self, *args, config, **meta):
         return [1.0, 1.0, 1.0]

@@ -210,11 +210,18 @@ class TurboGroupedExperts(GroupedExperts):
             return None
         return swiglu(h)
 
+    @staticmethod
+    def input_dtype(x: torch.Tensor) -> torch.dtype:
+        """The dtype the expert GEMMs read ``x`` in: bf16 on CUDA or under autocast, as the stock grouped_mm
+        path; else x's. The output comes back in x's dtype."""
+        if x.device.type == "cuda" or torch.is_autocast_enabled(x.device.type):
+            return torch.bfloat16
+        return x.dtype
+
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         in_dtype = x.dtype
-        if x.device.type == "cuda" or torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.bfloat16)  # the stock grouped_mm path computes in bf16 as well
+        x = x.to(self.input_dtype(x))
         group_lens = num_tokens_per_expert.to(torch.int64)  # the router's histc gives float counts
         h = self._gate_up(x, w1, w3, group_lens)
         if h is None:
@@ -282,7 +289,9 @@ class TurboMoE(MoE):
     (ascending expert id; within an expert, token order: the layout TorchTitan's ExpertParallel all-to-all
     expects) and ``token_unpermute`` sums each token's K expert outputs weighted by its scores in fp32,
     one pass each way. ``score_before_experts`` scales the permuted rows instead (the probs travel with
-    them)."""
+    them). With an fp32 residual stream (TorchTitan's single-device AMP) and the turbo experts, the permute
+    writes the bf16 rows the experts read and the unpermute sums their bf16 outputs into fp32 tokens: no
+    cast passes over the top_k-times larger permuted buffer, and bitwise the same values either way."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, slen, dim = x.shape
@@ -297,14 +306,17 @@ class TurboMoE(MoE):
 
     def _routed_experts(self, x, top_scores, selected) -> torch.Tensor:
         before = self.score_before_experts
+        rows_dtype = x.dtype  # the scores scale fp32 rows before the experts' cast: kept as stock
+        if not before and x.dtype == torch.float32 and isinstance(self.experts, TurboGroupedExperts):
+            rows_dtype = TurboGroupedExperts.input_dtype(x)
         routed_input, routed_scores, row_id_map, tokens_per_expert = token_permute(
             x, selected, top_scores if before else None, num_out_tokens=x.shape[0] * self.router.top_k,
-            num_experts=self.router.num_experts,
+            num_experts=self.router.num_experts, out_dtype=rows_dtype,
         )  # fmt: skip
         if before:
             routed_input = (routed_input.float() * routed_scores.reshape(-1, 1)).to(x.dtype)
         routed_output = self.experts(routed_input, tokens_per_expert)
-        return token_unpermute(routed_output, row_id_map, None if before else top_scores).to(x.dtype)
+        return token_unpermute(routed_output, row_id_map, None if before else top_scores, out_dtype=x.dtype)
 
 
 class TurboEPMoE(TurboMoE):

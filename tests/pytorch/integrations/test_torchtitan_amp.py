@@ -17,6 +17,7 @@ pytest.importorskip("hydra")
 from primus_turbo.integrations.torchtitan import amp_weights as amp  # noqa: E402
 from primus_turbo.integrations.torchtitan import converter as conv  # noqa: E402
 from primus_turbo.integrations.torchtitan import turbo_modules as tm  # noqa: E402
+from test_utils import assert_snr  # noqa: E402
 from torchtitan_models import TINY_MLA, build, cfg_of, options  # noqa: E402
 
 
@@ -53,11 +54,15 @@ def _accumulate(model, cfg, micro_batches: int, seed: int) -> dict[str, torch.Te
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_same(got: dict, want: dict, exact: bool) -> None:
+def _assert_same(got: dict, want: dict, exact: bool, snr_db: float | None = None) -> None:
+    """Bitwise (exact), by SNR (two FP8 computations: the project's gate, 20 dB for HYBRID gradients, is
+    tightened to ``snr_db``), else within bf16 tolerance."""
     assert got.keys() == want.keys()
     for name, grad in want.items():
         if exact:
             assert torch.equal(got[name], grad), name
+        elif snr_db is not None:
+            assert_snr(got[name], grad, snr_db, msg=name)
         else:
             torch.testing.assert_close(
                 got[name], grad, rtol=2e-2, atol=2e-2 * grad.abs().max().item(), msg=name
@@ -102,7 +107,9 @@ def test_gate_up_as_one_gemm_and_swiglu_matches_the_separate_gemms(fp8_recipe, d
     assert all(("w13" in m.__dict__.get("_turbo_amp_cache", {})) != fp8_linears for m in ffns)
     monkeypatch.setattr(tm, "FUSE_GATE_UP", False)
     apart = _accumulate(model, cfg, micro_batches=2, seed=7)
-    _assert_same(fused, apart, exact=False)
+    # FP8: the fused weight's rowwise dgrad copy scales each column over both halves, so the two differ by
+    # FP8 rounding (CPU, seed 7: >= 31 dB on every parameter; the most upstream norm weight 3.5% at worst)
+    _assert_same(fused, apart, exact=False, snr_db=28.0 if fp8_recipe else None)
 
 
 def test_the_cached_cast_is_reused_within_a_step_and_rebuilt_after_it_or_a_write():

@@ -8,6 +8,8 @@ the benchmark pins each in turn.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -204,24 +206,24 @@ def _build_row_id_map_torch(routing, num_experts, num_out_tokens, pad_multiple, 
 # -- eager twins (also the TORCH backend) -------------------------------------------------------
 
 
-def _permute_eager(x, row_id_map, probs, num_rows, zero_fill):
-    out = x.new_zeros((num_rows, x.shape[1]))
+def _permute_eager(x, row_id_map, probs, num_rows, zero_fill, out_dtype=None):
+    out = x.new_zeros((num_rows, x.shape[1]), dtype=out_dtype or x.dtype)
     out_probs = probs.new_zeros(num_rows) if probs is not None else None
     sel = row_id_map >= 0
     dest = row_id_map[sel].long()
     src = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(row_id_map)[sel]
-    out[dest] = x[src]
+    out[dest] = x[src].to(out.dtype)
     if probs is not None:
         out_probs[dest] = probs[sel]
     return out, out_probs
 
 
-def _unpermute_eager(y, row_id_map, probs, num_tokens):
+def _unpermute_eager(y, row_id_map, probs, num_tokens, out_dtype=None):
     sel = (row_id_map >= 0).unsqueeze(-1)
     rows = y.float()[row_id_map.clamp(min=0).long()] * sel
     if probs is not None:
         rows = rows * probs.float().unsqueeze(-1)
-    return rows.sum(1).to(y.dtype)
+    return rows.sum(1).to(out_dtype or y.dtype)
 
 
 # -- backends ------------------------------------------------------------------------------------
@@ -235,8 +237,10 @@ class PermuteTorch(KernelBackend):
     @staticmethod
     def execute(*, kind, **kw):
         if kind == "permute":
-            return _permute_eager(kw["x"], kw["row_id_map"], kw["probs"], kw["num_rows"], kw["zero_fill"])
-        return _unpermute_eager(kw["y"], kw["row_id_map"], kw["probs"], kw["num_tokens"])
+            return _permute_eager(
+                kw["x"], kw["row_id_map"], kw["probs"], kw["num_rows"], kw["zero_fill"], kw.get("out_dtype")
+            )
+        return _unpermute_eager(kw["y"], kw["row_id_map"], kw["probs"], kw["num_tokens"], kw.get("out_dtype"))
 
 
 class PermuteTriton(KernelBackend):
@@ -255,7 +259,7 @@ class PermuteTriton(KernelBackend):
             x = kw["x"]
             h = x.shape[1]
             alloc = torch.zeros if kw["zero_fill"] else torch.empty
-            out = alloc((kw["num_rows"], h), dtype=x.dtype, device=x.device)
+            out = alloc((kw["num_rows"], h), dtype=kw.get("out_dtype") or x.dtype, device=x.device)
             out_probs = (
                 alloc((kw["num_rows"],), dtype=probs.dtype, device=x.device) if probs is not None else None
             )
@@ -269,7 +273,7 @@ class PermuteTriton(KernelBackend):
             return out, out_probs
         y = kw["y"]
         h = y.shape[1]
-        out = torch.empty((kw["num_tokens"], h), dtype=y.dtype, device=y.device)
+        out = torch.empty((kw["num_tokens"], h), dtype=kw.get("out_dtype") or y.dtype, device=y.device)
         if t and h:
             block = permute_block_h(h)
             unpermute_kernel[(t, ceil_div(h, block))](
@@ -299,22 +303,38 @@ class PermuteTurbo(KernelBackend):
         if kw["row_id_map"].shape[1] > 1024:
             return False
         ten = kw.get("x", kw.get("y"))
-        if kw["kind"] == "unpermute" and ten.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        out_dtype = kw.get("out_dtype") or ten.dtype
+        halves = (torch.float16, torch.bfloat16)
+        if out_dtype != ten.dtype or kw["kind"] == "unpermute":  # fp32/fp16/bf16 -> same, fp32 <-> 16-bit
+            same = out_dtype == ten.dtype and ten.dtype in (torch.float32, *halves)
+            if not (same or {ten.dtype, out_dtype} in ({torch.float32, h} for h in halves)):
+                return False
+        elif ten.shape[1] * ten.element_size() % 2:  # the byte copy moves 2-byte units at least
             return False
-        if ten.shape[1] * ten.element_size() % 2:
-            return False
+        return cls._has_ops(converting=out_dtype != ten.dtype)
+
+    @classmethod
+    @functools.cache
+    def _has_ops(cls, converting: bool) -> bool:
         ops = cls._ops()
-        return ops is not None and hasattr(ops, "moe_permute") and hasattr(ops, "moe_unpermute")
+        if ops is None or not (hasattr(ops, "moe_permute") and hasattr(ops, "moe_unpermute")):
+            return False
+        # an extension built before out_dtype existed cannot convert
+        return not converting or "out_dtype" in str(ops.moe_unpermute.default._schema)
 
     @classmethod
     def execute(cls, *, kind, **kw):
         ops = cls._ops()
         if kind == "permute":
+            x, out_dtype = kw["x"], kw.get("out_dtype")
+            extra = () if out_dtype in (None, x.dtype) else (out_dtype,)
             out, out_probs = ops.moe_permute(
-                kw["x"], kw["row_id_map"], kw["probs"], kw["num_rows"], kw["zero_fill"]
+                x, kw["row_id_map"], kw["probs"], kw["num_rows"], kw["zero_fill"], *extra
             )
             return out, (out_probs if kw["probs"] is not None else None)
-        return ops.moe_unpermute(kw["y"], kw["row_id_map"], kw["probs"], kw["num_tokens"])
+        y, out_dtype = kw["y"], kw.get("out_dtype")
+        extra = () if out_dtype in (None, y.dtype) else (out_dtype,)
+        return ops.moe_unpermute(y, kw["row_id_map"], kw["probs"], kw["num_tokens"], *extra)
 
 
 class PermuteDispatcher(AutoKernelDispatcher):
@@ -328,7 +348,8 @@ class PermuteDispatcher(AutoKernelDispatcher):
     @classmethod
     def make_key(cls, **kw):
         ten = kw.get("x", kw.get("y"))
-        return (kw["kind"], ten.shape[1], ten.dtype, kw["row_id_map"].shape[1], kw["probs"] is not None)
+        k, has_probs = kw["row_id_map"].shape[1], kw["probs"] is not None
+        return (kw["kind"], ten.shape[1], ten.dtype, kw.get("out_dtype") or ten.dtype, k, has_probs)
 
     @classmethod
     def precision(cls, **kw):
@@ -341,20 +362,27 @@ class PermuteDispatcher(AutoKernelDispatcher):
 @eager_direct
 @torch.library.custom_op("primus_turbo::moe_permute_fwd", mutates_args=())
 def moe_permute_fwd(
-    x: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None, num_rows: int, zero_fill: bool
+    x: torch.Tensor,
+    row_id_map: torch.Tensor,
+    probs: torch.Tensor | None,
+    num_rows: int,
+    zero_fill: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out[row_id_map[t, k]] = x[t] (in ``out_dtype``, default x's), out_probs likewise from probs."""
     out, out_probs = PermuteDispatcher.dispatch(
-        kind="permute", x=x, row_id_map=row_id_map, probs=probs, num_rows=num_rows, zero_fill=zero_fill
-    )
+        kind="permute", x=x, row_id_map=row_id_map, probs=probs, num_rows=num_rows, zero_fill=zero_fill,
+        out_dtype=out_dtype,
+    )  # fmt: skip
     if out_probs is None:
         out_probs = x.new_empty((0,), dtype=torch.float32)
     return out, out_probs
 
 
 @moe_permute_fwd.register_fake
-def _(x, row_id_map, probs, num_rows, zero_fill):
+def _(x, row_id_map, probs, num_rows, zero_fill, out_dtype=None):
     pdt = probs.dtype if probs is not None else torch.float32
-    return x.new_empty((num_rows, x.shape[1])), x.new_empty(
+    return x.new_empty((num_rows, x.shape[1]), dtype=out_dtype or x.dtype), x.new_empty(
         (num_rows if probs is not None else 0,), dtype=pdt
     )
 
@@ -362,16 +390,21 @@ def _(x, row_id_map, probs, num_rows, zero_fill):
 @eager_direct
 @torch.library.custom_op("primus_turbo::moe_unpermute_fwd", mutates_args=())
 def moe_unpermute_fwd(
-    y: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None, num_tokens: int
+    y: torch.Tensor,
+    row_id_map: torch.Tensor,
+    probs: torch.Tensor | None,
+    num_tokens: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    """out[t] = sum_k y[row_id_map[t, k]] (* probs[t, k]) accumulated in fp32, in ``out_dtype`` (or y's)."""
     return PermuteDispatcher.dispatch(
-        kind="unpermute", y=y, row_id_map=row_id_map, probs=probs, num_tokens=num_tokens
+        kind="unpermute", y=y, row_id_map=row_id_map, probs=probs, num_tokens=num_tokens, out_dtype=out_dtype
     )
 
 
 @moe_unpermute_fwd.register_fake
-def _(y, row_id_map, probs, num_tokens):
-    return y.new_empty((num_tokens, y.shape[1]))
+def _(y, row_id_map, probs, num_tokens, out_dtype=None):
+    return y.new_empty((num_tokens, y.shape[1]), dtype=out_dtype or y.dtype)
 
 
 @eager_direct

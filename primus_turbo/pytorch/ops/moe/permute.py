@@ -79,6 +79,18 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
     return num_experts
 
 
+def _check_out_dtype(x: torch.Tensor, out_dtype, name: str, arg: str) -> None:
+    """out_dtype: None, x's dtype, or fp32 <-> fp16/bf16."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return
+    pair = {x.dtype, out_dtype}
+    if not (torch.float32 in pair and pair <= set(_FLOAT_DTYPES)):
+        raise TypeError(
+            f"{name}: out_dtype={out_dtype} with {arg} of {x.dtype}; accepted: None, {x.dtype}, or a "
+            "conversion between float32 and float16/bfloat16"
+        )
+
+
 def _zero_by_map(x: torch.Tensor) -> bool:
     """Eager GPU/interpreter path: permute into an uninitialised buffer, then zero only the rows the
     map does not name (``zero_rows_outside_map``) instead of zero-filling the whole buffer first."""
@@ -87,36 +99,43 @@ def _zero_by_map(x: torch.Tensor) -> bool:
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, probs, row_id_map, num_rows, zero_fill, written):
+    def forward(ctx, tokens, probs, row_id_map, num_rows, zero_fill, written, out_dtype=None):
         by_map = zero_fill and written is None and _zero_by_map(tokens)
         full_fill = zero_fill and written is None and not by_map
-        out, out_probs = moe_permute_fwd(tokens, row_id_map, probs, num_rows, full_fill)
+        out, out_probs = moe_permute_fwd(tokens, row_id_map, probs, num_rows, full_fill, out_dtype)
         if zero_fill and written is not None:
             zero_rows_from(out, out_probs if probs is not None else None, written)
         elif by_map:
             zero_rows_outside_map(out, row_id_map, out_probs if probs is not None else None)
         ctx.save_for_backward(row_id_map)
         ctx.num_tokens = tokens.shape[0]
+        ctx.in_dtype = _converted_from(tokens.dtype, out.dtype)
         return out, (out_probs if probs is not None else None)
 
     @staticmethod
     def backward(ctx, grad_out, grad_probs):
         (row_id_map,) = ctx.saved_tensors
-        grad_tokens = moe_unpermute_fwd(grad_out.contiguous(), row_id_map, None, ctx.num_tokens)
+        # the gradients of a converting permute are summed in fp32 and stored in the tokens' dtype
+        grad_tokens = moe_unpermute_fwd(grad_out.contiguous(), row_id_map, None, ctx.num_tokens, ctx.in_dtype)
         grad_in_probs = None
         if grad_probs is not None:
             idx = row_id_map.clamp(min=0).long()
             # a Python 0.0, not a CPU zero-dim tensor: copying that to the GPU is a host sync per call
             grad_in_probs = torch.where(row_id_map >= 0, grad_probs[idx], 0.0)
-        return grad_tokens, grad_in_probs, None, None, None, None
+        return grad_tokens, grad_in_probs, None, None, None, None, None
+
+
+def _converted_from(in_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.dtype | None:
+    return None if in_dtype == out_dtype else in_dtype
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, row_id_map, probs, num_tokens):
-        out = moe_unpermute_fwd(y, row_id_map, probs, num_tokens)
+    def forward(ctx, y, row_id_map, probs, num_tokens, out_dtype=None):
+        out = moe_unpermute_fwd(y, row_id_map, probs, num_tokens, out_dtype)
         ctx.save_for_backward(y if probs is not None else None, row_id_map, probs)
         ctx.num_rows = y.shape[0]
+        ctx.y_dtype = _converted_from(y.dtype, out.dtype)
         return out
 
     @staticmethod
@@ -125,12 +144,12 @@ class _Unpermute(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         if probs is None:
             by_map = _zero_by_map(grad_out)
-            grad_y, _ = moe_permute_fwd(grad_out, row_id_map, None, ctx.num_rows, not by_map)
+            grad_y, _ = moe_permute_fwd(grad_out, row_id_map, None, ctx.num_rows, not by_map, ctx.y_dtype)
             if by_map:
                 zero_rows_outside_map(grad_y, row_id_map)
-            return grad_y, None, None, None
-        grad_y, grad_probs = moe_unpermute_bwd_probs(grad_out, y, row_id_map, probs)
-        return grad_y, None, grad_probs.to(probs.dtype), None
+            return grad_y, None, None, None, None
+        grad_y, grad_probs = moe_unpermute_bwd_probs(grad_out, y, row_id_map, probs)  # grad_y in y's dtype
+        return grad_y, None, grad_probs.to(probs.dtype), None, None
 
 
 def token_permute(
@@ -143,6 +162,7 @@ def token_permute(
     num_experts: int | None = None,
     capacity: int | None = None,
     zero_fill: bool = False,
+    out_dtype: torch.dtype | None = None,
 ):
     """Permute tokens (and probs) into expert-grouped order.
 
@@ -156,6 +176,9 @@ def token_permute(
         capacity: per-expert capacity (drop-and-pad mode): output is exactly E * capacity rows.
         zero_fill: rows after the last expert group (an upper-bound ``num_out_tokens``) are zeros
             (and their probs 0), so a grouped GEMM may cover them, e.g. as part of the last group.
+        out_dtype: dtype of the permuted rows (default: the tokens'); fp32 tokens may be permuted straight
+            into fp16/bf16 rows and back (round to nearest even), e.g. an fp32 residual stream into the
+            experts' bf16 inputs. The tokens' gradient is summed in fp32 and returned in their dtype.
 
     Returns:
         (permuted_tokens [N, H], permuted_probs [N] or None, row_id_map [T, K or E] int32,
@@ -164,6 +187,7 @@ def token_permute(
     num_experts = _validate(
         tokens, routing, probs, num_experts, num_out_tokens, pad_multiple, capacity, "token_permute"
     )
+    _check_out_dtype(tokens, out_dtype, "token_permute", "tokens")
     tokens = tokens.contiguous()
     row_id_map, tokens_per_expert, num_rows = build_row_id_map(
         routing, num_experts, num_out_tokens, pad_multiple, capacity
@@ -176,9 +200,8 @@ def token_permute(
     dense = pad_multiple <= 1 and capacity is None
     written = tokens_per_expert.sum() if zero_fill and dense and not torch.compiler.is_compiling() else None
     zero_fill = zero_fill or not dense
-    out, out_probs = _Permute.apply(
-        tokens, probs.contiguous() if probs is not None else None, row_id_map, num_rows, zero_fill, written
-    )
+    probs = probs.contiguous() if probs is not None else None
+    out, out_probs = _Permute.apply(tokens, probs, row_id_map, num_rows, zero_fill, written, out_dtype)
     return out, out_probs, row_id_map, tokens_per_expert
 
 
@@ -187,11 +210,16 @@ def token_unpermute(
     row_id_map: torch.Tensor,
     merging_probs: torch.Tensor | None = None,
     num_tokens: int | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Inverse of ``token_permute``: out[t] = sum_k permuted[row_id_map[t, k]] (* merging_probs[t, k]).
 
     Accumulates in fp32, no atomics (deterministic). ``num_tokens`` defaults to row_id_map.shape[0].
+    ``out_dtype`` (default: the permuted rows'): fp16/bf16 rows may be summed into fp32 tokens and back;
+    the rows' gradient comes back in their dtype.
     """
+    _check_out_dtype(permuted_tokens, out_dtype, "token_unpermute", "permuted_tokens")
     if not isinstance(permuted_tokens, torch.Tensor) or permuted_tokens.dim() != 2:
         raise ValueError("token_unpermute: permuted_tokens must be a [N, hidden] tensor")
     if row_id_map.dtype != torch.int32 or row_id_map.dim() != 2:
@@ -204,7 +232,7 @@ def token_unpermute(
     if num_tokens is not None and num_tokens != row_id_map.shape[0]:
         raise ValueError(f"token_unpermute: num_tokens={num_tokens} != row_id_map rows {row_id_map.shape[0]}")
     probs = merging_probs.contiguous() if merging_probs is not None else None
-    return _Unpermute.apply(permuted_tokens.contiguous(), row_id_map, probs, row_id_map.shape[0])
+    return _Unpermute.apply(permuted_tokens.contiguous(), row_id_map, probs, row_id_map.shape[0], out_dtype)
 
 
 def token_permute_fp8(
