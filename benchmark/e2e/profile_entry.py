@@ -5,6 +5,8 @@ by wrapping ``StepMetrics.record`` (called once per step on every rank), so trai
 writes ``$E2E_PROFILE_OUT`` (JSON), per profiled step: the wall time, the summed GPU kernel time and the
 top kernels (CUDA), the top host ops by self CPU time (both devices; on CPU runs they are ``top``), and the
 blocking CUDA calls per step by the op that made them (``E2E_PROFILE_STACKS=1`` adds their Python callers).
+``gpu_idle``: the GPU's idle time per step (gaps between kernels, streams merged) by the host op whose launch
+ended each gap (with E2E_PROFILE_STACKS=1, its Python callers): where the GPU waits for the host.
 ``E2E_PROFILE_TOP=N`` sets the rows per table (default 15). ``E2E_PROFILE_CENSUS=1`` adds ``census``: the
 aten ops issued from Python per step and the Python sites issuing them (``op_census``; on a CPU-only
 machine too, e.g. the deepseek model at small dims).
@@ -18,6 +20,7 @@ goes: Megatron, turbo, torch); writes the top functions by own and by cumulative
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import sys
@@ -122,6 +125,48 @@ def sync_sites(prof, steps: int) -> tuple[float, list[dict]]:
     return sum(counts.values()) / steps, [{"site": k, "per_step": n / steps} for k, n in ordered]
 
 
+_LAUNCHES = ("LaunchKernel", "Memcpy", "Memset", "LaunchCooperativeKernel", "GraphLaunch")
+
+
+def gpu_idle(prof, steps: int, min_gap_us: float = 20.0) -> dict:
+    """The GPU's idle time between the first and the last kernel (all streams as one timeline), and the gaps
+    of at least ``min_gap_us`` grouped by the launch that ended them: the runtime call (cudaLaunchKernel, a
+    memcpy, ...) made last before the kernel that closed the gap, named by its op and Python callers."""
+    gpu, launches = [], []
+    for e in prof.events():
+        if getattr(e, "time_range", None) is None:
+            continue
+        if _is_kernel(e):
+            gpu.append((e.time_range.start, e.time_range.end))
+        elif e.name.startswith("cu") and any(k in e.name for k in _LAUNCHES):
+            launches.append((e.time_range.start, e))
+    if not gpu:
+        return {}
+    gpu.sort()
+    launches.sort(key=lambda t: t[0])
+    starts = [t for t, _ in launches]
+    idle, sites, busy_end = 0.0, {}, gpu[0][1]
+    for start, end in gpu[1:]:
+        gap = start - busy_end
+        if gap > 0:
+            idle += gap
+            if gap >= min_gap_us:
+                i = bisect.bisect_right(starts, start) - 1
+                site = _sync_site(launches[i][1]) if i >= 0 else "(no launch)"
+                n, total = sites.get(site, (0, 0.0))
+                sites[site] = (n + 1, total + gap)
+        busy_end = max(busy_end, end)
+    span = busy_end - gpu[0][0]
+    ordered = sorted(sites.items(), key=lambda kv: kv[1][1], reverse=True)[:TOP]
+    return {
+        "idle_ms_per_step": idle / 1e3 / steps,
+        "span_ms_per_step": span / 1e3 / steps,
+        "gaps": [
+            {"site": k, "gaps_per_step": n / steps, "ms_per_step": t / 1e3 / steps} for k, (n, t) in ordered
+        ],
+    }
+
+
 def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
     """Per profiled step: on CUDA, the top GPU kernels by time (``top``, shares of the summed kernel
     time), the summed kernel time against the wall time (the rest is the GPU waiting on the host, or
@@ -147,6 +192,7 @@ def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
     out["top"] = _top(kernels, steps, lambda e: _self_time_us(e, True), total)
     out["top_host"] = _top(host, steps, lambda e: e.self_cpu_time_total, host_total)
     out["syncs_per_step"], out["sync_sites"] = sync_sites(prof, steps)
+    out["gpu_idle"] = gpu_idle(prof, steps)
     return out
 
 

@@ -318,6 +318,14 @@ def _profile_section(results: list[RunResult], top: int = 10) -> list[str]:
             rows = [[s["site"][:160], f"{s['per_step']:.1f}"] for s in p["sync_sites"][:top]]
             head = f"Blocking CUDA calls (each drains the GPU queue): {p['syncs_per_step']:.1f} per step"
             lines += [head, "", markdown_table(["made by", "per step"], rows), ""]
+        idle = p.get("gpu_idle") or {}
+        if idle.get("gaps"):
+            rows = [[g["site"][:160], f"{g['gaps_per_step']:.1f}", f"{g['ms_per_step']:.2f}"]
+                    for g in idle["gaps"][:top]]  # fmt: skip
+            span = idle["span_ms_per_step"]
+            head = (f"GPU idle {idle['idle_ms_per_step']:.1f} ms of a {span:.1f} ms kernel span per step; "
+                    "gaps >= 20 us by the launch that ended them:")  # fmt: skip
+            lines += [head, "", markdown_table(["launched by", "gaps/step", "ms/step"], rows), ""]
     return lines
 
 

@@ -301,6 +301,38 @@ def test_profile_summary_counts_kernels_once_and_reports_gpu_busy_time(monkeypat
     assert "Blocking CUDA calls (each drains the GPU queue): 2.0 per step" in text
 
 
+def test_gpu_idle_sums_the_gaps_and_names_the_launch_that_ended_each():
+    """Kernels on two streams are merged into one busy timeline; a gap is charged to the runtime launch made
+    last before the kernel that ended it, named by its op."""
+    import profile_entry
+    import torch
+
+    class Ev:
+        def __init__(self, name, start, end, gpu=False, parent=None):
+            self.name, self.cpu_parent = name, parent
+            self.time_range = type("R", (), {"start": start, "end": end})()
+            self.device_type = torch.autograd.DeviceType.CUDA if gpu else torch.autograd.DeviceType.CPU
+
+    copy, mm = Ev("aten::copy_", 0, 500), Ev("aten::mm", 0, 500)
+    events = [
+        Ev("k1", 100, 200, gpu=True),
+        Ev("k2", 150, 260, gpu=True),  # overlap: busy until 260
+        Ev("cudaMemcpyAsync", 300, 305, parent=copy),
+        Ev("k3", 310, 320, gpu=True),  # gap 50 us
+        Ev("cudaLaunchKernel", 325, 330, parent=mm),
+        Ev("k4", 330, 340, gpu=True),  # gap 10 us: < 20
+        Ev("cudaLaunchKernel", 380, 385, parent=mm),
+        Ev("k5", 400, 420, gpu=True),  # gap 60 us
+    ]
+    idle = profile_entry.gpu_idle(type("P", (), {"events": lambda self: events})(), steps=2)
+    assert idle["idle_ms_per_step"] == pytest.approx(0.12 / 2)  # 50 + 10 + 60 us over 2 steps
+    assert idle["span_ms_per_step"] == pytest.approx(0.32 / 2)
+    assert idle["gaps"] == [
+        {"site": "aten::mm", "gaps_per_step": 0.5, "ms_per_step": pytest.approx(0.03)},
+        {"site": "aten::copy_", "gaps_per_step": 0.5, "ms_per_step": pytest.approx(0.025)},
+    ]
+
+
 def test_op_census_counts_python_issued_aten_ops_by_site():
     """Ops called by another aten op (narrow -> slice) are not counted again; sites are the first Python
     frames outside torch, site-packages prefixes dropped."""
