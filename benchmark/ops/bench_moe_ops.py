@@ -211,6 +211,38 @@ def bench_permute(t, h, e, k):
     return rows
 
 
+def bench_permute_convert(t, h, e, k):
+    """fp32 tokens in, bf16 expert rows out, and back (TorchTitan's fp32 residual stream under autocast):
+    ``out_dtype`` converting inside the permute / unpermute vs the same ops in fp32 plus the two casts over
+    the top_k-times larger permuted buffer (what TurboMoE ran before). Forward + backward, one row each."""
+    x = torch.randn(t, h, device="cuda", requires_grad=True)
+    indices = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)])
+    probs = torch.rand(t, k, device="cuda")
+    n = t * k
+
+    def converting(inp):
+        rows_, _, rid, _ = token_permute(inp, indices, num_experts=e, out_dtype=torch.bfloat16)
+        # "* 1.0": a stand-in for the experts, whose bf16 output the unpermute reads
+        return token_unpermute(rows_ * 1.0, rid, probs, out_dtype=torch.float32)
+
+    def casting(inp):
+        rows_, _, rid, _ = token_permute(inp, indices, num_experts=e)
+        return token_unpermute((rows_.to(torch.bfloat16) * 1.0).float(), rid, probs)
+
+    grad = torch.randn(t, h, device="cuda")
+    ref = casting(x)
+    # ideal bytes of the converting pair: read fp32 tokens, write / read bf16 rows, write fp32 tokens; the
+    # "* 1.0" stand-in for the experts (a bf16 read and write) is in both rows
+    fwd_b = t * h * 4 + n * h * 2 + n * h * 2 + t * h * 4
+    rows = []
+    for label, fn in (("permute+unpermute fp32<->bf16/converting", converting),
+                      ("permute+unpermute fp32<->bf16/fp32 + casts", casting)):  # fmt: skip
+        f, b, host = _fwd_bwd(fn, (x,), grad)
+        rows.append(_row(label, f"{t}x{h} E{e} top{k}", "float32", _check(fn(x), ref, 0), fwd_b, f, fwd_b, b,
+                         host))  # fmt: skip
+    return rows
+
+
 def bench_swiglu(n, inter):
     x = torch.randn(n, 2 * inter, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     p = torch.rand(n, device="cuda", requires_grad=True)
@@ -248,6 +280,7 @@ def main():
         rows += bench_copy(t * k, h)
         rows += bench_router(t, e, k, g, kg)
         rows += bench_permute(t, h, e, k)
+        rows += bench_permute_convert(t, h, e, k)
         rows += bench_swiglu(t * k, inter)
     path = out_dir(args) / ("bench_moe_ops_quick.csv" if args.quick else "bench_moe_ops.csv")
     write_csv(path, rows, MEMORY_COLUMNS + ["host fwd us"])
