@@ -132,12 +132,15 @@ def gpu_idle(prof, steps: int, min_gap_us: float = 20.0) -> dict:
     """The GPU's idle time between the first and the last kernel (all streams as one timeline), and the gaps
     of at least ``min_gap_us`` grouped by the launch that ended them: the runtime call (cudaLaunchKernel, a
     memcpy, ...) made last before the kernel that closed the gap, named by its op and Python callers."""
+    events = [e for e in prof.events() if getattr(e, "time_range", None) is not None]
+    # a record_function range (ProfilerStep#N, Optimizer.step#...) has a GPU-timeline twin under its CPU
+    # name spanning the kernels it launched: not a kernel (counted, it hid every gap of the step)
+    cpu_names = {e.name for e in events if not _is_kernel(e)}
     gpu, launches = [], []
-    for e in prof.events():
-        if getattr(e, "time_range", None) is None:
-            continue
+    for e in events:
         if _is_kernel(e):
-            gpu.append((e.time_range.start, e.time_range.end))
+            if e.name not in cpu_names:
+                gpu.append((e.time_range.start, e.time_range.end))
         elif e.name.startswith("cu") and any(k in e.name for k in _LAUNCHES):
             launches.append((e.time_range.start, e))
     if not gpu:

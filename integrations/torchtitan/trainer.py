@@ -186,7 +186,6 @@ def train(cfg: DictConfig) -> dict:
     """Run the recipe on TorchTitan's Trainer; returns {"losses": [...], "last_step": n}."""
     check_expressible(cfg)
     import primus_turbo.integrations.torchtitan.converter as converter  # registers "primus_turbo"
-    from primus_turbo.integrations.torchtitan import fused_clip
     from torchtitan.tools.logging import init_logger
     from torchtitan.train import Trainer
 
@@ -198,10 +197,6 @@ def train(cfg: DictConfig) -> dict:
     trainer = None
     try:
         trainer = Trainer(job_config)
-        if cfg.turbo.enabled and cfg.turbo.get("fused_clip", True):
-            why_not = fused_clip.install(trainer)
-            done = "gradient clipping folded into the fused AdamW step"
-            log0(f"turbo.fused_clip: {f'inactive ({why_not})' if why_not else done}")
         # train.autograd_threads=false (default): backward on this thread, as in the Megatron trainer
         with torch.autograd.set_multithreading_enabled(bool(cfg.train.get("autograd_threads", False))):
             trainer.train()
@@ -211,7 +206,6 @@ def train(cfg: DictConfig) -> dict:
             dist.destroy_process_group()
         raise SystemExit(3) from None
     finally:
-        fused_clip.uninstall()
         if trainer is not None:
             trainer.close()
     losses = trainer.metrics_processor.losses

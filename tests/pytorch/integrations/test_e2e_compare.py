@@ -315,6 +315,8 @@ def test_gpu_idle_sums_the_gaps_and_names_the_launch_that_ended_each():
 
     copy, mm = Ev("aten::copy_", 0, 500), Ev("aten::mm", 0, 500)
     events = [
+        Ev("ProfilerStep#3", 0, 500),  # a record_function range and its GPU twin spanning the step
+        Ev("ProfilerStep#3", 90, 430, gpu=True),
         Ev("k1", 100, 200, gpu=True),
         Ev("k2", 150, 260, gpu=True),  # overlap: busy until 260
         Ev("cudaMemcpyAsync", 300, 305, parent=copy),
