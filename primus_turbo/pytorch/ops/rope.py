@@ -1,5 +1,8 @@
-"""Rotary position embedding, rotate-half form, for [S, B, H, D] (Megatron's bshd layout), forward and
-backward as one kernel each.
+"""Rotary position embedding, forward and backward as one kernel each.
+
+``apply_rotary_pos_emb``: rotate-half form, for [S, B, H, D] (Megatron's bshd layout).
+``apply_rotary_emb_complex``: the complex (interleaved-pair) form of TorchTitan / DeepSeek on the last
+``rope_dim`` elements of [B, S, H, D] rows, the rest copied (MLA's q = [q_nope, rope(q_pe)] in one pass).
 
 ``apply_rotary_pos_emb(t, freqs)`` equals Megatron-Core's ``_apply_rotary_pos_emb_bshd(t, freqs,
 rotary_interleaved=False, multi_latent_attention=interleaved_input, mscale=mscale)`` for a rotary dim equal
@@ -13,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.kernels.rope.rope_impl import rope_bwd, rope_fwd
+from primus_turbo.pytorch.kernels.rope.rope_impl import rope_bwd, rope_complex, rope_fwd
 
-__all__ = ["apply_rotary_pos_emb"]
+__all__ = ["apply_rotary_pos_emb", "apply_rotary_emb_complex"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -80,3 +83,55 @@ def apply_rotary_pos_emb(
         t = t.contiguous()
     cos, sin = _cos_sin(freqs, t.dtype, float(mscale))
     return _Rope.apply(t, cos, sin, bool(interleaved_input))
+
+
+class _RopeComplex(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, freqs, rope_dim):
+        ctx.save_for_backward(freqs)
+        ctx.rope_dim = rope_dim
+        return rope_complex(x, freqs, rope_dim, False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (freqs,) = ctx.saved_tensors
+        grad = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        return rope_complex(grad, freqs, ctx.rope_dim, True), None, None
+
+
+def apply_rotary_emb_complex(
+    x: torch.Tensor, freqs_cis: torch.Tensor, rope_dim: int | None = None
+) -> torch.Tensor:
+    """TorchTitan's ``apply_rotary_emb`` (x times complex freqs_cis, pairs (2j, 2j + 1) as complex numbers, in
+    fp32 with one rounding) on the last ``rope_dim`` (default: all) elements of x [B, S, H, D], the first
+    D - rope_dim copied: a new contiguous [B, S, H, D] tensor, differentiable in x. freqs_cis: complex64
+    [>= S, rope_dim / 2] (row s rotates position s, as with TorchTitan's positions=None)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in _FLOAT_DTYPES:
+        got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"apply_rotary_emb_complex: x must be a 4-D [B, S, H, D] float tensor, got {got}")
+    dim, seq = x.shape[-1], x.shape[1]
+    rope_dim = dim if rope_dim is None else rope_dim
+    if rope_dim < 2 or rope_dim % 2 or rope_dim > dim or dim % 2:
+        raise ValueError(
+            f"apply_rotary_emb_complex: rope_dim={rope_dim} must be even, >= 2 and <= x's last dim {dim} "
+            "(itself even)"
+        )
+    if not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dtype != torch.complex64 or freqs_cis.dim() != 2:
+        got = (f"{tuple(freqs_cis.shape)} {freqs_cis.dtype}" if isinstance(freqs_cis, torch.Tensor)
+               else type(freqs_cis).__name__)  # fmt: skip
+        raise ValueError(
+            f"apply_rotary_emb_complex: freqs_cis must be complex64 [S, rope_dim / 2], got {got}"
+        )
+    if freqs_cis.shape[0] < seq or freqs_cis.shape[1] != rope_dim // 2:
+        raise ValueError(
+            f"apply_rotary_emb_complex: freqs_cis {tuple(freqs_cis.shape)} must cover S={seq} positions and "
+            f"rope_dim / 2 = {rope_dim // 2} frequencies"
+        )
+    if freqs_cis.device != x.device:
+        raise ValueError(f"apply_rotary_emb_complex: freqs_cis on {freqs_cis.device} but x on {x.device}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    freqs = torch.view_as_real(freqs_cis)
+    if freqs.stride(-1) != 1 or freqs.stride(-2) != 2:
+        freqs = freqs.contiguous()
+    return _RopeComplex.apply(x, freqs, rope_dim)

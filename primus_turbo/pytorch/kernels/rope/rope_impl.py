@@ -9,7 +9,7 @@ import torch
 
 from primus_turbo.pytorch.core.utils import eager_direct, triton_can_run_on
 
-__all__ = ["rope_fwd", "rope_bwd", "rope_eager"]
+__all__ = ["rope_fwd", "rope_bwd", "rope_eager", "rope_complex", "rope_complex_eager"]
 
 
 def rope_eager(x, cos, sin, interleaved_input: bool, backward: bool) -> torch.Tensor:
@@ -60,3 +60,36 @@ def rope_bwd(
 @rope_bwd.register_fake
 def _(grad, cos, sin, interleaved_input):
     return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+# -- complex (interleaved-pair) form on the tail of the last dim: TorchTitan / DeepSeek MLA ---------------
+
+
+def rope_complex_eager(x, freqs, rope_dim: int, backward: bool) -> torch.Tensor:
+    """fp32 twin of rope_complex_kernel: x [B, S, H, D]; freqs fp32 [>= S, rope_dim / 2, 2]."""
+    seq, nope = x.shape[1], x.shape[-1] - rope_dim
+    pe = x[..., nope:].float().unflatten(-1, (-1, 2))
+    c, s = freqs[:seq, None, :, 0], freqs[:seq, None, :, 1]
+    s = -s if backward else s
+    xr, xi = pe[..., 0], pe[..., 1]
+    rot = torch.stack([xr * c - xi * s, xr * s + xi * c], dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :nope], rot], dim=-1)
+
+
+@eager_direct
+@torch.library.custom_op("primus_turbo::rope_complex", mutates_args=())
+def rope_complex(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, backward: bool) -> torch.Tensor:
+    """x [B, S, H, D] (unit stride along D) with its last ``rope_dim`` elements rotated by freqs (fp32
+    [>= S, rope_dim / 2, 2]; conjugated when ``backward``), the rest copied; a new contiguous tensor."""
+    if not triton_can_run_on(x, freqs):
+        return rope_complex_eager(x, freqs, rope_dim, backward)
+    from primus_turbo.triton.rope.rope_complex_kernel import launch_rope_complex
+
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    launch_rope_complex(x, freqs, out, rope_dim, backward)
+    return out
+
+
+@rope_complex.register_fake
+def _(x, freqs, rope_dim, backward):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
