@@ -7,6 +7,7 @@ module, or through ``train.py framework=torchtitan`` (which sets the options fro
   gemm          nn.Linear (all but the MoE router gate) -> turbo Linear, or Float8Linear with precision=fp8;
                 FeedForward w1/w3 -> one GEMM + turbo swiglu (bf16 linears over fp32 weights under autocast)
   attention     ScaledDotProductAttentionWrapper -> TurboAttention "bhsd" (MLA 192/128, GQA)
+  rope          DeepSeek-V3 MLA Attention -> TurboMLA (q's split + RoPE + cat, k_pe's RoPE: one kernel each)
   rmsnorm       nn.RMSNorm -> turbo RMSNorm
   embedding     nn.Embedding -> weight gradient into the fp32 .grad by turbo.ops.embedding (no FSDP, tp == 1)
   grouped_gemm  GroupedExperts -> turbo grouped GEMM (bf16 or FP8) over the stacked w1/w2/w3
@@ -63,6 +64,7 @@ class TurboOptions:
     dispatch: bool = False
     async_tp: bool = False
     embedding: bool = True
+    rope: bool = True
     fp8_recipe: str | None = None  # None = bf16; tensorwise | rowwise | blockwise | delayed
     fp8_wgrad: str = "bf16"  # bf16 | fp8 (bf16: Float8QuantConfig.high_precision_wgrad)
     fp8_format: str = "auto"  # auto | hybrid | e4m3 (common.config.fp8_format_name)
@@ -83,7 +85,8 @@ def options_from_cfg(cfg) -> TurboOptions:
     """TurboOptions from the Hydra config (turbo.*, fp8.*, parallel.*)."""
     t, p = cfg.turbo, cfg.parallel
     flags = {k: bool(t[k]) for k in ("enabled", "strict", "gemm", "grouped_gemm", "attention", "rmsnorm",
-                                       "router", "permute", "dispatch", "async_tp", "embedding")}  # fmt: skip
+                                       "router", "permute", "dispatch", "async_tp", "embedding",
+                                       "rope")}  # fmt: skip
     fp8 = cfg.fp8.recipe if cfg.fp8.enabled else None
     wgrad, fmt = cfg.fp8.get("wgrad", "bf16"), cfg.fp8.get("format", "auto")
     return TurboOptions(**flags, fp8_recipe=fp8, fp8_wgrad=wgrad, fp8_format=fmt, tp=p.tp, ep=p.ep, cp=p.cp)
@@ -233,6 +236,25 @@ def _attention(ctx) -> str:
         setattr(parent, name, tm.TitanInnerAttention(softmax_scale=scale))
         count += 1
     return f"{count} SDPA inner attention -> TurboAttention(layout=bhsd) (turbo.ops.flash_attn_func)"
+
+
+def _rope_condition(ctx) -> str | None:
+    if ctx.options.tp > 1:
+        return "tp > 1: TorchTitan's TP plan hands the attention DTensor-sharded heads; stock Attention kept"
+    return None if ctx.modules_of(tm.MLAAttention) else "no DeepSeek-V3 MLA attention"
+
+
+@REGISTRY.register("turbo.rope", "torchtitan.models.deepseek_v3.model.model.Attention", TESTED,
+                   feature="rope", condition=_rope_condition,
+                   probe=_needs("ops.rope.apply_rotary_emb_complex"))  # fmt: skip
+def _rope(ctx) -> str:
+    layers = ctx.modules_of(tm.MLAAttention)
+    for _, _, module in layers:
+        module.__class__ = tm.TurboMLA
+    return (
+        f"{len(layers)} MLA Attention -> TurboMLA (q: split + RoPE + cat, k_pe: RoPE -> "
+        "turbo.ops.apply_rotary_emb_complex, one kernel each way)"
+    )
 
 
 @REGISTRY.register("turbo.rmsnorm", "torch.nn.RMSNorm", TESTED, feature="rmsnorm",

@@ -9,6 +9,7 @@ All of them work on the meta device (TorchTitan converts the model before ``to_e
 - ``TitanInnerAttention``: ``turbo.modules.TurboAttention`` (layout "bhsd") with the SDPA wrapper's call
   signature; covers DeepSeek-V3 MLA (q/k 192, v 128) and Llama3/Qwen3 GQA.
 - ``TitanEmbedding``: ``nn.Embedding``, its weight gradient added into ``.grad`` by ``turbo.ops.embedding``.
+- ``TurboMLA``: DeepSeek-V3 MLA ``Attention`` with q's and k_pe's RoPE in ``apply_rotary_emb_complex``.
 - ``TitanRMSNorm``: ``turbo.modules.RMSNorm`` honouring ``nn.RMSNorm(eps=None)`` (eps = finfo(dtype).eps).
 - ``TurboGroupedExperts``: ``GroupedExperts`` over ``turbo.ops.grouped_gemm`` / ``grouped_gemm_fp8`` on the
   stacked ``w1/w2/w3`` [G, ...] parameters.
@@ -27,6 +28,7 @@ from primus_turbo.integrations.torchtitan import amp_weights as amp
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_module
 from torchtitan.distributed.expert_parallel import ExpertParallel
+from torchtitan.models.deepseek_v3.model.model import Attention as MLAAttention
 from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 
 from primus_turbo.pytorch.core.fp8_autocast import resolve_fp8_config
@@ -43,6 +45,7 @@ from primus_turbo.pytorch.ops import (
     swiglu,
 )
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute
+from primus_turbo.pytorch.ops.rope import apply_rotary_emb_complex
 
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +141,34 @@ class TitanEmbedding(nn.Embedding):
             w.grad = torch.zeros_like(w)
         w.main_grad = w.grad  # where turbo.ops.embedding accumulates (Megatron's main_grad contract)
         return embedding(input, w, accumulate_into_main_grad=True)
+
+
+class TurboMLA(MLAAttention):
+    """TorchTitan's DeepSeek-V3 MLA ``Attention`` with q's RoPE as one kernel that also copies the nope part
+    (``apply_rotary_emb_complex``): no split, casts, complex multiply and cat of q, nor the cat of their
+    gradients in the backward; k_pe's RoPE likewise. The rest is the stock forward, line for line. With
+    ``positions`` (a per-sample RoPE cache order), the stock forward."""
+
+    def forward(self, x, freqs_cis, attention_masks, positions=None):
+        if positions is not None or freqs_cis.dtype != torch.complex64:
+            return super().forward(x, freqs_cis, attention_masks, positions)
+        bsz, seqlen, _ = x.size()
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(bsz, seqlen, -1, self.qk_head_dim)  # (bsz, seqlen, n_heads, qk_head_dim)
+        q = apply_rotary_emb_complex(q, freqs_cis, self.qk_rope_head_dim)
+        kv, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pe = apply_rotary_emb_complex(k_pe.unsqueeze(2), freqs_cis)  # (bsz, seqlen, 1, qk_rope_head_dim)
+        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.attn_type == "flex":
+            output = self.inner_attention(q, k, v, block_mask=attention_masks, scale=self.softmax_scale)
+        else:
+            if attention_masks is not None:
+                raise ValueError("TurboMLA: SDPA attention takes no attention_masks (as the stock forward)")
+            output = self.inner_attention(q, k, v, scale=self.softmax_scale)
+        return self.wo(output.transpose(1, 2).contiguous().view(bsz, seqlen, -1))
 
 
 class TitanRMSNorm(RMSNorm):

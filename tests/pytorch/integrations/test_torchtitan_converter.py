@@ -63,7 +63,7 @@ def _assert_matches_stock(stock, turbo, cfg, seed):
     "overrides, family, expected",
     [
         (TINY_MLA, "deepseek_v3", {tm.TitanLinear: 15, tm.TitanInnerAttention: 2, tm.TitanRMSNorm: 7,
-                                   tm.TurboGroupedExperts: 1, tm.TurboTopKRouter: 1}),
+                                   tm.TurboGroupedExperts: 1, tm.TurboTopKRouter: 1, tm.TurboMLA: 2}),
         (TINY_GQA_MOE, "qwen3", {tm.TitanLinear: 15, tm.TitanInnerAttention: 2, tm.TitanRMSNorm: 5,
                                  tm.TurboGroupedExperts: 2, tm.TurboTopKRouter: 2}),
         (TINY_DENSE, "llama3", {tm.TitanLinear: 15, tm.TitanInnerAttention: 2, tm.TitanRMSNorm: 5}),
@@ -83,7 +83,9 @@ def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family
     assert counts == expected
     stock_linears = [n for n, m in turbo.named_modules() if type(m) is torch.nn.Linear]
     assert all(n.endswith("router.gate") for n in stock_linears), stock_linears
-    assert {r.name: r.status for r in rows}["turbo.gemm"] == "active"
+    status = {r.name: r.status for r in rows}
+    assert status["turbo.gemm"] == "active"
+    assert status["turbo.rope"] == ("active" if family == "deepseek_v3" else "n/a")
     _assert_matches_stock(stock, turbo, cfg, seed=1)
 
 
