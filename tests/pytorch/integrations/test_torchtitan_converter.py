@@ -70,7 +70,8 @@ def _assert_matches_stock(stock, turbo, cfg, seed):
     ],
     ids=["deepseek_v3_mla_moe", "qwen3_gqa_moe", "llama3_dense"],
 )  # fmt: skip
-def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family, expected):
+def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family, expected, monkeypatch):
+    monkeypatch.setenv(conv.MLA_ROPE_ENV, "1")
     cfg = cfg_of(*overrides)
     built_family, stock = build(cfg)
     assert built_family == family
@@ -87,6 +88,15 @@ def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family
     assert status["turbo.gemm"] == "active"
     assert status["turbo.rope"] == ("active" if family == "deepseek_v3" else "n/a")
     _assert_matches_stock(stock, turbo, cfg, seed=1)
+
+
+def test_mla_rope_is_opt_in_until_measured_on_a_gpu(monkeypatch):
+    monkeypatch.delenv(conv.MLA_ROPE_ENV, raising=False)
+    cfg = cfg_of(*TINY_MLA)
+    _, model = build(cfg)
+    rows = {r.name: r for r in conv.convert_model(model, options(cfg))}
+    assert rows["turbo.rope"].status == "n/a" and conv.MLA_ROPE_ENV in rows["turbo.rope"].detail
+    assert not any(type(m) is tm.TurboMLA for m in model.modules())
 
 
 def test_fp8_recipe_swaps_float8_linears_and_fp8_experts_keeping_head_bf16():
