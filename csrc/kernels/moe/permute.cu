@@ -24,18 +24,24 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxK = 1024;
 
-template <typename VecT>
-__global__ void permute_rows_kernel(const VecT* __restrict__ x, const int32_t* __restrict__ row_id_map,
-                                    const float* __restrict__ probs, VecT* __restrict__ out,
-                                    float* __restrict__ out_probs, int64_t vecs_per_row, int K) {
-    __shared__ int32_t dest[kMaxK];
-    const int64_t t = blockIdx.x;
+// Token t's destination rows into shared ``dest`` (and its probs to out_probs[dest], when given).
+__device__ __forceinline__ void load_dests(const int32_t* __restrict__ row_id_map, const float* __restrict__ probs,
+                                           float* __restrict__ out_probs, int64_t t, int K, int32_t* dest) {
     for (int k = threadIdx.x; k < K; k += blockDim.x) {
         const int32_t d = row_id_map[t * K + k];
         dest[k] = d;
         if (probs != nullptr && d >= 0) out_probs[d] = probs[t * K + k];
     }
     __syncthreads();
+}
+
+template <typename VecT>
+__global__ void permute_rows_kernel(const VecT* __restrict__ x, const int32_t* __restrict__ row_id_map,
+                                    const float* __restrict__ probs, VecT* __restrict__ out,
+                                    float* __restrict__ out_probs, int64_t vecs_per_row, int K) {
+    __shared__ int32_t dest[kMaxK];
+    const int64_t t = blockIdx.x;
+    load_dests(row_id_map, probs, out_probs, t, K, dest);
     const VecT* src = x + t * vecs_per_row;
     for (int64_t i = threadIdx.x; i < vecs_per_row; i += blockDim.x) {
         const VecT v = src[i];
@@ -52,12 +58,7 @@ __global__ void permute_cast_kernel(const TI* __restrict__ x, const int32_t* __r
                                     float* __restrict__ out_probs, int64_t hidden, int K) {
     __shared__ int32_t dest[kMaxK];
     const int64_t t = blockIdx.x;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        const int32_t d = row_id_map[t * K + k];
-        dest[k] = d;
-        if (probs != nullptr && d >= 0) out_probs[d] = probs[t * K + k];
-    }
-    __syncthreads();
+    load_dests(row_id_map, probs, out_probs, t, K, dest);
     using VI = Vec<TI, VEC>;
     using VO = Vec<TO, VEC>;
     const int64_t nvec = hidden / VEC;
