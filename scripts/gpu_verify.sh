@@ -6,6 +6,8 @@
 #   TESTS="tests/..." [TEST_TIMEOUT=90]        pytest -m "not multigpu" on those paths (TEST_JOBS=8 workers)
 #   SERIAL_TESTS="tests/..." [SERIAL_TIMEOUT=300]  the same, one test at a time (GPU training runs: in
 #                                              parallel they run out of memory on one GPU)
+#   TESTS_K / SERIAL_K="a or b"                a pytest -k expression for those steps (TESTS and SERIAL_TESTS are
+#                                              word-split, so a -k with spaces cannot go inside them)
 #   DIST_TESTS="tests/..." [DIST_TIMEOUT=120]  pytest --dist-only -v (2-GPU tests; DIST_TEST_TIMEOUT=240 per test: the CP test compiles for >90 s)
 #   TRAIN="bf16_on bf16_off" (default)         Megatron deepseek_moe_bf16 8 steps turbo on / off; TRAIN=none skips
 #   E2E="recipe=deepseek_moe_fp8 turbo=on"     benchmark/e2e/compare.py with these options (E2E_TIMEOUT=120 each);
@@ -70,12 +72,13 @@ if [ -n "${TESTS:-}" ]; then
   if [ ${#PARITY_PIDS[@]} -gt 0 ] && [ "$ngpu" -le 1 ]; then  # a 23-48 GB run + test workers OOM one GPU
     echo "== one GPU: the tests wait for the parity runs"; wait_parity
   fi
-  step "${TEST_TIMEOUT:-90}" tests python3 -m pytest -n "${TEST_JOBS:-8}" -q --timeout=600 -p no:cacheprovider -m "not multigpu" $TESTS
+  step "${TEST_TIMEOUT:-90}" tests python3 -m pytest -n "${TEST_JOBS:-8}" -q --timeout=600 -p no:cacheprovider -m "not multigpu" \
+    $TESTS ${TESTS_K:+-k "$TESTS_K"}
   grep -E "FAILED|ERROR|passed|failed" "$WORK/tests.log" | tail -30
 fi
 if [ -n "${SERIAL_TESTS:-}" ]; then  # one at a time: training runs that each take a large share of the GPU
   step "${SERIAL_TIMEOUT:-300}" serial_tests python3 -m pytest -p no:xdist -q --timeout=600 -p no:cacheprovider \
-    -m "not multigpu" $SERIAL_TESTS
+    -m "not multigpu" $SERIAL_TESTS ${SERIAL_K:+-k "$SERIAL_K"}
   grep -E "FAILED|ERROR|passed|failed" "$WORK/serial_tests.log" | tail -20
 fi
 if [ -n "${DIST_TESTS:-}" ]; then
