@@ -138,3 +138,26 @@ def test_bad_out_dtype_names_the_argument(bad, device):
     _, _, row_id_map, _ = token_permute(x, indices, num_experts=e)
     with pytest.raises(TypeError, match="token_unpermute: out_dtype"):
         token_unpermute(torch.randn(t * k, h, device=device, dtype=torch.bfloat16), row_id_map, out_dtype=bad)
+
+
+@pytest.mark.parametrize(
+    "pad_multiple,capacity,zero_fill", [(16, None, False), (0, 5, False), (0, None, True)],
+    ids=["padded", "capacity", "zero_fill_tail"],
+)  # fmt: skip
+def test_converting_permute_keeps_padding_and_tail_rows_zero(pad_multiple, capacity, zero_fill, device):
+    """Padding / capacity / upper-bound tail rows of a converting permute are zeros of the output dtype, and
+    the rows the map names hold the cast tokens, as with the same-dtype op."""
+    t, e, k, h = 29, 8, 3, 24
+    indices, probs = _routing(t, e, k, device, 0.3)
+    x = torch.randn(t, h, device=device, requires_grad=True)
+    kw = dict(num_experts=e, pad_multiple=pad_multiple, capacity=capacity, zero_fill=zero_fill)
+    out, out_probs, row_id_map, _ = token_permute(x, indices, probs, out_dtype=torch.bfloat16, **kw)
+    ref, ref_probs, ref_map, _ = token_permute(x, indices, probs, **kw)
+    assert out.dtype == torch.bfloat16 and torch.equal(row_id_map, ref_map)
+    assert torch.equal(out, ref.to(torch.bfloat16)) and torch.equal(out_probs, ref_probs)
+    named = torch.zeros(out.shape[0], dtype=torch.bool, device=device)
+    named[row_id_map[row_id_map >= 0].long()] = True
+    assert (out[~named] == 0).all() and (out[named].float().abs().sum(-1) > 0).all()
+    (gx,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    (gref,) = torch.autograd.grad(ref, x, torch.ones_like(ref))
+    assert gx.dtype == torch.float32 and torch.equal(gx, gref)  # each kept route contributes 1 per element
