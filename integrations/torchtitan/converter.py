@@ -7,8 +7,8 @@ module, or through ``train.py framework=torchtitan`` (which sets the options fro
   gemm          nn.Linear (all but the MoE router gate) -> turbo Linear, or Float8Linear with precision=fp8;
                 FeedForward w1/w3 -> one GEMM + turbo swiglu (bf16 linears over fp32 weights under autocast)
   attention     ScaledDotProductAttentionWrapper -> TurboAttention "bhsd" (MLA 192/128, GQA)
-  rope          DeepSeek-V3 MLA Attention -> TurboMLA (q's split + RoPE + cat, k_pe's RoPE: one kernel each;
-                opt-in with PRIMUS_TURBO_TORCHTITAN_MLA_ROPE=1 until measured on a GPU)
+  rope          DeepSeek-V3 MLA Attention -> TurboMLA (q's split + RoPE + cat, k_pe's RoPE, the keys' split +
+                cat: one kernel each way; opt-in, PRIMUS_TURBO_TORCHTITAN_MLA_ROPE=1, until measured on a GPU)
   rmsnorm       nn.RMSNorm -> turbo RMSNorm
   embedding     nn.Embedding -> weight gradient into the fp32 .grad by turbo.ops.embedding (no FSDP, tp == 1)
   grouped_gemm  GroupedExperts -> turbo grouped GEMM (bf16 or FP8) over the stacked w1/w2/w3
@@ -255,14 +255,15 @@ def _rope_condition(ctx) -> str | None:
 
 @REGISTRY.register("turbo.rope", "torchtitan.models.deepseek_v3.model.model.Attention", TESTED,
                    feature="rope", condition=_rope_condition,
-                   probe=_needs("ops.rope.apply_rotary_emb_complex"))  # fmt: skip
+                   probe=_needs("ops.rope.apply_rotary_emb_complex", "ops.mla.mla_key_value"))  # fmt: skip
 def _rope(ctx) -> str:
     layers = ctx.modules_of(tm.MLAAttention)
     for _, _, module in layers:
         module.__class__ = tm.TurboMLA
     return (
         f"{len(layers)} MLA Attention -> TurboMLA (q: split + RoPE + cat, k_pe: RoPE -> "
-        "turbo.ops.apply_rotary_emb_complex, one kernel each way)"
+        "turbo.ops.apply_rotary_emb_complex; keys/values: split + cat -> turbo.ops.mla_key_value; one kernel "
+        "each way)"
     )
 
 

@@ -9,7 +9,8 @@ All of them work on the meta device (TorchTitan converts the model before ``to_e
 - ``TitanInnerAttention``: ``turbo.modules.TurboAttention`` (layout "bhsd") with the SDPA wrapper's call
   signature; covers DeepSeek-V3 MLA (q/k 192, v 128) and Llama3/Qwen3 GQA.
 - ``TitanEmbedding``: ``nn.Embedding``, its weight gradient added into ``.grad`` by ``turbo.ops.embedding``.
-- ``TurboMLA``: DeepSeek-V3 MLA ``Attention`` with q's and k_pe's RoPE in ``apply_rotary_emb_complex``.
+- ``TurboMLA``: DeepSeek-V3 MLA ``Attention`` with q's and k_pe's RoPE in ``apply_rotary_emb_complex`` and
+  the keys / values in ``mla_key_value``.
 - ``TitanRMSNorm``: ``turbo.modules.RMSNorm`` honouring ``nn.RMSNorm(eps=None)`` (eps = finfo(dtype).eps).
 - ``TurboGroupedExperts``: ``GroupedExperts`` over ``turbo.ops.grouped_gemm`` / ``grouped_gemm_fp8`` on the
   stacked ``w1/w2/w3`` [G, ...] parameters.
@@ -44,6 +45,7 @@ from primus_turbo.pytorch.ops import (
     grouped_gemm_fp8,
     swiglu,
 )
+from primus_turbo.pytorch.ops.mla import mla_key_value
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute
 from primus_turbo.pytorch.ops.rope import apply_rotary_emb_complex
 
@@ -146,8 +148,10 @@ class TitanEmbedding(nn.Embedding):
 class TurboMLA(MLAAttention):
     """TorchTitan's DeepSeek-V3 MLA ``Attention`` with q's RoPE as one kernel that also copies the nope part
     (``apply_rotary_emb_complex``): no split, casts, complex multiply and cat of q, nor the cat of their
-    gradients in the backward; k_pe's RoPE likewise. The rest is the stock forward, line for line. With
-    ``positions`` (a per-sample RoPE cache order), the stock forward."""
+    gradients in the backward; k_pe's RoPE likewise; keys and values from the wkv_b output in one kernel each
+    way (``mla_key_value``: no split + cat of the keys, nor the cat of kv's gradient and the expand's sum).
+    The rest is the stock forward, line for line. With ``positions`` (a per-sample RoPE cache order), the
+    stock forward."""
 
     def forward(self, x, freqs_cis, attention_masks, positions=None):
         if positions is not None or freqs_cis.dtype != torch.complex64:
@@ -159,8 +163,7 @@ class TurboMLA(MLAAttention):
         kv, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb_complex(k_pe.unsqueeze(2), freqs_cis)  # (bsz, seqlen, 1, qk_rope_head_dim)
         kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        k, v = mla_key_value(kv, k_pe, self.qk_nope_head_dim)  # split + cat(k_nope, k_pe over heads)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.attn_type == "flex":
             output = self.inner_attention(q, k, v, block_mask=attention_masks, scale=self.softmax_scale)

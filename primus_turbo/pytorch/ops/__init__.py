@@ -13,6 +13,7 @@ from primus_turbo.pytorch.ops.gemm import gemm  # noqa: F401
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8  # noqa: F401
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm  # noqa: F401
 from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8  # noqa: F401
+from primus_turbo.pytorch.ops.mla import mla_key_value  # noqa: F401
 from primus_turbo.pytorch.ops.moe import *  # noqa: F401,F403  (router, permute, dispatch/combine)
 from primus_turbo.pytorch.ops.normalization import rmsnorm, rmsnorm_residual  # noqa: F401
 from primus_turbo.pytorch.ops.quantization import dequantize_fp8, quantize_fp8, quantize_fp8_with_transpose  # noqa: F401,E501
