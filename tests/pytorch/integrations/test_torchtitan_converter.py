@@ -99,6 +99,27 @@ def test_mla_rope_is_opt_in_until_measured_on_a_gpu(monkeypatch):
     assert not any(type(m) is tm.TurboMLA for m in model.modules())
 
 
+def test_turbo_mla_traces_with_fullgraph_like_torchtitans_per_block_compile(monkeypatch):
+    """TorchTitan compiles each block with fullgraph=True: TurboMLA's two custom ops must trace (fake kernels)
+    and give the eager outputs and gradients."""
+    monkeypatch.setenv(conv.MLA_ROPE_ENV, "1")
+    cfg = cfg_of(*TINY_MLA)
+    _, model = build(cfg)
+    conv.convert_model(model, options(cfg))
+    attn = model.layers["0"].attention
+    assert type(attn) is tm.TurboMLA
+    x = torch.randn(2, cfg.model.seq_length, cfg.model.hidden_size, requires_grad=True)
+
+    def run(fn):
+        out = fn(x, model.freqs_cis, None)
+        return (out, *torch.autograd.grad(out.square().sum(), (x, attn.wkv_a.weight)))
+
+    eager = run(attn)
+    compiled = run(torch.compile(attn, fullgraph=True, backend="eager"))
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_fp8_recipe_swaps_float8_linears_and_fp8_experts_keeping_head_bf16():
     cfg = cfg_of(*TINY_MLA)
     _, model = build(cfg)
