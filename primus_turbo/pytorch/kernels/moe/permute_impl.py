@@ -203,6 +203,15 @@ def _build_row_id_map_torch(routing, num_experts, num_out_tokens, pad_multiple, 
     return dest.to(torch.int32).contiguous(), tokens_per_expert, num_rows
 
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def convertible(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Element types a permute / unpermute may read and write: the same float type, or fp32 <-> fp16/bf16
+    (every backend; the CUDA C++ op checks the same pairs)."""
+    return src in _FLOATS and dst in _FLOATS and (src == dst or torch.float32 in (src, dst))
+
+
 # -- eager twins (also the TORCH backend) -------------------------------------------------------
 
 
@@ -304,10 +313,8 @@ class PermuteTurbo(KernelBackend):
             return False
         ten = kw.get("x", kw.get("y"))
         out_dtype = kw.get("out_dtype") or ten.dtype
-        halves = (torch.float16, torch.bfloat16)
-        if out_dtype != ten.dtype or kw["kind"] == "unpermute":  # fp32/fp16/bf16 -> same, fp32 <-> 16-bit
-            same = out_dtype == ten.dtype and ten.dtype in (torch.float32, *halves)
-            if not (same or {ten.dtype, out_dtype} in ({torch.float32, h} for h in halves)):
+        if out_dtype != ten.dtype or kw["kind"] == "unpermute":
+            if not convertible(ten.dtype, out_dtype):
                 return False
         elif ten.shape[1] * ten.element_size() % 2:  # the byte copy moves 2-byte units at least
             return False

@@ -23,6 +23,7 @@ import torch
 from primus_turbo.pytorch.core.utils import debug_checks_enabled, triton_can_run_on, zero_rows_from
 from primus_turbo.pytorch.kernels.moe.permute_impl import (
     build_row_id_map,
+    convertible,
     moe_permute_fp8_rowwise,
     moe_permute_fwd,
     moe_unpermute_bwd_probs,
@@ -31,8 +32,6 @@ from primus_turbo.pytorch.kernels.moe.permute_impl import (
 )
 
 __all__ = ["token_permute", "token_unpermute", "token_permute_fp8"]
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple, capacity, name):
@@ -81,10 +80,7 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
 
 def _check_out_dtype(x: torch.Tensor, out_dtype, name: str, arg: str) -> None:
     """out_dtype: None, x's dtype, or fp32 <-> fp16/bf16."""
-    if out_dtype is None or out_dtype == x.dtype:
-        return
-    pair = {x.dtype, out_dtype}
-    if not (torch.float32 in pair and pair <= set(_FLOAT_DTYPES)):
+    if out_dtype is not None and out_dtype != x.dtype and not convertible(x.dtype, out_dtype):
         raise TypeError(
             f"{name}: out_dtype={out_dtype} with {arg} of {x.dtype}; accepted: None, {x.dtype}, or a "
             "conversion between float32 and float16/bfloat16"
@@ -95,6 +91,11 @@ def _zero_by_map(x: torch.Tensor) -> bool:
     """Eager GPU/interpreter path: permute into an uninitialised buffer, then zero only the rows the
     map does not name (``zero_rows_outside_map``) instead of zero-filling the whole buffer first."""
     return not torch.compiler.is_compiling() and triton_can_run_on(x)
+
+
+def _converted_from(in_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a converting op's input gradient goes back to (None: not converted)."""
+    return None if in_dtype == out_dtype else in_dtype
 
 
 class _Permute(torch.autograd.Function):
@@ -123,10 +124,6 @@ class _Permute(torch.autograd.Function):
             # a Python 0.0, not a CPU zero-dim tensor: copying that to the GPU is a host sync per call
             grad_in_probs = torch.where(row_id_map >= 0, grad_probs[idx], 0.0)
         return grad_tokens, grad_in_probs, None, None, None, None, None
-
-
-def _converted_from(in_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.dtype | None:
-    return None if in_dtype == out_dtype else in_dtype
 
 
 class _Unpermute(torch.autograd.Function):
@@ -219,9 +216,9 @@ def token_unpermute(
     ``out_dtype`` (default: the permuted rows'): fp16/bf16 rows may be summed into fp32 tokens and back;
     the rows' gradient comes back in their dtype.
     """
-    _check_out_dtype(permuted_tokens, out_dtype, "token_unpermute", "permuted_tokens")
     if not isinstance(permuted_tokens, torch.Tensor) or permuted_tokens.dim() != 2:
         raise ValueError("token_unpermute: permuted_tokens must be a [N, hidden] tensor")
+    _check_out_dtype(permuted_tokens, out_dtype, "token_unpermute", "permuted_tokens")
     if row_id_map.dtype != torch.int32 or row_id_map.dim() != 2:
         raise ValueError("token_unpermute: row_id_map must be the int32 [T, K] map returned by token_permute")
     if merging_probs is not None and tuple(merging_probs.shape) != tuple(row_id_map.shape):
