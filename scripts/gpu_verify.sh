@@ -11,7 +11,8 @@
 #   DIST_TESTS="tests/..." [DIST_TIMEOUT=120]  pytest --dist-only -v (2-GPU tests; DIST_TEST_TIMEOUT=240 per test: the CP test compiles for >90 s)
 #   TRAIN="bf16_on bf16_off" (default)         Megatron deepseek_moe_bf16 8 steps turbo on / off; TRAIN=none skips
 #   E2E="recipe=deepseek_moe_fp8 turbo=on"     benchmark/e2e/compare.py with these options (E2E_TIMEOUT=120 each);
-#                                              "a=1 ...; b=2 ..." runs several, into e2e, e2e_2, ...
+#                                              "a=1 ...; b=2 ..." runs several, into e2e, e2e_2, ...; an upper-case
+#                                              NAME=value in a set is an environment variable for that set
 #   SYNCS="recipe=deepseek_moe_fp8 train.steps=6"  host-sync sites per step (benchmark/e2e/find_syncs.py), one
 #                                              torchrun each; "a ...; b ..." runs several (SYNCS_TIMEOUT=150 each)
 #   BENCHES="bench_gemm bench_rmsnorm"         benchmark/ops/<name>.py --quick (async_tp/dispatch under torchrun -n 2);
@@ -112,7 +113,11 @@ if [ -n "${E2E:-}" ]; then  # several comparisons: separate their option sets wi
   IFS=';' read -ra E2E_SETS <<< "$E2E"; n=0
   for opts in "${E2E_SETS[@]}"; do
     n=$((n + 1)); dir=e2e; [ $n -gt 1 ] && dir=e2e_$n
-    step "${E2E_TIMEOUT:-120}" "$dir" python3 benchmark/e2e/compare.py $opts "out=$WORK/$dir"
+    envs=(); args=()
+    for item in $opts; do  # NAME=value with an upper-case NAME: an environment variable for this set only
+      if [[ $item =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$item"); else args+=("$item"); fi
+    done
+    step "${E2E_TIMEOUT:-120}" "$dir" env "${envs[@]}" python3 benchmark/e2e/compare.py "${args[@]}" "out=$WORK/$dir"
     sed -n '/| configuration/,/^$/p' "$WORK/$dir/report.md" 2>/dev/null
   done
 fi
