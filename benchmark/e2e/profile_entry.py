@@ -125,6 +125,38 @@ def sync_sites(prof, steps: int) -> tuple[float, list[dict]]:
     return sum(counts.values()) / steps, [{"site": k, "per_step": n / steps} for k, n in ordered]
 
 
+def _short_kernel(name: str) -> str:
+    """A readable kernel name: the template arguments and namespaces of a C++ kernel dropped."""
+    name = name.split("<")[0].replace("void ", "").strip()
+    return name.split("::")[-1][:60]
+
+
+def kernel_sites(prof, steps: int) -> list[dict]:
+    """GPU kernel time grouped by what launched it: the kernel, the aten op that launched it and the nearest
+    enclosing non-aten range (an autograd function such as ``_GradIntoWeightsBackward``, an optimizer step,
+    a module's record_function), plus, with E2E_PROFILE_STACKS=1, the first Python callers. The kernel
+    table says a copy kernel costs 6 ms; this one says whose copy it is."""
+    sites: dict[str, list[float]] = {}
+    for e in prof.events():
+        kernels = getattr(e, "kernels", None)
+        if not kernels or _is_kernel(e) or e.name.startswith("ProfilerStep"):
+            continue
+        outer, node = "", e.cpu_parent
+        while node is not None and not outer:
+            name = node.name
+            if not name.startswith(("aten::", "<", "ProfilerStep")) and ".py(" not in name:
+                outer = name
+            node = node.cpu_parent
+        frames = _walk_up(e.cpu_parent, 2)[1]
+        for k in kernels:
+            site = " | ".join(filter(None, [_short_kernel(k.name), e.name, outer, " <- ".join(frames)]))
+            entry = sites.setdefault(site, [0.0, 0])
+            entry[0] += k.duration
+            entry[1] += 1
+    ordered = sorted(sites.items(), key=lambda kv: kv[1][0], reverse=True)[: 2 * TOP]
+    return [{"site": k, "ms_per_step": t / 1e3 / steps, "calls_per_step": n / steps} for k, (t, n) in ordered]
+
+
 _LAUNCHES = ("LaunchKernel", "Memcpy", "Memset", "LaunchCooperativeKernel", "GraphLaunch")
 
 
@@ -196,6 +228,7 @@ def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
     out["top_host"] = _top(host, steps, lambda e: e.self_cpu_time_total, host_total)
     out["syncs_per_step"], out["sync_sites"] = sync_sites(prof, steps)
     out["gpu_idle"] = gpu_idle(prof, steps)
+    out["kernel_sites"] = kernel_sites(prof, steps)
     return out
 
 

@@ -309,6 +309,11 @@ def _profile_section(results: list[RunResult], top: int = 10) -> list[str]:
         rows = [[op["op"][:90], f"{op['ms_per_step']:.2f}", f"{100 * op['share']:.1f}%",
                  f"{op['calls_per_step']:.0f}"] for op in p["top"][:top]]  # fmt: skip
         lines += [markdown_table(["op", "ms/step", "share", "calls/step"], rows), ""]
+        if p.get("kernel_sites"):
+            rows = [[s["site"][:200], f"{s['ms_per_step']:.2f}", f"{s['calls_per_step']:.0f}"]
+                    for s in p["kernel_sites"][: 2 * top]]  # fmt: skip
+            lines += ["Kernel time by launch site (kernel | launching op | enclosing range | callers):", "",
+                      markdown_table(["site", "ms/step", "calls/step"], rows), ""]  # fmt: skip
         if p.get("top_host"):
             rows = [[op["op"][:90], f"{op['ms_per_step']:.2f}", f"{100 * op['share']:.1f}%",
                      f"{op['calls_per_step']:.0f}"] for op in p["top_host"][:top]]  # fmt: skip

@@ -335,6 +335,42 @@ def test_gpu_idle_sums_the_gaps_and_names_the_launch_that_ended_each():
     ]
 
 
+def test_kernel_sites_charge_kernel_time_to_the_launching_op_and_its_enclosing_range():
+    """A kernel is charged to the op that launched it and the nearest non-aten range above it (an autograd
+    function), with C++ template arguments dropped from its name; sites are ordered by time."""
+    import profile_entry
+    import torch
+
+    Kernel = type("Kernel", (), {})
+
+    def kernel(name, us):
+        k = Kernel()
+        k.name, k.duration = name, us
+        return k
+
+    class Ev:
+        def __init__(self, name, parent=None, kernels=()):
+            self.name, self.cpu_parent, self.kernels = name, parent, list(kernels)
+            self.device_type = torch.autograd.DeviceType.CPU
+
+    backward = Ev("_GradIntoWeightsBackward", Ev("ProfilerStep#6"))
+    to = Ev("aten::_to_copy", Ev("aten::to", backward))
+    copy_kernel = "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(x)>(int)"
+    events = [
+        Ev("aten::copy_", to, [kernel(copy_kernel, 300.0)]),
+        Ev("aten::copy_", to, [kernel(copy_kernel, 100.0)]),
+        Ev("aten::mm", Ev("GemmFunction"), [kernel("nvjet_sm90_tst", 800.0)]),
+        Ev("aten::add_", None, [kernel("vectorized_elementwise_kernel", 50.0)]),
+    ]
+    sites = profile_entry.kernel_sites(type("P", (), {"events": lambda self: events})(), steps=2)
+    assert sites == [
+        {"site": "nvjet_sm90_tst | aten::mm | GemmFunction", "ms_per_step": 0.4, "calls_per_step": 0.5},
+        {"site": "unrolled_elementwise_kernel | aten::copy_ | _GradIntoWeightsBackward", "ms_per_step": 0.2,
+         "calls_per_step": 1.0},
+        {"site": "vectorized_elementwise_kernel | aten::add_", "ms_per_step": 0.025, "calls_per_step": 0.5},
+    ]
+
+
 def test_op_census_counts_python_issued_aten_ops_by_site():
     """Ops called by another aten op (narrow -> slice) are not counted again; sites are the first Python
     frames outside torch, site-packages prefixes dropped."""
