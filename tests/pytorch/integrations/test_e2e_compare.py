@@ -365,8 +365,11 @@ def test_kernel_sites_charge_kernel_time_to_the_launching_op_and_its_enclosing_r
     sites = profile_entry.kernel_sites(type("P", (), {"events": lambda self: events})(), steps=2)
     assert sites == [
         {"site": "nvjet_sm90_tst | aten::mm | GemmFunction", "ms_per_step": 0.4, "calls_per_step": 0.5},
-        {"site": "unrolled_elementwise_kernel | aten::copy_ | _GradIntoWeightsBackward", "ms_per_step": 0.2,
-         "calls_per_step": 1.0},
+        {
+            "site": "unrolled_elementwise_kernel | aten::copy_ | _GradIntoWeightsBackward",
+            "ms_per_step": 0.2,
+            "calls_per_step": 1.0,
+        },
         {"site": "vectorized_elementwise_kernel | aten::add_", "ms_per_step": 0.025, "calls_per_step": 0.5},
     ]
 
