@@ -40,7 +40,7 @@ from primus_turbo.integrations.hydra_main import RECIPES_DIR, run  # noqa: E402
 WAIT = int(os.environ.get("E2E_PROFILE_WAIT", "5"))  # steps before the profiler warm-up step
 ACTIVE = int(os.environ.get("E2E_PROFILE_STEPS", "3"))
 CENSUS = os.environ.get("E2E_PROFILE_CENSUS", "0") == "1"
-TOP = int(os.environ.get("E2E_PROFILE_TOP", "15"))  # rows per table
+TOP = int(os.environ.get("E2E_PROFILE_TOP", "25"))  # rows per table
 
 
 def _self_time_us(event, device: bool) -> float:

@@ -1,5 +1,5 @@
 """Rotary position embedding in the complex (interleaved-pair) form of DeepSeek / TorchTitan, on the last
-``2 * ROPE_PAIRS`` elements of each [B, S, H, D] row, the first ``2 * NOPE_PAIRS`` copied: one pass each way.
+``rope_dim`` elements of each [B, S, H, D] row, the first ``D - rope_dim`` copied: one pass each way.
 
 Per position s, with (xr, xi) = elements (2j, 2j + 1) of the rotary part, (c, s) = (Re, Im) freqs_cis[s, j]:
     forward   out = (xr * c - xi * s,  xr * s + xi * c)      (x * freqs_cis, as complex numbers)
@@ -18,35 +18,34 @@ import triton.language as tl
 
 @triton.jit
 def rope_complex_kernel(
-    x_ptr, f_ptr, out_ptr, S, H, stride_xb, stride_xs, stride_xh, stride_fs,
-    PAIRS: tl.constexpr, NOPE_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
-    BACKWARD: tl.constexpr,
+    x_ptr, f_ptr, out_ptr, T, S, H, stride_xb, stride_xs, stride_xh, stride_fs,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BACKWARD: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)  # b * S + s
-    b = row // S
-    s = row % S
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    p = tl.arange(0, BLOCK_P)
-    pmask = p < PAIRS
-    rot = pmask & (p >= NOPE_PAIRS)
-    j = tl.where(rot, p - NOPE_PAIRS, 0)
-    c = tl.load(f_ptr + s.to(tl.int64) * stride_fs + 2 * j, mask=rot, other=1.0)[None, :]
-    sn = tl.load(f_ptr + s.to(tl.int64) * stride_fs + 2 * j + 1, mask=rot, other=0.0)[None, :]
+    """BLOCK_T (b, s, h) rows per program, each read and written as contiguous tiles (16-byte vectors): the
+    pairs are split out of the loaded tile in registers, not loaded at a stride of 2 (measured on an H200:
+    stride-2 loads and stores ran q [2, 4096, 16, 192] at 11% of the copy bandwidth)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (b, s, h) flattened
+    tmask = t < T
+    h = t % H
+    s = (t // H) % S
+    b = t // H // S
+    x_row = (x_ptr + b * stride_xb + s * stride_xs + h * stride_xh)[:, None]
+    o_row = (out_ptr + t * (NOPE + ROPE))[:, None]
+    if NOPE > 0:  # copied as is
+        n = tl.arange(0, BLOCK_N)[None, :]
+        nmask = tmask[:, None] & (n < NOPE)
+        tl.store(o_row + n, tl.load(x_row + n, mask=nmask), mask=nmask)
+    r = tl.arange(0, BLOCK_R)[None, :]
+    rmask = tmask[:, None] & (r < ROPE)
+    x = tl.load(x_row + NOPE + r, mask=rmask, other=0.0).to(tl.float32)
+    f = tl.load(f_ptr + s[:, None] * stride_fs + r, mask=rmask, other=0.0)
+    xr, xi = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_R // 2, 2)))
+    c, sn = tl.split(tl.reshape(f, (BLOCK_T, BLOCK_R // 2, 2)))
     if BACKWARD:
         sn = -sn
-    mask = (heads < H)[:, None] & pmask[None, :]
-    x_row = x_ptr + b.to(tl.int64) * stride_xb + s.to(tl.int64) * stride_xs
-    x_row += heads[:, None].to(tl.int64) * stride_xh
-    xr = tl.load(x_row + 2 * p[None, :], mask=mask, other=0.0)
-    xi = tl.load(x_row + 2 * p[None, :] + 1, mask=mask, other=0.0)
-    xr32, xi32 = xr.to(tl.float32), xi.to(tl.float32)
-    keep = rot[None, :]
-    dtype = out_ptr.dtype.element_ty
-    o_r = tl.where(keep, (xr32 * c - xi32 * sn).to(dtype), xr.to(dtype))  # the nope part: an exact copy
-    o_i = tl.where(keep, (xr32 * sn + xi32 * c).to(dtype), xi.to(dtype))
-    o_row = out_ptr + (row.to(tl.int64) * H + heads[:, None].to(tl.int64)) * (2 * PAIRS)
-    tl.store(o_row + 2 * p[None, :], o_r, mask=mask)
-    tl.store(o_row + 2 * p[None, :] + 1, o_i, mask=mask)
+    out = tl.reshape(tl.join(xr * c - xi * sn, xr * sn + xi * c), (BLOCK_T, BLOCK_R))
+    tl.store(o_row + NOPE + r, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
 def launch_rope_complex(x, freqs, out, rope_dim: int, backward: bool) -> None:
@@ -55,12 +54,13 @@ def launch_rope_complex(x, freqs, out, rope_dim: int, backward: bool) -> None:
     batch, seq, heads, dim = x.shape
     if x.numel() == 0:
         return
-    pairs = dim // 2
-    block_p = triton.next_power_of_2(pairs)
-    block_h = min(triton.next_power_of_2(heads), max(1, 2048 // block_p))
-    grid = (batch * seq, triton.cdiv(heads, block_h))
-    rope_complex_kernel[grid](
-        x, freqs, out, seq, heads, x.stride(0), x.stride(1), x.stride(2), freqs.stride(0),
-        PAIRS=pairs, NOPE_PAIRS=(dim - rope_dim) // 2, BLOCK_P=block_p, BLOCK_H=block_h, BACKWARD=backward,
+    rows = batch * seq * heads
+    nope = dim - rope_dim
+    block_n = triton.next_power_of_2(nope) if nope else 1
+    block_r = max(2, triton.next_power_of_2(rope_dim))
+    block_t = max(1, min(64, 4096 // (block_n + block_r), triton.next_power_of_2(rows)))
+    rope_complex_kernel[(triton.cdiv(rows, block_t),)](
+        x, freqs, out, rows, seq, heads, x.stride(0), x.stride(1), x.stride(2), freqs.stride(0),
+        NOPE=nope, ROPE=rope_dim, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, BACKWARD=backward,
         num_warps=4,
     )  # fmt: skip

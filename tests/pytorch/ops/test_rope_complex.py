@@ -132,14 +132,14 @@ def _compile_all() -> None:
 
     for dtype in ("bf16", "fp32"):
         sig = {
-            "x_ptr": f"*{dtype}", "f_ptr": "*fp32", "out_ptr": f"*{dtype}", "S": "i32", "H": "i32",
+            "x_ptr": f"*{dtype}", "f_ptr": "*fp32", "out_ptr": f"*{dtype}", "T": "i32", "S": "i32", "H": "i32",
             "stride_xb": "i64", "stride_xs": "i64", "stride_xh": "i64", "stride_fs": "i64",
-            "PAIRS": "constexpr", "NOPE_PAIRS": "constexpr", "BLOCK_P": "constexpr", "BLOCK_H": "constexpr",
-            "BACKWARD": "constexpr",
+            "NOPE": "constexpr", "ROPE": "constexpr", "BLOCK_T": "constexpr", "BLOCK_N": "constexpr",
+            "BLOCK_R": "constexpr", "BACKWARD": "constexpr",
         }  # fmt: skip
-        for pairs, nope, block_p, block_h in ((96, 64, 128, 16), (32, 0, 32, 1)):  # MLA q; k_pe
+        for nope, rope, block_t, block_n in ((128, 64, 16, 128), (0, 64, 64, 1)):  # MLA q; k_pe
             for backward in (True, False):
-                consts = {"PAIRS": pairs, "NOPE_PAIRS": nope, "BLOCK_P": block_p, "BLOCK_H": block_h,
+                consts = {"NOPE": nope, "ROPE": rope, "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_R": rope,
                           "BACKWARD": backward}  # fmt: skip
                 compile_for_sm90(rk.rope_complex_kernel, sig, consts, num_warps=4)
 
