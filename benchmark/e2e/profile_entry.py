@@ -7,7 +7,7 @@ top kernels (CUDA), the top host ops by self CPU time (both devices; on CPU runs
 blocking CUDA calls per step by the op that made them (``E2E_PROFILE_STACKS=1`` adds their Python callers).
 ``gpu_idle``: the GPU's idle time per step (gaps between kernels, streams merged) by the host op whose launch
 ended each gap (with E2E_PROFILE_STACKS=1, its Python callers): where the GPU waits for the host.
-``E2E_PROFILE_TOP=N`` sets the rows per table (default 15). ``E2E_PROFILE_CENSUS=1`` adds ``census``: the
+``E2E_PROFILE_TOP=N`` sets the rows per table (default 25). ``E2E_PROFILE_CENSUS=1`` adds ``census``: the
 aten ops issued from Python per step and the Python sites issuing them (``op_census``; on a CPU-only
 machine too, e.g. the deepseek model at small dims).
 ``E2E_PROFILE_PY=1``: cProfile instead of torch.profiler over the same steps (where the host's Python time

@@ -132,7 +132,8 @@ def _compile_all() -> None:
 
     for dtype in ("bf16", "fp32"):
         sig = {
-            "x_ptr": f"*{dtype}", "f_ptr": "*fp32", "out_ptr": f"*{dtype}", "T": "i32", "S": "i32", "H": "i32",
+            "x_ptr": f"*{dtype}", "f_ptr": "*fp32", "out_ptr": f"*{dtype}",
+            "T": "i32", "S": "i32", "H": "i32",
             "stride_xb": "i64", "stride_xs": "i64", "stride_xh": "i64", "stride_fs": "i64",
             "NOPE": "constexpr", "ROPE": "constexpr", "BLOCK_T": "constexpr", "BLOCK_N": "constexpr",
             "BLOCK_R": "constexpr", "BACKWARD": "constexpr",
