@@ -169,8 +169,11 @@ def grouped_gemm_variable_k_kernel(
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False,
 ):  # fmt: skip
-    """C[g] = X[rows_g]^T @ Y[rows_g]; an empty group's C[g] is written as exact zeros."""
+    """C[g] = X[rows_g]^T @ Y[rows_g]; an empty group's C[g] is written as exact zeros. ACCUMULATE:
+    C[g] += X[rows_g]^T @ Y[rows_g] (summed in fp32, one rounding to C's dtype; an empty group's C[g] is
+    left as it was): a weight gradient added into an fp32 gradient buffer in the GEMM's epilogue."""
     pid = tl.program_id(0)
     gidx, starts, lens, _, _ = _group_schedule(group_lens_ptr, G, M, BLOCK_G, 1, 1)
     num_p = tl.cdiv(P, BLOCK_P)
@@ -219,7 +222,10 @@ def grouped_gemm_variable_k_kernel(
             sy = tl.load(y_scale_ptr + qs, mask=q_mask, other=0.0)
             acc = acc * sx[:, None] * sy[None, :]
         c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+        c_mask = p_mask[:, None] & q_mask[None, :]
+        if ACCUMULATE:
+            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 # -- launchers ------------------------------------------------------------------------------------
@@ -335,11 +341,15 @@ def launch_grouped_gemm(a, b_view, out, group_lens, a_scale=None, b_scale=None, 
     return out
 
 
-def launch_grouped_gemm_variable_k(x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=None):
-    """out[g] = x[rows_g]^T @ y[rows_g] for g < G (out: [G, P, Q]); empty groups get zeros.
+def launch_grouped_gemm_variable_k(
+    x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=None, accumulate=False, config=None
+):  # fmt: skip
+    """out[g] = x[rows_g]^T @ y[rows_g] for g < G (out: [G, P, Q], any strides); empty groups get zeros.
+    ``accumulate``: out[g] += ... instead (empty groups unchanged), the sum taken in fp32.
 
     Scales: [G] each (scale_mode 1, the default when given) or [P] / [Q] contiguous (mode 2).
-    No tokens (M == 0) zero-fills out without a launch.
+    No tokens (M == 0) zero-fills out (leaves it, when accumulating) without a launch.
+    ``config``: tile overrides (BLOCK_P/Q/K, num_warps, num_stages) for benchmarks.
     """
     m, p = x.shape
     q = y.shape[1]
@@ -347,10 +357,10 @@ def launch_grouped_gemm_variable_k(x, y, out, group_lens, x_scale=None, y_scale=
     if out.numel() == 0:
         return out
     if m == 0:
-        return out.zero_()
+        return out if accumulate else out.zero_()
     on_gpu = x.is_cuda
     elem_bytes = max(x.element_size(), y.element_size())
-    cfg = _wgrad_config(elem_bytes == 1, on_gpu, elem_bytes)
+    cfg = {**_wgrad_config(elem_bytes == 1, on_gpu, elem_bytes), **(config or {})}
     if scale_mode is None:
         scale_mode = SCALE_TENSORWISE if x_scale is not None else SCALE_NONE
     ieee = x.dtype == y.dtype and x.element_size() == 4 and scale_mode == SCALE_NONE
@@ -360,6 +370,6 @@ def launch_grouped_gemm_variable_k(x, y, out, group_lens, x_scale=None, y_scale=
         g, m, p, q,
         x.stride(0), x.stride(1), y.stride(0), y.stride(1), out.stride(0), out.stride(1), out.stride(2),
         NUM_PROGS=_num_programs(x.device), BLOCK_G=_block_g(g),
-        SCALE_MODE=scale_mode, UPCAST=not on_gpu, IEEE=ieee, **cfg,
+        SCALE_MODE=scale_mode, UPCAST=not on_gpu, IEEE=ieee, ACCUMULATE=bool(accumulate), **cfg,
     )  # fmt: skip
     return out

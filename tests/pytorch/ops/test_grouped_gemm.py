@@ -152,6 +152,29 @@ def test_wgrad_dispatcher_uses_pinned_backend(device):
     assert GroupedGemmVariableKDispatcher.last_backend is BackendType.TRITON
 
 
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty"])
+def test_variable_k_accumulates_into_strided_fp32_buffers(kind, device):
+    """accumulate=True: out[g] += x_g^T @ y_g with bf16 operands summed in fp32 into an fp32 buffer that is
+    a strided view (one half of a [G, 2P, Q] gradient, as w1's half of a fused gate/up); empty groups and the
+    other half are left exactly as they were."""
+    G, M, P, Q = 4, 100, 24, 40
+    lens = make_group_lens(M, G, kind, device)
+    x = torch.randn(M, 2 * P, device=device).bfloat16()
+    y = torch.randn(M, Q, device=device).bfloat16()
+    buffer = torch.randn(G, 2 * P, Q, device=device)
+    before = buffer.clone()
+    kmod.launch_grouped_gemm_variable_k(x[:, :P], y, buffer[:, :P], lens, accumulate=True)
+    ends = lens.cumsum(0).tolist()
+    for g, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        want = before[g, :P].double() + x[start:end, :P].double().t() @ y[start:end].double()
+        assert_close(buffer[g, :P], want, torch.float32, msg=f"expert {g} ({end - start} rows)")
+        if start == end:
+            assert torch.equal(buffer[g, :P], before[g, :P]), f"empty expert {g} changed"
+    assert torch.equal(buffer[:, P:], before[:, P:])
+    assert kmod.launch_grouped_gemm_variable_k(x[:0], y[:0], buffer, lens * 0, accumulate=True) is buffer
+    assert torch.equal(buffer[:, P:], before[:, P:])  # no tokens: nothing added, nothing zeroed
+
+
 def test_bad_inputs(device, monkeypatch):
     G, M, K, N = 3, 12, 8, 8
     a = torch.randn(M, K, device=device)
@@ -272,6 +295,7 @@ _WGRAD_SIG = {
     "stride_cg": "i64", "stride_cp": "i32", "stride_cq": "i32",
     "NUM_PROGS": "constexpr", "BLOCK_G": "constexpr", "BLOCK_P": "constexpr", "BLOCK_Q": "constexpr",
     "BLOCK_K": "constexpr", "SCALE_MODE": "constexpr", "UPCAST": "constexpr", "IEEE": "constexpr",
+    "ACCUMULATE": "constexpr",
 }  # fmt: skip
 
 
@@ -291,14 +315,16 @@ FWD_CASES = [  # (a dtype, b dtype, scale mode, N); fp8e5 x fp8e4nv is the HYBRI
     ("fp8e5", "fp8e4nv", 2, 4096),
     ("fp8e5", "fp8e4nv", 3, 4096),
 ]
-WGRAD_CASES = [  # (x dtype, y dtype, scale mode); HYBRID wgrad is E5M2 grad x E4M3 activation
-    ("bf16", "bf16", 0),
-    ("fp16", "fp16", 0),
-    ("fp32", "fp32", 0),
-    ("fp8e4nv", "fp8e4nv", 1),
-    ("fp8e4nv", "fp8e4nv", 2),
-    ("fp8e5", "fp8e4nv", 1),
-    ("fp8e5", "fp8e4nv", 2),
+WGRAD_CASES = [  # (x dtype, y dtype, scale mode, C dtype, accumulate); HYBRID wgrad: E5M2 x E4M3
+    ("bf16", "bf16", 0, "bf16", False),
+    ("bf16", "bf16", 0, "fp32", True),  # the expert gradient added into fp32 .grad buffers
+    ("bf16", "bf16", 0, "fp32", False),
+    ("fp16", "fp16", 0, "fp16", False),
+    ("fp32", "fp32", 0, "fp32", False),
+    ("fp8e4nv", "fp8e4nv", 1, "bf16", False),
+    ("fp8e4nv", "fp8e4nv", 2, "bf16", False),
+    ("fp8e5", "fp8e4nv", 1, "bf16", False),
+    ("fp8e5", "fp8e4nv", 2, "bf16", False),
 ]
 
 
@@ -315,13 +341,14 @@ def _compile_all():
         consts.update(GROUP_M=8, IEEE=a_dtype == "fp32")
         sig = _with_dtype(_with_dtype(_FWD_SIG, f"*{a_dtype}", ("a_ptr",)), f"*{b_dtype}", ("b_ptr",))
         compile_for_sm90(kmod.grouped_gemm_kernel, sig, consts, num_warps=warps, num_stages=stages)
-    for x_dtype, y_dtype, scale_mode in WGRAD_CASES:
+    for x_dtype, y_dtype, scale_mode, c_dtype, accumulate in WGRAD_CASES:
         nbytes = max(_BYTES[x_dtype], _BYTES[y_dtype])
         cfg = kmod._wgrad_config(nbytes == 1, on_gpu=True, elem_bytes=nbytes)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         consts = dict(NUM_PROGS=132, BLOCK_G=kmod._block_g(64), SCALE_MODE=scale_mode, UPCAST=False, **cfg)
-        consts["IEEE"] = x_dtype == "fp32"
+        consts.update(IEEE=x_dtype == "fp32", ACCUMULATE=accumulate)
         sig = _with_dtype(_with_dtype(_WGRAD_SIG, f"*{x_dtype}", ("x_ptr",)), f"*{y_dtype}", ("y_ptr",))
+        sig = _with_dtype(sig, f"*{c_dtype}", ("c_ptr",))
         compile_for_sm90(kmod.grouped_gemm_variable_k_kernel, sig, consts, num_warps=warps, num_stages=stages)
 
 
