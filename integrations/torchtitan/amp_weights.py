@@ -16,7 +16,8 @@ precision:
 - add the half-precision weight gradient into the fp32 ``.grad`` in the backward, in one vectorized pass
   (``core.main_grad.add_into_``; the first micro-batch of a step stores it as ``.grad``; a gate/up
   gradient is split in place) and give autograd no gradient for the weight: no fp32 temporary, no
-  AccumulateGrad.
+  AccumulateGrad. The experts go further (``grouped_weights``): the grouped GEMM's ``wgrad_into`` sums
+  their gradient into ``.grad`` inside the wgrad GEMM, with no half-precision gradient at all.
 
 The gradient is rounded to bf16 before the fp32 sum, as under plain autocast. A weight that is a DTensor,
 has gradient hooks (e.g. TorchTitan's optimizer-in-backward) or needs a differentiable gradient
@@ -156,18 +157,27 @@ def fp8_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, config):
     return dataclasses.replace(w8, source=_with_grad(stand_in, (weight,)))
 
 
-def fp8_grouped_weights(owner: torch.nn.Module, name: str, weights, config, dtype: torch.dtype):
-    """Expert weights [G, N, K] (several: concatenated along N) as the GroupedFloat8Weight
-    ``grouped_gemm_fp8(x, ., trans_b=True)`` reads, quantized once per step from their ``dtype`` cast (as
-    the plain path quantizes the cast weight on every call); their gradients (in ``dtype``, the input's:
-    the op takes one dtype for a and b) go into each weight's ``.grad``."""
-    from primus_turbo.pytorch.ops.grouped_gemm_fp8 import quantize_grouped_weight
-
+def grouped_weights(owner: torch.nn.Module, name: str, weights, dtype: torch.dtype, config=None):
+    """``(b, wgrad_into)`` for ``grouped_gemm(x, b, ..., trans_b=True, wgrad_into=wgrad_into)`` (or
+    ``grouped_gemm_fp8(..., config=config, wgrad_into=...)``): b is the step's copy of the expert weights
+    [G, N, K] (several: concatenated along N) cast to ``dtype`` (the input's: the op takes one dtype for a and
+    b), or their GroupedFloat8Weight quantized from that cast (as the plain path quantizes the cast weight on
+    every call). When every weight needs a gradient, ``wgrad_into`` is the weights: the op sums their
+    gradients into ``.grad`` inside the wgrad GEMM (no half-precision [G, N, K] gradient, no add pass);
+    otherwise None, and b carries the gradient (``_GradIntoWeights``) or none."""
     weights = tuple(weights)
+    fused = torch.is_grad_enabled() and all(w.requires_grad for w in weights)
+    if config is None:
+        with torch.no_grad():
+            cast = _cached(owner, name, weights, ("cast", dtype), lambda: _cast(weights, dtype))
+        return (cast, weights) if fused else (_with_grad(cast, weights), None)
+    from primus_turbo.pytorch.ops.grouped_gemm_fp8 import quantize_grouped_weight
 
     def build():
         return quantize_grouped_weight(_cast(weights, dtype), config), _stand_in(weights, dtype)
 
     with torch.no_grad():
         w8, stand_in = _cached(owner, name, weights, ("fp8", config, dtype), build)
-    return dataclasses.replace(w8, source=_with_grad(stand_in, weights))
+    if fused:  # no source: the op's gradient goes to wgrad_into
+        return dataclasses.replace(w8, source=None), weights
+    return dataclasses.replace(w8, source=_with_grad(stand_in, weights)), None

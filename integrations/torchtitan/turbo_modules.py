@@ -220,11 +220,11 @@ class TurboGroupedExperts(GroupedExperts):
     def _grouped(self, x: torch.Tensor, name: str, w: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
         config = EXPERTS_FP8_CONFIG
         if amp.applies(w, x):  # fp32 weights under autocast: cast (quantize) once per step
+            b, into = amp.grouped_weights(self, name, (w,), x.dtype, config)
             if config is not None:
-                w8 = amp.fp8_grouped_weights(self, name, (w,), config, x.dtype)
-                return grouped_gemm_fp8(x, w8, group_lens, trans_b=True, config=config)
-            w = amp.cast_weight(self, name, w, x.dtype)
-        elif w.dtype != x.dtype:
+                return grouped_gemm_fp8(x, b, group_lens, trans_b=True, config=config, wgrad_into=into)
+            return grouped_gemm(x, b, group_lens, trans_b=True, wgrad_into=into)
+        if w.dtype != x.dtype:
             w = w.to(x.dtype)
         if config is not None:
             return grouped_gemm_fp8(x, w, group_lens, trans_b=True, config=config)
@@ -236,10 +236,11 @@ class TurboGroupedExperts(GroupedExperts):
         if not (FUSE_GATE_UP and amp.applies(w1, x) and amp.applies(w3, x)):
             return None
         if config is None:
-            h = grouped_gemm(x, amp.cast_weights(self, "w13", (w1, w3), x.dtype), group_lens, trans_b=True)
+            b, into = amp.grouped_weights(self, "w13", (w1, w3), x.dtype)
+            h = grouped_gemm(x, b, group_lens, trans_b=True, wgrad_into=into)
         elif _gate_up_fp8_fusable(config, w1.shape[-2]):
-            w8 = amp.fp8_grouped_weights(self, "w13", (w1, w3), config, x.dtype)
-            h = grouped_gemm_fp8(x, w8, group_lens, trans_b=True, config=config)
+            b, into = amp.grouped_weights(self, "w13", (w1, w3), x.dtype, config)
+            h = grouped_gemm_fp8(x, b, group_lens, trans_b=True, config=config, wgrad_into=into)
         else:
             return None
         return swiglu(h)

@@ -80,6 +80,7 @@ def precision_of_dtype(dtype: torch.dtype) -> str:
 _OP_ENV = {
     "gemm": "PRIMUS_TURBO_GEMM_BACKEND",
     "grouped_gemm": "PRIMUS_TURBO_GROUPED_GEMM_BACKEND",
+    "grouped_wgrad_accumulate": "PRIMUS_TURBO_GROUPED_WGRAD_ACCUMULATE_BACKEND",
     "attention": "PRIMUS_TURBO_ATTENTION_BACKEND",
     "moe_dispatch_combine": "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND",
     "async_tp": "PRIMUS_TURBO_ASYNC_TP_BACKEND",
@@ -169,6 +170,12 @@ class GlobalBackendManager:
         cls._set("grouped_gemm", backend, precision)
 
     @classmethod
+    def set_grouped_wgrad_accumulate_backend(
+        cls, backend: BackendType | str | None, precision: str | None = None
+    ) -> None:
+        cls._set("grouped_wgrad_accumulate", backend, precision)
+
+    @classmethod
     def set_attention_backend(cls, backend: BackendType | str | None, precision: str | None = None) -> None:
         cls._set("attention", backend, precision)
 
@@ -256,6 +263,8 @@ class AutoKernelDispatcher:
     # fields: it is then memoized per key (a dict lookup instead of ~7-13 us of Python per call, measured
     # on H100 for gemm_fp8). Pins and autotune are still looked up on every call.
     cache_default: ClassVar[bool] = False
+    # False for an in-place op: the autotuner runs every candidate on the same buffers
+    autotune: ClassVar[bool] = True
 
     _registry: ClassVar[list[type[AutoKernelDispatcher]]] = []
     _lock: ClassVar[threading.Lock] = threading.Lock()
@@ -320,7 +329,7 @@ class AutoKernelDispatcher:
                 )
             return pinned
 
-        if GlobalBackendManager.auto_tune_enabled() and not _is_capturing():
+        if cls.autotune and GlobalBackendManager.auto_tune_enabled() and not _is_capturing():
             key = (precision,) + tuple(cls.make_key(**kwargs))
             with cls._lock:
                 hit = cls._cache.get(key)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.core.main_grad import add_into_
 from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     cutlass_offsets,
     grouped_gemm_impl,
     grouped_gemm_variable_k_impl,
+    grouped_gemm_variable_k_into_,
 )
 
-__all__ = ["grouped_gemm", "validate_grouped_gemm_args", "debug_checks_enabled"]
+__all__ = ["grouped_gemm", "validate_grouped_gemm_args", "debug_checks_enabled", "check_wgrad_into"]
 
 
 def validate_grouped_gemm_args(
@@ -93,10 +95,65 @@ def _debug_check_values(op, a, group_lens, group_offs) -> None:
             raise ValueError(f"{op}: group_offs {group_offs.tolist()} != exclusive cumsum {expect.tolist()}")
 
 
+def check_wgrad_into(op: str, b: torch.Tensor, trans_b: bool, wgrad_into) -> tuple[torch.Tensor, ...]:
+    """``wgrad_into`` as a tuple of weights whose ``.grad`` can take b's gradient split along N (see
+    :func:`grouped_gemm`); () for None. Raises naming the argument and what is accepted."""
+    if wgrad_into is None:
+        return ()
+    weights = tuple(wgrad_into)
+    if not trans_b:
+        raise ValueError(f"{op}: wgrad_into needs trans_b=True (b and the weights are [G, N, K])")
+    want = f"[{b.shape[0]}, N_i, {b.shape[2]}] with sum(N_i) = {b.shape[1]}"
+    for i, w in enumerate(weights):
+        if not isinstance(w, torch.Tensor) or not w.is_leaf or not w.requires_grad:
+            raise ValueError(f"{op}: wgrad_into[{i}] must be a leaf tensor that requires grad (a parameter)")
+        if w.dim() != 3 or w.shape[0] != b.shape[0] or w.shape[2] != b.shape[2] or w.device != b.device:
+            raise ValueError(f"{op}: wgrad_into[{i}] is {tuple(w.shape)} on {w.device}; expected {want}")
+    if sum(w.shape[1] for w in weights) != b.shape[1] or not weights:
+        raise ValueError(f"{op}: wgrad_into shapes {[tuple(w.shape) for w in weights]}; expected {want}")
+    return weights
+
+
+def wgrad_into_weights(a, grad_out, group_lens, weights, offs=None) -> None:
+    """The trans_b weight gradient dC^T @ A ([G, N, K]) into each weight's ``.grad``, split along N in order:
+    written in the weight's dtype where ``.grad`` is None, added to it otherwise (summed in fp32 inside the
+    GEMM where the backend can: no [G, N, K] gradient in a's precision, no add pass)."""
+    grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
+    if offs is None and a.is_cuda and a.dtype == torch.bfloat16:
+        offs = cutlass_offsets(group_lens, a.shape[0])
+    start = 0
+    for w in weights:
+        x = grad[:, start : start + w.shape[1]]
+        start += w.shape[1]
+        if w.grad is None:
+            w.grad = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+            grouped_gemm_variable_k_into_(x, a, group_lens, w.grad, False, offs)
+        elif w.grad.shape == w.shape and w.grad.is_contiguous():
+            grouped_gemm_variable_k_into_(x, a, group_lens, w.grad, True, offs)
+        else:  # a .grad someone else laid out: the gradient, then autograd's add
+            w.grad.add_(grouped_gemm_variable_k_impl(x, a, group_lens, offs))
+
+
+def add_into_grads(weights, wgrad: torch.Tensor) -> None:
+    """A computed [G, N, K] weight gradient into the weights' ``.grad``, split along N (one add pass each)."""
+    for part, w in zip(wgrad.split([w.shape[1] for w in weights], dim=1), weights):
+        if w.grad is None:
+            w.grad = part.to(w.dtype, memory_format=torch.contiguous_format)
+        else:
+            add_into_(w.grad, part)
+
+
+def _weight_grads(wgrad, weights) -> tuple:
+    """create_graph: the weights' gradients through autograd (differentiable), b's split along N."""
+    parts = wgrad.split([w.shape[1] for w in weights], dim=1)
+    return tuple(part.to(w.dtype) for part, w in zip(parts, weights))
+
+
 class GroupedGemmFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group_lens, trans_b):
+    def forward(ctx, a, b, group_lens, trans_b, *wgrad_into):
         ctx.trans_b = trans_b
+        ctx.wgrad_into = wgrad_into  # the Parameter objects: their .grad is read and written in backward
         if b.shape[0] == 1:  # one expert: a dense GEMM (cuBLAS), group_lens[0] == M by contract
             ctx.save_for_backward(a, b, group_lens, None)
             return a @ (b[0].t() if trans_b else b[0])
@@ -118,7 +175,16 @@ class GroupedGemmFunction(torch.autograd.Function):
                 grad_a = grouped_gemm_impl(grad_out, b, group_lens, not trans_b, offs)
         if ctx.needs_input_grad[1]:
             grad_b = grouped_wgrad(a, grad_out, group_lens, trans_b, b.shape[0], offs)
-        return grad_a, grad_b, None, None
+        weights = ctx.wgrad_into
+        if not weights:
+            return grad_a, grad_b, None, None
+        if torch.is_grad_enabled():  # create_graph: the weights' gradients must stay differentiable
+            wgrad = grad_b
+            if wgrad is None:
+                wgrad = grouped_wgrad(a, grad_out, group_lens, True, b.shape[0], offs)
+            return grad_a, grad_b, None, None, *_weight_grads(wgrad, weights)
+        wgrad_into_weights(a, grad_out, group_lens, weights, offs)
+        return grad_a, grad_b, None, None, *(None for _ in weights)
 
 
 def grouped_wgrad(a, grad_out, group_lens, trans_b: bool, groups: int, offs=None) -> torch.Tensor:
@@ -140,6 +206,8 @@ def grouped_gemm(
     group_lens: torch.Tensor,
     group_offs: torch.Tensor | None = None,
     trans_b: bool = False,
+    *,
+    wgrad_into=None,
 ) -> torch.Tensor:
     """Grouped GEMM: ``out[rows_g] = a[rows_g] @ b[g]`` (``@ b[g].T`` when ``trans_b``).
 
@@ -151,6 +219,12 @@ def grouped_gemm(
         group_offs: optional [G + 1] int64 exclusive cumsum of group_lens (AMD-API compatible);
             every backend derives offsets from group_lens on the device, so it is only validated.
         trans_b: see ``b``.
+        wgrad_into: optional weights W_1..W_n ([G, N_i, K] leaves that require grad, sum(N_i) = N; needs
+            trans_b), e.g. fp32 parameters of which ``b`` is the cast copy (w1 and w3 concatenated): b's
+            gradient goes into their ``.grad`` split along N, in W's dtype: written where ``.grad`` is None,
+            added to it otherwise, summed in fp32 inside the wgrad GEMM (TRITON; CUTLASS / TORCH: the gradient
+            then one add pass; PRIMUS_TURBO_GROUPED_WGRAD_ACCUMULATE_BACKEND). Autograd hands them no
+            gradient (no AccumulateGrad; hooks on them do not fire), except under ``create_graph``.
 
     Returns [sum(M_i), N] in a's dtype; differentiable in a and b (dgrad is a grouped GEMM, wgrad
     a variable-K grouped GEMM; an empty expert's weight gradient is exactly zero).
@@ -168,4 +242,5 @@ def grouped_gemm(
     validate_grouped_gemm_args(
         "grouped_gemm", a, b, group_lens, group_offs, trans_b, (torch.bfloat16, torch.float16, torch.float32)
     )
-    return GroupedGemmFunction.apply(a.contiguous(), b.contiguous(), group_lens, bool(trans_b))
+    weights = check_wgrad_into("grouped_gemm", b, trans_b, wgrad_into)
+    return GroupedGemmFunction.apply(a.contiguous(), b.contiguous(), group_lens, bool(trans_b), *weights)

@@ -40,7 +40,15 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     grouped_gemm_fp8_impl,
     grouped_gemm_fp8_variable_k_impl,
 )
-from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm, grouped_wgrad, validate_grouped_gemm_args
+from primus_turbo.pytorch.ops.grouped_gemm import (
+    _weight_grads,
+    add_into_grads,
+    check_wgrad_into,
+    grouped_gemm,
+    grouped_wgrad,
+    validate_grouped_gemm_args,
+    wgrad_into_weights,
+)
 from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_transpose
 
 __all__ = ["grouped_gemm_fp8", "GroupedFloat8Weight", "quantize_grouped_weight"]
@@ -195,15 +203,17 @@ def quantize_grouped_weight(b: torch.Tensor, config: Float8QuantConfig | None = 
 
 class GroupedGemmFP8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group_lens, trans_b, config, out_dtype, b_fp8):
+    def forward(ctx, a, b, group_lens, trans_b, config, out_dtype, b_fp8, *wgrad_into):
         # b_fp8: a GroupedFloat8Weight made from b (b is then only the gradient's destination)
         mode = _MODE[config.granularity]
         fwd_dtype = config.format.fwd_dtype
         groups = b.shape[0]
-        ctx.hp_wgrad = config.high_precision_wgrad and ctx.needs_input_grad[1]
+        ctx.wgrad_into = wgrad_into  # the Parameter objects: their .grad is read and written in backward
+        wgrad_needed = ctx.needs_input_grad[1] or bool(wgrad_into)
+        ctx.hp_wgrad = config.high_precision_wgrad and wgrad_needed
         if ctx.hp_wgrad:  # the wgrad reads a itself (saved below in place of its FP8 copy)
             (qa, sa), qa_t, sa_t = _quant_act(a, fwd_dtype, mode), a, None
-        elif ctx.needs_input_grad[1]:
+        elif wgrad_needed:
             (qa, sa), (qa_t, sa_t) = _quant_act_and_wgrad(a, fwd_dtype, mode)
         else:
             (qa, sa), qa_t, sa_t = _quant_act(a, fwd_dtype, mode), None, None
@@ -225,7 +235,10 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         bwd_dtype = config.format.bwd_dtype
         grad_out = grad_out.contiguous()
         grad_a = grad_b = None
-        fp8_wgrad = ctx.needs_input_grad[1] and not ctx.hp_wgrad
+        weights = ctx.wgrad_into
+        fused_into = bool(weights) and ctx.hp_wgrad and not torch.is_grad_enabled()
+        wgrad_needed = ctx.needs_input_grad[1] or bool(weights)
+        fp8_wgrad = wgrad_needed and not ctx.hp_wgrad
         if ctx.needs_input_grad[0] and fp8_wgrad:
             (qg, sg), (qg_t, sg_t) = _quant_act_and_wgrad(grad_out, bwd_dtype, mode)
         elif ctx.needs_input_grad[0]:
@@ -244,9 +257,11 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 b_view, sw = saved_w
                 b_scale = sw.expand(groups) if mode == SCALE_TENSORWISE else sw
             grad_a = grouped_gemm_fp8_impl(qg, b_view, sg, b_scale, group_lens, mode, ctx.a_dtype)
-        if ctx.hp_wgrad:
+        if fused_into:  # the bf16 wgrad summed into the weights' .grad inside the GEMM
+            wgrad_into_weights(qa_t, grad_out, group_lens, weights)
+        elif ctx.hp_wgrad:
             grad_b = grouped_wgrad(qa_t, grad_out, group_lens, trans_b, groups).to(ctx.b_dtype)
-        elif ctx.needs_input_grad[1]:
+        elif wgrad_needed:
             wmode = SCALE_TENSORWISE if mode == SCALE_TENSORWISE else SCALE_ROWWISE
             if wmode == SCALE_TENSORWISE:
                 sx, sg_t = _per_group(sa_t, groups), _per_group(sg_t, groups)
@@ -260,7 +275,14 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 grad_b = grouped_gemm_fp8_variable_k_impl(
                     qa_t, qg_t, sx, sg_t, group_lens, wmode, ctx.b_dtype
                 )
-        return grad_a, grad_b, None, None, None, None, None
+        if not weights:
+            return grad_a, grad_b, None, None, None, None, None
+        to_weights = (None,) * len(weights)
+        if grad_b is not None and torch.is_grad_enabled():  # create_graph: differentiable, through autograd
+            to_weights = _weight_grads(grad_b, weights)
+        elif grad_b is not None:  # the FP8 wgrad: added in one pass
+            add_into_grads(weights, grad_b)
+        return grad_a, grad_b if ctx.needs_input_grad[1] else None, None, None, None, None, None, *to_weights
 
 
 def _check_config(config) -> Float8QuantConfig:
@@ -299,6 +321,8 @@ def grouped_gemm_fp8(
     trans_b: bool = True,
     out_dtype: torch.dtype | None = None,
     config: Float8QuantConfig | None = None,
+    *,
+    wgrad_into=None,
 ) -> torch.Tensor:
     """FP8 grouped GEMM with bf16/fp16/fp32 inputs quantized on the fly (see the module docstring).
 
@@ -307,7 +331,9 @@ def grouped_gemm_fp8(
     with the same config, which skips the weight quantization), plus
         out_dtype: bf16/fp16/fp32 output (default: a's dtype);
         config: Float8QuantConfig (default E4M3 TENSORWISE); BLOCKWISE needs block_size 128;
-            DELAYED scaling is not supported here (current scaling only).
+            DELAYED scaling is not supported here (current scaling only);
+        wgrad_into: as in :func:`grouped_gemm` (with ``config.high_precision_wgrad`` the bf16 wgrad sums into
+            the weights' ``.grad`` inside the GEMM; the FP8 wgrad is added in one pass).
 
     Sync-free like grouped_gemm (CUDA-graph capturable) except with the TORCH backend, the CPU
     default; PRIMUS_TURBO_DEBUG_CHECKS=1 enables the host-syncing value checks on group_lens.
@@ -324,10 +350,11 @@ def grouped_gemm_fp8(
     out_dtype = a.dtype if out_dtype is None else out_dtype
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"grouped_gemm_fp8: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    weights = check_wgrad_into("grouped_gemm_fp8", b, trans_b, wgrad_into)
     if a.shape[0] == 0 or a.shape[1] == 0:  # nothing to quantize: the exact (zero/empty) answer
         # (b's values do not matter with no rows or K == 0; a stand-in b is materialized here)
-        return grouped_gemm(a, b, group_lens, trans_b=trans_b).to(out_dtype)
+        return grouped_gemm(a, b, group_lens, trans_b=trans_b, wgrad_into=weights or None).to(out_dtype)
     return GroupedGemmFP8Function.apply(
         a.contiguous(), b if b_fp8 is not None else b.contiguous(), group_lens, bool(trans_b), config,
-        out_dtype, b_fp8,
+        out_dtype, b_fp8, *weights,
     )  # fmt: skip

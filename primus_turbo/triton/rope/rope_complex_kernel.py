@@ -48,6 +48,13 @@ def rope_complex_kernel(
     tl.store(o_row + NOPE + r, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
+def rows_per_program(rows: int, row_block: int) -> int:
+    """BLOCK_T: a power of two (tl.arange) near 4096 elements per program, at most 64 rows and at most rows
+    rounded up."""
+    fit = max(1, 4096 // row_block)
+    return min(64, 1 << (fit.bit_length() - 1), triton.next_power_of_2(rows))
+
+
 def launch_rope_complex(x, freqs, out, rope_dim: int, backward: bool) -> None:
     """x: [B, S, H, D] with unit stride along D; freqs: fp32 [>= S, rope_dim / 2, 2] (view_as_real of the
     complex freqs, unit stride along the last two dims); out: contiguous [B, S, H, D]."""
@@ -58,7 +65,7 @@ def launch_rope_complex(x, freqs, out, rope_dim: int, backward: bool) -> None:
     nope = dim - rope_dim
     block_n = triton.next_power_of_2(nope) if nope else 1
     block_r = max(2, triton.next_power_of_2(rope_dim))
-    block_t = max(1, min(64, 4096 // (block_n + block_r), triton.next_power_of_2(rows)))
+    block_t = rows_per_program(rows, block_n + block_r)
     rope_complex_kernel[(triton.cdiv(rows, block_t),)](
         x, freqs, out, rows, seq, heads, x.stride(0), x.stride(1), x.stride(2), freqs.stride(0),
         NOPE=nope, ROPE=rope_dim, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, BACKWARD=backward,

@@ -127,6 +127,17 @@ def test_deepseek_v2_lite_q_shape_on_gpu(device):
     assert torch.equal(gx[..., :128], g[..., :128])
 
 
+@pytest.mark.parametrize(
+    "rows,row_block,want",
+    [(2 * 4096 * 16, 128 + 64, 16), (2 * 4096, 1 + 64, 32), (3, 192, 4), (1, 8, 1), (10**6, 2, 64)],
+)
+def test_rows_per_program_is_a_power_of_two(rows, row_block, want):
+    """tl.arange needs a power of two: MLA q (nope 128 + rope 64 per row) once launched 21 rows a program."""
+    from primus_turbo.triton.rope.rope_complex_kernel import rows_per_program
+
+    assert rows_per_program(rows, row_block) == want
+
+
 def _compile_all() -> None:
     from primus_turbo.triton.rope import rope_complex_kernel as rk
 

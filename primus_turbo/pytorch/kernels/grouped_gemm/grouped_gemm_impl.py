@@ -4,7 +4,10 @@ Two problems, one dispatcher each (both answer to PRIMUS_TURBO_GROUPED_GEMM_BACK
 
 * grouped GEMM (forward and dgrad): ``out[rows_g] = a[rows_g] @ B_g`` with B_g = b[g] ([K, N]) or
   b[g]^T when ``trans_b`` (b is then [G, N, K]);
-* variable-K grouped GEMM (wgrad): ``out[g] = x[rows_g]^T @ y[rows_g]`` -> [G, P, Q].
+* variable-K grouped GEMM (wgrad): ``out[g] = x[rows_g]^T @ y[rows_g]`` -> [G, P, Q];
+* the same into a given buffer, in place (``out[g] (+)= ...``, e.g. fp32 gradients of bf16 GEMMs): its own
+  dispatcher, PRIMUS_TURBO_GROUPED_WGRAD_ACCUMULATE_BACKEND (TRITON adds in the GEMM's epilogue; CUTLASS and
+  TORCH compute the gradient, then add it in one more pass).
 
 Backends:
   CUTLASS  torch._grouped_mm (bf16, 16-byte aligned strides: K and N multiples of 8). Offsets are
@@ -23,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.main_grad import add_into_
 from primus_turbo.pytorch.core.utils import eager_direct, triton_can_run_on, zero_rows_from
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     launch_grouped_gemm,
@@ -34,6 +38,8 @@ __all__ = [
     "GroupedGemmVariableKDispatcher",
     "grouped_gemm_impl",
     "grouped_gemm_variable_k_impl",
+    "GroupedWgradIntoDispatcher",
+    "grouped_gemm_variable_k_into_",
     "cutlass_offsets",
     "zero_tail",
 ]
@@ -237,3 +243,82 @@ def grouped_gemm_variable_k_impl(
 @grouped_gemm_variable_k_impl.register_fake
 def _(x, y, group_lens, offs=None):
     return x.new_empty(group_lens.shape[0], x.shape[1], y.shape[1])
+
+
+# -- variable-K into a given buffer, in place: out[g] = / += x[rows_g]^T @ y[rows_g] ---------------
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class WgradIntoTritonBackend(KernelBackend):
+    """The variable-K kernel writing (``accumulate``: adding, summed in fp32) into ``out`` directly."""
+
+    @staticmethod
+    def can_handle(x, y, group_lens, out, **kw) -> bool:
+        return (
+            x.dtype in _HALF and y.dtype == x.dtype and out.dtype in _FLOAT_DTYPES
+            and triton_can_run_on(x, y, group_lens, out) and group_lens.shape[0] < 4096
+        )  # fmt: skip
+
+    @staticmethod
+    def execute(x, y, group_lens, out, accumulate, **kw):
+        launch_grouped_gemm_variable_k(x, y, out, group_lens, accumulate=accumulate)
+
+
+def _compute_then_add(variable_k: type[KernelBackend]) -> type[KernelBackend]:
+    """A wgrad-into backend from a variable-K one: its gradient (x's dtype), then copied / added into out."""
+
+    class ComputeThenAdd(KernelBackend):
+        @staticmethod
+        def can_handle(x, y, group_lens, out, offs=None, **kw) -> bool:
+            handles = variable_k.can_handle(x=x, y=y, group_lens=group_lens, offs=offs)
+            return out.dtype in _FLOAT_DTYPES and handles
+
+        @staticmethod
+        def execute(x, y, group_lens, out, accumulate, offs=None, **kw):
+            grad = variable_k.execute(x=x, y=y, group_lens=group_lens, offs=offs)
+            if accumulate:
+                add_into_(out, grad)
+            else:
+                out.copy_(grad)
+
+    ComputeThenAdd.__name__ = f"{variable_k.__name__}ThenAdd"
+    return ComputeThenAdd
+
+
+class GroupedWgradIntoDispatcher(AutoKernelDispatcher):
+    op_name = "grouped_wgrad_accumulate"
+    autotune = False  # in place: timing every candidate would add the gradient several times
+    backends = {
+        BackendType.TRITON: WgradIntoTritonBackend,
+        BackendType.CUTLASS: _compute_then_add(VariableKCutlassBackend),
+        BackendType.TORCH: _compute_then_add(VariableKTorchBackend),
+    }
+
+    @classmethod
+    def make_key(cls, x, y, group_lens, out, accumulate, **kw) -> tuple:
+        return ("wgrad_into", tuple(x.shape), tuple(y.shape), int(group_lens.shape[0]), x.dtype, out.dtype,
+                bool(accumulate), x.device.type)  # fmt: skip
+
+    @classmethod
+    def default_backend(cls, x, **kw):
+        if x.device.type == "cpu":
+            return BackendType.TORCH
+        return BackendType.TRITON
+
+
+@eager_direct
+@torch.library.custom_op("primus_turbo::grouped_gemm_variable_k_into_", mutates_args=("out",))
+def grouped_gemm_variable_k_into_(
+    x: torch.Tensor, y: torch.Tensor, group_lens: torch.Tensor, out: torch.Tensor, accumulate: bool,
+    offs: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """``out[g] = x[rows_g]^T @ y[rows_g]`` (``accumulate``: ``+=``, summed in fp32) for out [G, P, Q] of any
+    float dtype and strides; empty groups: zeros (accumulate: unchanged). ``offs``: CUTLASS offsets."""
+    GroupedWgradIntoDispatcher.dispatch(
+        x=x, y=y, group_lens=group_lens, out=out, accumulate=accumulate, offs=offs
+    )
+
+
+@grouped_gemm_variable_k_into_.register_fake
+def _(x, y, group_lens, out, accumulate, offs=None):
+    return None
