@@ -139,8 +139,8 @@ def kernel_sites(prof, steps: int) -> list[dict]:
     sites: dict[str, list[float]] = {}
     for e in prof.events():
         kernels = getattr(e, "kernels", None)
-        if not kernels or _is_kernel(e) or e.name.startswith("ProfilerStep"):
-            continue
+        if not kernels or _is_kernel(e) or e.name.startswith(("ProfilerStep", "Command Buffer Full")):
+            continue  # a full launch queue is a CUPTI marker: kernels attach to it by a stray correlation id
         outer, node = "", e.cpu_parent
         while node is not None and not outer:
             name = node.name

@@ -8,7 +8,7 @@ module, or through ``train.py framework=torchtitan`` (which sets the options fro
                 FeedForward w1/w3 -> one GEMM + turbo swiglu (bf16 linears over fp32 weights under autocast)
   attention     ScaledDotProductAttentionWrapper -> TurboAttention "bhsd" (MLA 192/128, GQA)
   rope          DeepSeek-V3 MLA Attention -> TurboMLA (q's split + RoPE + cat, k_pe's RoPE, the keys' split +
-                cat: one kernel each way; opt-in, PRIMUS_TURBO_TORCHTITAN_MLA_ROPE=1, until measured on a GPU)
+                cat: one kernel each way)
   rmsnorm       nn.RMSNorm -> turbo RMSNorm
   embedding     nn.Embedding -> weight gradient into the fp32 .grad by turbo.ops.embedding (no FSDP, tp == 1)
   grouped_gemm  GroupedExperts -> turbo grouped GEMM (bf16 or FP8) over the stacked w1/w2/w3
@@ -25,7 +25,6 @@ Parameter names and shapes never change. Fail-closed: a requested feature that c
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -240,14 +239,7 @@ def _attention(ctx) -> str:
     return f"{count} SDPA inner attention -> TurboAttention(layout=bhsd) (turbo.ops.flash_attn_func)"
 
 
-# TurboMLA has run on CPU only (Triton interpreter, against stock TorchTitan) and compiles for sm_90; until a
-# GPU run has checked and timed it, it is opt-in: PRIMUS_TURBO_TORCHTITAN_MLA_ROPE=1.
-MLA_ROPE_ENV = "PRIMUS_TURBO_TORCHTITAN_MLA_ROPE"
-
-
 def _rope_condition(ctx) -> str | None:
-    if os.environ.get(MLA_ROPE_ENV, "0") != "1":
-        return f"not yet measured on a GPU: opt in with {MLA_ROPE_ENV}=1"
     if ctx.options.tp > 1:
         return "tp > 1: TorchTitan's TP plan hands the attention DTensor-sharded heads; stock Attention kept"
     return None if ctx.modules_of(tm.MLAAttention) else "no DeepSeek-V3 MLA attention"

@@ -169,11 +169,12 @@ def grouped_gemm_variable_k_kernel(
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr = False,
-    ACCUMULATE: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = 0,
 ):  # fmt: skip
     """C[g] = X[rows_g]^T @ Y[rows_g]; an empty group's C[g] is written as exact zeros. ACCUMULATE:
     C[g] += X[rows_g]^T @ Y[rows_g] (summed in fp32, one rounding to C's dtype; an empty group's C[g] is
-    left as it was): a weight gradient added into an fp32 gradient buffer in the GEMM's epilogue."""
+    left as it was): a weight gradient added into an fp32 gradient buffer, read in the epilogue (1) or as
+    the accumulator's start before the K loop (2, SCALE_MODE 0 only)."""
     pid = tl.program_id(0)
     gidx, starts, lens, _, _ = _group_schedule(group_lens_ptr, G, M, BLOCK_G, 1, 1)
     num_p = tl.cdiv(P, BLOCK_P)
@@ -193,7 +194,12 @@ def grouped_gemm_variable_k_kernel(
         qs = tile_q * BLOCK_Q + offs_bq
         p_mask = ps < P
         q_mask = qs < Q
-        acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+        c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
+        c_mask = p_mask[:, None] & q_mask[None, :]
+        if ACCUMULATE == 2:  # C is the accumulator's start: its load leaves before the K loop (unscaled sums)
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
         # Token tiles aligned to BLOCK_K: the interior ones are unmasked along the token axis, so
         # token-contiguous operands (the FP8 transposed copies) get aligned vector loads; only the
         # (at most two) partial tiles at the group's edges are masked. A mask on an arbitrary
@@ -221,9 +227,7 @@ def grouped_gemm_variable_k_kernel(
             sx = tl.load(x_scale_ptr + ps, mask=p_mask, other=0.0)
             sy = tl.load(y_scale_ptr + qs, mask=q_mask, other=0.0)
             acc = acc * sx[:, None] * sy[None, :]
-        c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
-        c_mask = p_mask[:, None] & q_mask[None, :]
-        if ACCUMULATE:
+        if ACCUMULATE == 1:
             acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
@@ -345,7 +349,8 @@ def launch_grouped_gemm_variable_k(
     x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=None, accumulate=False, config=None
 ):  # fmt: skip
     """out[g] = x[rows_g]^T @ y[rows_g] for g < G (out: [G, P, Q], any strides); empty groups get zeros.
-    ``accumulate``: out[g] += ... instead (empty groups unchanged), the sum taken in fp32.
+    ``accumulate``: out[g] += ... instead (empty groups unchanged), the sum taken in fp32; True / 1 reads out
+    in the epilogue, 2 before the K loop (unscaled operands only).
 
     Scales: [G] each (scale_mode 1, the default when given) or [P] / [Q] contiguous (mode 2).
     No tokens (M == 0) zero-fills out (leaves it, when accumulating) without a launch.
@@ -363,6 +368,9 @@ def launch_grouped_gemm_variable_k(
     cfg = {**_wgrad_config(elem_bytes == 1, on_gpu, elem_bytes), **(config or {})}
     if scale_mode is None:
         scale_mode = SCALE_TENSORWISE if x_scale is not None else SCALE_NONE
+    accumulate = int(accumulate)
+    if accumulate == 2 and scale_mode != SCALE_NONE:
+        raise ValueError("launch_grouped_gemm_variable_k: accumulate=2 (C first) needs unscaled operands")
     ieee = x.dtype == y.dtype and x.element_size() == 4 and scale_mode == SCALE_NONE
     grouped_gemm_variable_k_kernel[(_num_programs(x.device),)](
         x, y, out, group_lens,
@@ -370,6 +378,6 @@ def launch_grouped_gemm_variable_k(
         g, m, p, q,
         x.stride(0), x.stride(1), y.stride(0), y.stride(1), out.stride(0), out.stride(1), out.stride(2),
         NUM_PROGS=_num_programs(x.device), BLOCK_G=_block_g(g),
-        SCALE_MODE=scale_mode, UPCAST=not on_gpu, IEEE=ieee, ACCUMULATE=bool(accumulate), **cfg,
+        SCALE_MODE=scale_mode, UPCAST=not on_gpu, IEEE=ieee, ACCUMULATE=accumulate, **cfg,
     )  # fmt: skip
     return out

@@ -70,8 +70,7 @@ def _assert_matches_stock(stock, turbo, cfg, seed):
     ],
     ids=["deepseek_v3_mla_moe", "qwen3_gqa_moe", "llama3_dense"],
 )  # fmt: skip
-def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family, expected, monkeypatch):
-    monkeypatch.setenv(conv.MLA_ROPE_ENV, "1")
+def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family, expected):
     cfg = cfg_of(*overrides)
     built_family, stock = build(cfg)
     assert built_family == family
@@ -90,19 +89,17 @@ def test_converter_swaps_modules_keeps_names_and_matches_stock(overrides, family
     _assert_matches_stock(stock, turbo, cfg, seed=1)
 
 
-def test_mla_rope_is_opt_in_until_measured_on_a_gpu(monkeypatch):
-    monkeypatch.delenv(conv.MLA_ROPE_ENV, raising=False)
-    cfg = cfg_of(*TINY_MLA)
+def test_mla_rope_flag_off_keeps_the_stock_attention():
+    cfg = cfg_of(*TINY_MLA, "turbo.rope=false")
     _, model = build(cfg)
     rows = {r.name: r for r in conv.convert_model(model, options(cfg))}
-    assert rows["turbo.rope"].status == "n/a" and conv.MLA_ROPE_ENV in rows["turbo.rope"].detail
+    assert rows["turbo.rope"].status != "active"
     assert not any(type(m) is tm.TurboMLA for m in model.modules())
 
 
-def test_turbo_mla_traces_with_fullgraph_like_torchtitans_per_block_compile(monkeypatch):
+def test_turbo_mla_traces_with_fullgraph_like_torchtitans_per_block_compile():
     """TorchTitan compiles each block with fullgraph=True: TurboMLA's two custom ops must trace (fake kernels)
     and give the eager outputs and gradients."""
-    monkeypatch.setenv(conv.MLA_ROPE_ENV, "1")
     cfg = cfg_of(*TINY_MLA)
     _, model = build(cfg)
     conv.convert_model(model, options(cfg))

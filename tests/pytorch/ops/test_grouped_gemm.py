@@ -152,8 +152,9 @@ def test_wgrad_dispatcher_uses_pinned_backend(device):
     assert GroupedGemmVariableKDispatcher.last_backend is BackendType.TRITON
 
 
+@pytest.mark.parametrize("mode", [1, 2], ids=["epilogue", "start"])
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "empty"])
-def test_variable_k_accumulates_into_strided_fp32_buffers(kind, device):
+def test_variable_k_accumulates_into_strided_fp32_buffers(kind, mode, device):
     """accumulate=True: out[g] += x_g^T @ y_g with bf16 operands summed in fp32 into an fp32 buffer that is
     a strided view (one half of a [G, 2P, Q] gradient, as w1's half of a fused gate/up); empty groups and the
     other half are left exactly as they were."""
@@ -163,7 +164,7 @@ def test_variable_k_accumulates_into_strided_fp32_buffers(kind, device):
     y = torch.randn(M, Q, device=device).bfloat16()
     buffer = torch.randn(G, 2 * P, Q, device=device)
     before = buffer.clone()
-    kmod.launch_grouped_gemm_variable_k(x[:, :P], y, buffer[:, :P], lens, accumulate=True)
+    kmod.launch_grouped_gemm_variable_k(x[:, :P], y, buffer[:, :P], lens, accumulate=mode)
     ends = lens.cumsum(0).tolist()
     for g, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
         want = before[g, :P].double() + x[start:end, :P].double().t() @ y[start:end].double()
@@ -316,15 +317,16 @@ FWD_CASES = [  # (a dtype, b dtype, scale mode, N); fp8e5 x fp8e4nv is the HYBRI
     ("fp8e5", "fp8e4nv", 3, 4096),
 ]
 WGRAD_CASES = [  # (x dtype, y dtype, scale mode, C dtype, accumulate); HYBRID wgrad: E5M2 x E4M3
-    ("bf16", "bf16", 0, "bf16", False),
-    ("bf16", "bf16", 0, "fp32", True),  # the expert gradient added into fp32 .grad buffers
-    ("bf16", "bf16", 0, "fp32", False),
-    ("fp16", "fp16", 0, "fp16", False),
-    ("fp32", "fp32", 0, "fp32", False),
-    ("fp8e4nv", "fp8e4nv", 1, "bf16", False),
-    ("fp8e4nv", "fp8e4nv", 2, "bf16", False),
-    ("fp8e5", "fp8e4nv", 1, "bf16", False),
-    ("fp8e5", "fp8e4nv", 2, "bf16", False),
+    ("bf16", "bf16", 0, "bf16", 0),
+    ("bf16", "bf16", 0, "fp32", 1),  # the expert gradient added into fp32 .grad buffers
+    ("bf16", "bf16", 0, "fp32", 2),
+    ("bf16", "bf16", 0, "fp32", 0),
+    ("fp16", "fp16", 0, "fp16", 0),
+    ("fp32", "fp32", 0, "fp32", 0),
+    ("fp8e4nv", "fp8e4nv", 1, "bf16", 0),
+    ("fp8e4nv", "fp8e4nv", 2, "bf16", 0),
+    ("fp8e5", "fp8e4nv", 1, "bf16", 0),
+    ("fp8e5", "fp8e4nv", 2, "bf16", 0),
 ]
 
 
