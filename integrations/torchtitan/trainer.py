@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from primus_turbo.integrations.common.data import TokenBatches
 from primus_turbo.integrations.common.metrics import StepMetrics, check_finite, model_flops_per_token
 from primus_turbo.integrations.common.patch_registry import PatchError
+from primus_turbo.integrations.torchtitan import sync_free
 from primus_turbo.integrations.torchtitan.job_config import (
     build_job_config,
     build_model_args,
@@ -58,44 +59,6 @@ class TokenBatchLoader:
         self.position = int(state["position"])
 
 
-class _StagedBatch(torch.Tensor):
-    """A CPU batch tensor (pinned) whose copy on the GPU is already queued: ``.to(that device)`` returns the
-    copy instead of copying again. TorchTitan's ``train_step`` counts the valid tokens on the CPU tensors,
-    then calls ``.to(device)`` per micro-batch: a blocking copy that drains the GPU queue, 9 times a step
-    (GPU idle ~20 ms of a 290 ms step, H200 profile). Every other ``.to`` and op acts on the CPU values and
-    returns plain tensors."""
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    def to(self, *args, **kwargs):
-        staged = self.__dict__.get("_turbo_staged")
-        target = kwargs.get("device", args[0] if len(args) == 1 else None)
-        if staged is not None and len(args) + len(kwargs) == 1 and isinstance(target, (str, torch.device)):
-            target = torch.device(target)
-            index = target.index
-            if index is None and target.type == "cuda":
-                index = torch.cuda.current_device()
-            if target.type == staged.device.type and index == staged.device.index:
-                return staged
-        return super().to(*args, **kwargs)
-
-
-def stage_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` (CPU) pinned, with its copy on ``device`` queued without blocking, as a ``_StagedBatch``."""
-    pinned = tensor.pin_memory()
-    staged = pinned.as_subclass(_StagedBatch)
-    staged._turbo_staged = pinned.to(device, non_blocking=True)
-    return staged
-
-
-def _staged_batches(batches, device: torch.device):
-    """TorchTitan ``batch_generator`` output with every tensor staged on ``device`` (turbo.input_copy)."""
-    for input_dict, labels in batches:
-        input_dict = {k: stage_to_device(v, device) if isinstance(v, torch.Tensor) else v
-                      for k, v in input_dict.items()}  # fmt: skip
-        yield input_dict, stage_to_device(labels, device)
-
-
 class TurboMetricsProcessor:
     """The part of TorchTitan's MetricsProcessor its Trainer uses, writing our per-step line and JSONL."""
 
@@ -118,6 +81,7 @@ class TurboMetricsProcessor:
         self.losses: list[float] = []
         self._last_log = time.perf_counter()
         self._last_step = 0
+        self._deferred = sync_free.DeferredMetrics()
 
     def should_log(self, step: int) -> bool:
         return step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps
@@ -126,9 +90,21 @@ class TurboMetricsProcessor:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         now = time.perf_counter()
-        steps = max(step - self._last_step, 1)
-        seconds = (now - self._last_log) / steps
-        loss = float(global_avg_loss)
+        seconds = (now - self._last_log) / max(step - self._last_step, 1)
+        self._record(step, float(global_avg_loss), seconds, grad_norm, extra_metrics)
+
+    def log_async(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, extra_metrics=None) -> None:
+        """turbo.sync_free_step: queue step's loss and grad norm (copied to pinned memory without blocking, a
+        timing event behind them) and log the step queued before, waiting for its event only: the GPU keeps
+        the work queued since. Its step time is the GPU timeline between the two steps' end events."""
+        self._deferred.queue(step, loss, grad_norm, extra_metrics, self._record_deferred)
+
+    def _record_deferred(self, step, loss, grad_norm, seconds, extra_metrics) -> None:
+        if seconds is None:  # the first queued step: host time since the last record
+            seconds = (time.perf_counter() - self._last_log) / max(step - self._last_step, 1)
+        self._record(step, loss, seconds, grad_norm, extra_metrics)
+
+    def _record(self, step, loss, seconds, grad_norm, extra_metrics) -> None:
         check_finite(loss, step)
         self.losses.append(loss)
         if step == 1 and self.cfg.turbo.enabled:
@@ -143,6 +119,7 @@ class TurboMetricsProcessor:
         self._last_log, self._last_step = time.perf_counter(), step
 
     def close(self) -> None:
+        self._deferred.flush(self._record_deferred)
         self.step_metrics.close()
 
 
@@ -220,24 +197,6 @@ def _setup_process_group() -> None:
         dist.init_process_group("gloo")
 
 
-def _trainer_class(cfg: DictConfig, trainer_cls: type) -> type:
-    """TorchTitan's Trainer, or with turbo.input_copy on a GPU a subclass whose batches reach the GPU without
-    blocking (Megatron's loader copies with non_blocking=True already)."""
-    if not (cfg.turbo.enabled and cfg.turbo.get("input_copy", False)):
-        return trainer_cls
-    if not torch.cuda.is_available():
-        log0("turbo.input_copy: n/a (no GPU: the batches stay on the CPU)")
-        return trainer_cls
-
-    class TurboTitanTrainer(trainer_cls):
-        def batch_generator(self, data_iterable):
-            return _staged_batches(super().batch_generator(data_iterable), self.device)
-
-    log0("turbo.input_copy: micro-batches pinned and copied to the GPU without blocking "
-         "(TorchTitan's train_step .to(device) drains the GPU queue per micro-batch)")  # fmt: skip
-    return TurboTitanTrainer
-
-
 def train(cfg: DictConfig) -> dict:
     """Run the recipe on TorchTitan's Trainer; returns {"losses": [...], "last_step": n}."""
     check_expressible(cfg)
@@ -252,7 +211,7 @@ def train(cfg: DictConfig) -> dict:
     init_logger()
     trainer = None
     try:
-        trainer = _trainer_class(cfg, Trainer)(job_config)
+        trainer = sync_free.trainer_class(cfg, Trainer, log0)(job_config)
         # train.autograd_threads=false (default): backward on this thread, as in the Megatron trainer
         with torch.autograd.set_multithreading_enabled(bool(cfg.train.get("autograd_threads", False))):
             trainer.train()

@@ -1,4 +1,5 @@
-"""turbo.input_copy (TorchTitan): micro-batches pinned and queued to the GPU without blocking.
+"""turbo.sync_free_step (TorchTitan): micro-batches staged to the GPU without blocking, metrics read back one
+step late behind CUDA events (``integrations/torchtitan/sync_free.py``).
 
 TorchTitan's ``train_step`` counts valid tokens on the CPU batch, then calls ``.to(device)`` per micro-batch
 (a blocking copy that drains the GPU queue). A ``_StagedBatch`` answers that ``.to`` with the copy queued at
@@ -12,11 +13,11 @@ pytest.importorskip("torchtitan")
 pytest.importorskip("hydra")
 
 from omegaconf import OmegaConf  # noqa: E402
-from primus_turbo.integrations.torchtitan import trainer as tt  # noqa: E402
+from primus_turbo.integrations.torchtitan import sync_free as sf  # noqa: E402
 
 
 def _staged(values: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
-    staged = values.as_subclass(tt._StagedBatch)
+    staged = values.as_subclass(sf._StagedBatch)
     staged._turbo_staged = copy
     return staged
 
@@ -36,12 +37,12 @@ def test_staged_batch_to_its_device_returns_the_queued_copy_and_ops_act_on_the_c
 
 
 def test_unstaged_batch_tensor_copies_as_usual():
-    plain = torch.arange(4).as_subclass(tt._StagedBatch)
+    plain = torch.arange(4).as_subclass(sf._StagedBatch)
     assert torch.equal(plain.to("cpu"), torch.arange(4)) and plain.to("meta").device.type == "meta"
 
 
-def _cfg(enabled=True, input_copy=True):
-    return OmegaConf.create({"turbo": {"enabled": enabled, "input_copy": input_copy}})
+def _cfg(enabled=True, sync_free=True):
+    return OmegaConf.create({"turbo": {"enabled": enabled, "sync_free_step": sync_free}})
 
 
 class _Base:
@@ -49,15 +50,22 @@ class _Base:
         yield from data_iterable
 
 
-@pytest.mark.parametrize("enabled,input_copy", [(False, True), (True, False)])
-def test_stock_trainer_when_turbo_or_input_copy_is_off(enabled, input_copy):
-    assert tt._trainer_class(_cfg(enabled, input_copy), _Base) is _Base
+@pytest.mark.parametrize("enabled,sync_free", [(False, True), (True, False)])
+def test_stock_trainer_when_turbo_or_the_flag_is_off(enabled, sync_free):
+    assert sf.trainer_class(_cfg(enabled, sync_free), _Base, print) is _Base
 
 
-def test_no_gpu_keeps_the_stock_trainer_and_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert tt._trainer_class(_cfg(), _Base) is _Base
-    assert "turbo.input_copy: n/a (no GPU" in capsys.readouterr().out
+def test_deferred_metrics_on_cpu_record_each_step_one_step_late():
+    rows = []
+    deferred = sf.DeferredMetrics()
+    for step in (1, 2, 3):
+        deferred.queue(
+            step, torch.tensor(float(step)), torch.tensor(2.0 * step), {"lr": step}, lambda *r: rows.append(r)
+        )
+        assert len(rows) == step - 1
+    deferred.flush(lambda *r: rows.append(r))
+    assert [r[:3] for r in rows] == [(1, 1.0, 2.0), (2, 2.0, 4.0), (3, 3.0, 6.0)] and rows[0][3] is None
+    assert all(r[3] >= 0 for r in rows[1:]) and [r[4]["lr"] for r in rows] == [1, 2, 3]
 
 
 @pytest.mark.gpu
@@ -67,7 +75,7 @@ def test_staged_micro_batches_reach_the_gpu_without_a_host_sync():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     device = torch.device("cuda", torch.cuda.current_device())
-    cls = tt._trainer_class(_cfg(), _Base)
+    cls = sf.trainer_class(_cfg(), _Base, print)
     assert cls is not _Base
     trainer = cls.__new__(cls)
     trainer.device = device
@@ -84,3 +92,24 @@ def test_staged_micro_batches_reach_the_gpu_without_a_host_sync():
     for (inputs, labels), (x, y) in zip(batches, on_gpu):
         assert x.is_cuda and y.is_cuda
         assert torch.equal(x.cpu(), inputs["input"]) and torch.equal(y.cpu(), labels)
+
+
+@pytest.mark.gpu
+def test_deferred_metrics_log_each_step_one_step_late_with_gpu_timed_steps():
+    """queue() of step n records step n - 1 (its values, and the GPU time between the two end events, here at
+    least the ~20 ms each step sleeps on the GPU), flush() the last one; queue() itself never syncs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    rows = []
+    deferred = sf.DeferredMetrics()
+    record = lambda *row: rows.append(row)  # noqa: E731
+    for step in range(1, 4):
+        torch.cuda._sleep(20_000_000)  # ~10-20 ms of GPU time, whatever the clock
+        loss = torch.full((), float(step), device="cuda")
+        norm = torch.full((), 10.0 * step, device="cuda")
+        deferred.queue(step, loss, norm, {"lr": 0.1}, record)
+        assert len(rows) == step - 1  # the step queued before, not this one
+    deferred.flush(record)
+    assert [r[:3] for r in rows] == [(1, 1.0, 10.0), (2, 2.0, 20.0), (3, 3.0, 30.0)]
+    assert rows[0][3] is None and all(r[3] > 0.005 for r in rows[1:]), rows
+    assert all(r[4] == {"lr": 0.1} for r in rows)
