@@ -261,7 +261,14 @@ class WgradIntoTritonBackend(KernelBackend):
 
     @staticmethod
     def execute(x, y, group_lens, out, accumulate, **kw):
-        launch_grouped_gemm_variable_k(x, y, out, group_lens, accumulate=accumulate)
+        if not accumulate:
+            launch_grouped_gemm_variable_k(x, y, out, group_lens)
+            return
+        # C read as the accumulator's start (its load leaves before the K loop), 4 stages: H200, deepseek_moe
+        # experts, fc1 1.65 ms / fc2 0.95 against CUTLASS + the add pass 1.75 / 0.95 and the epilogue read
+        # 2.16 / 1.19 (bench_expert_wgrad_accumulate, session 18)
+        config = {"num_stages": 4} if x.is_cuda else None
+        launch_grouped_gemm_variable_k(x, y, out, group_lens, accumulate=2, config=config)
 
 
 def _compute_then_add(variable_k: type[KernelBackend]) -> type[KernelBackend]:
@@ -300,14 +307,14 @@ class GroupedWgradIntoDispatcher(AutoKernelDispatcher):
                 bool(accumulate), x.device.type)  # fmt: skip
 
     @classmethod
-    def default_backend(cls, x, accumulate=False, **kw):
+    def default_backend(cls, x, **kw):
         """Measured on an H200 (bench_expert_wgrad_accumulate, deepseek_moe_fp8 experts, 49152 routed rows):
-        writing fp32, TRITON beats CUTLASS + a cast (fc1 1.43 vs 1.90 ms, fc2 0.80 vs 1.01); adding, CUTLASS +
-        the add pass beats TRITON's fused epilogue (1.78 vs 2.15 ms, 0.95 vs 1.19): the Triton wgrad runs at
-        ~470 TFLOP/s against CUTLASS's ~630, and reading C in its epilogue costs ~0.7 ms at fc1."""
+        writing fp32, TRITON beats CUTLASS + a cast (fc1 1.49 vs 1.91 ms, fc2 0.81 vs 1.01); adding, TRITON
+        with C as the accumulator's start matches or beats CUTLASS + the add pass (1.65 vs 1.75 ms, 0.95 vs
+        0.95) although its GEMM alone is slower (~470 against ~630 TFLOP/s)."""
         if x.device.type == "cpu":
             return BackendType.TORCH
-        return BackendType.CUTLASS if accumulate else BackendType.TRITON
+        return BackendType.TRITON
 
 
 @eager_direct
