@@ -18,7 +18,7 @@ DTYPES = ("auto", "bf16", "fp32")
 DATA_KINDS = ("synthetic", "text")
 DISPATCHERS = ("alltoall", "flex")
 TURBO_FEATURES = ("gemm", "grouped_gemm", "attention", "rmsnorm", "router", "permute", "dispatch", "async_tp",
-                  "cross_entropy", "embedding", "rope", "sync_free_step")  # fmt: skip
+                  "cross_entropy", "embedding", "rope", "sync_free_step", "optimizer")  # fmt: skip
 
 
 def moe_layer_pattern(model_cfg: DictConfig) -> list[int]:

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from primus_turbo.pytorch.optim import AdamW as TurboAdamW
+
 
 class _StagedBatch(torch.Tensor):
     """A CPU batch tensor (pinned) whose copy on the GPU is already queued: ``.to(that device)`` returns the
@@ -128,10 +130,22 @@ def train_step(trainer, data_iterator) -> None:
             input_dict=inputs, labels=labels.to(trainer.device), global_valid_tokens=global_valid_tokens
         )
         losses.append(loss.detach())
-    grad_norm = dist_utils.clip_grad_norm_(
-        [p for m in trainer.model_parts for p in m.parameters()], trainer.job_config.training.max_norm,
-        foreach=True, pp_mesh=dims.get_optional_mesh("pp"), ep_enabled=dims.ep_enabled,
-    )  # fmt: skip
+    params = [p for m in trainer.model_parts for p in m.parameters()]
+    max_norm = trainer.job_config.training.max_norm
+    inner = trainer.optimizers.optimizers
+    if not dims.ep_enabled and inner and all(isinstance(o, TurboAdamW) for o in inner):
+        # turbo.optimizer: TorchTitan's clip (norm, then .grad *= factor) with the factor applied in the step
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        factor = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+        for optimizer in inner:
+            optimizer.set_next_grad_scale(factor)
+    else:
+        grad_norm = dist_utils.clip_grad_norm_(
+            params, max_norm, foreach=True, pp_mesh=dims.get_optional_mesh("pp"), ep_enabled=dims.ep_enabled
+        )
     trainer.checkpointer.maybe_wait_for_staging()
     trainer.optimizers.step()
     trainer.lr_schedulers.step()
@@ -142,22 +156,64 @@ def train_step(trainer, data_iterator) -> None:
         trainer.metrics_processor.log_async(trainer.step, torch.stack(losses).sum(), grad_norm, extra)
 
 
+def use_turbo_adamw(optimizers) -> int:
+    """turbo.optimizer: each torch AdamW of TorchTitan's OptimizersContainer becomes a ``turbo.optim.AdamW``
+    (same state and options; its step a Triton pass per parameter); returns how many."""
+    swapped = 0
+    for optimizer in optimizers.optimizers:
+        if type(optimizer) is torch.optim.AdamW:
+            optimizer.__class__ = TurboAdamW
+            optimizer.turbo_steps, optimizer._next_grad_scale = 0, None
+            optimizer._patch_step_function()  # torch's step hooks / profiler range around the new step
+            if "step" in optimizer.__dict__:
+                # an LR scheduler built before the swap wrapped the *old* step function on the instance (its
+                # call counter): without this, torch's AdamW kept stepping (a CPU test caught it)
+                del optimizer.__dict__["step"]
+                optimizer.step = _counted(optimizer)
+            swapped += 1
+    return swapped
+
+
+def _counted(optimizer):
+    """torch's LR-scheduler step wrapper (it marks the optimizer as stepped) around the class's step."""
+    step = optimizer.step
+
+    def wrapper(*args, **kwargs):
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    return wrapper
+
+
 def trainer_class(cfg, trainer_cls: type, log) -> type:
-    """TorchTitan's Trainer, or with turbo.sync_free_step on a GPU the subclass the module doc describes."""
-    if not (cfg.turbo.enabled and cfg.turbo.get("sync_free_step", False)):
+    """TorchTitan's Trainer, or with turbo.sync_free_step / turbo.optimizer the subclass the module doc
+    describes (the optimizer swap: ``use_turbo_adamw``)."""
+    sync_free = cfg.turbo.enabled and cfg.turbo.get("sync_free_step", False)
+    turbo_adamw = cfg.turbo.enabled and cfg.turbo.get("optimizer", False)
+    if not (sync_free or turbo_adamw):
         return trainer_cls
 
     class TurboTitanTrainer(trainer_cls):
+        def __init__(self, job_config):
+            super().__init__(job_config)
+            if turbo_adamw:
+                n = use_turbo_adamw(self.optimizers)
+                clip = "the clip factor applied inside" if sync_free else "TorchTitan's clip"
+                log(f"turbo.optimizer: {n} torch AdamW -> turbo.optim.AdamW (Triton, {clip})")
+
         def batch_generator(self, data_iterable):
-            return staged_batches(super().batch_generator(data_iterable), self.device)
+            batches = super().batch_generator(data_iterable)
+            return staged_batches(batches, self.device) if sync_free else batches
 
         def train_step(self, data_iterator):
-            if self.parallel_dims.pp_enabled or self.parallel_dims.dp_cp_enabled:
+            if not sync_free or self.parallel_dims.pp_enabled or self.parallel_dims.dp_cp_enabled:
                 return super().train_step(data_iterator)
             return train_step(self, data_iterator)
 
-    log(
-        "turbo.sync_free_step: micro-batches staged to the GPU without blocking; without data parallelism or "
-        "pipeline stages, loss and grad norm read back one step later (step time from CUDA events)"
-    )
+    if sync_free:
+        log(
+            "turbo.sync_free_step: micro-batches staged to the GPU without blocking; without data "
+            "parallelism or pipeline stages, loss and grad norm read back one step later (event-timed steps)"
+        )
     return TurboTitanTrainer

@@ -113,3 +113,24 @@ def test_deferred_metrics_log_each_step_one_step_late_with_gpu_timed_steps():
     assert [r[:3] for r in rows] == [(1, 1.0, 10.0), (2, 2.0, 20.0), (3, 3.0, 30.0)]
     assert rows[0][3] is None and all(r[3] > 0.005 for r in rows[1:]), rows
     assert all(r[4] == {"lr": 0.1} for r in rows)
+
+
+def test_turbo_adamw_swap_takes_over_the_step_an_lr_scheduler_wrapped_before():
+    """TorchTitan builds its LR schedulers (which wrap optimizer.step on the instance) before the swap: the
+    swapped optimizer must still step through turbo.optim.AdamW, consuming the grad scale set for it."""
+    import warnings
+    from types import SimpleNamespace
+
+    from primus_turbo.pytorch.optim import AdamW as TurboAdamW
+
+    params = [torch.nn.Parameter(torch.randn(4, 3))]
+    opt = torch.optim.AdamW(params, lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    assert sf.use_turbo_adamw(SimpleNamespace(optimizers=[opt])) == 1 and isinstance(opt, TurboAdamW)
+    params[0].grad = torch.ones(4, 3)
+    opt.set_next_grad_scale(torch.tensor(0.5))
+    opt.step()
+    assert opt._next_grad_scale is None and float(opt.state[params[0]]["step"]) == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" would be raised here
+        sched.step()

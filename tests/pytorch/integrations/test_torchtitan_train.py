@@ -97,20 +97,23 @@ def test_turbo_dispatch_trains_like_torchtitan_expert_parallel_all_to_all(tmp_pa
             assert abs(got[step] - value) <= 1e-5 * abs(value), (key, step, got, ref)
 
 
-def test_sync_free_step_trains_exactly_like_torchtitans_train_step(tmp_path):
+def test_sync_free_step_and_turbo_adamw_train_exactly_like_torchtitans_step(tmp_path):
     """One rank (no data parallelism): turbo.sync_free_step runs its own copy of TorchTitan's train_step
-    (batches staged, metrics one step late); the losses and grad norms of 4 steps equal TorchTitan's."""
+    (batches staged, metrics one step late) and turbo.optimizer swaps AdamW for turbo.optim.AdamW (on a CPU
+    without the interpreter its torch fallback, the clip factor applied by the optimizer): the losses and grad
+    norms of 4 steps equal those of TorchTitan's step and optimizer."""
     rows = {}
-    for flag in ("true", "false"):
-        path = tmp_path / f"sync_free_{flag}.jsonl"
-        flags = (f"turbo.sync_free_step={flag}", f"train.metrics_file={path}")
-        rc, out, _ = torchrun("train.steps=4", "parallel.ep=1", *flags, nproc=1)
+    for sync_free, optimizer in (("true", "true"), ("false", "false"), ("true", "false")):
+        path = tmp_path / f"sync_free_{sync_free}_{optimizer}.jsonl"
+        flags = (f"turbo.sync_free_step={sync_free}", f"turbo.optimizer={optimizer}")
+        rc, out, _ = torchrun("train.steps=4", "parallel.ep=1", *flags, f"train.metrics_file={path}", nproc=1)
         assert rc == 0, out[-4000:]
-        assert ("turbo.sync_free_step: micro-batches staged" in out) == (flag == "true")
+        assert ("turbo.sync_free_step: micro-batches staged" in out) == (sync_free == "true")
+        assert ("torch AdamW -> turbo.optim.AdamW" in out) == (optimizer == "true")
         assert "step 4/4" in out and "done: 4 steps" in out
-        rows[flag] = {key: _losses(path, key) for key in ("loss", "grad_norm")}
-    assert sorted(rows["true"]["loss"]) == [1, 2, 3, 4]
-    assert rows["true"] == rows["false"]
+        rows[sync_free, optimizer] = {key: _losses(path, key) for key in ("loss", "grad_norm")}
+    assert sorted(rows["true", "true"]["loss"]) == [1, 2, 3, 4]
+    assert rows["true", "true"] == rows["false", "false"] == rows["true", "false"]
 
 
 def test_requested_feature_that_cannot_apply_stops_the_run_under_strict():

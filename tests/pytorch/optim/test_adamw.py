@@ -1,0 +1,128 @@
+"""turbo.optim.AdamW against torch.optim.AdamW (for-loop, fp32): the same parameters and moments after several
+steps, with and without a gradient scale (gradient clipping's factor, which torch applies to .grad first), and
+a state_dict either optimizer loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_utils import assert_close
+
+from primus_turbo.pytorch.optim import AdamW
+
+KW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _params(device, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(37, 19), (5,), (3, 4, 8)]  # odd sizes: partial kernel blocks
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in shapes]
+
+
+def _grads(params, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=gen).to(p.device, p.dtype) for p in params]
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_matches_torch_adamw_over_steps(clip, device):
+    ours, ref = _params(device), _params(device)
+    opt, ref_opt = AdamW(ours, **KW), torch.optim.AdamW(ref, foreach=False, **KW)
+    for step in range(4):
+        for p, q, g in zip(ours, ref, _grads(ours, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        scale = None
+        if clip is not None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in ours])
+            scale = (clip / (norm + 1e-6)).clamp(max=1.0)
+            torch.nn.utils.clip_grads_with_norm_(ref, clip, norm)  # torch's way: .grad scaled in place
+        if step % 2:
+            opt.step(grad_scale=scale)
+        else:  # the container form: set before a step() without arguments, used once
+            opt.set_next_grad_scale(scale)
+            opt.step()
+        ref_opt.step()
+    assert opt.turbo_steps == 4 * len(ours) and opt._next_grad_scale is None
+    for p, q in zip(ours, ref):
+        assert_close(p, q, torch.float32)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_close(opt.state[p][key], ref_opt.state[q][key], torch.float32)
+        assert float(opt.state[p]["step"]) == 4.0
+    if clip is not None:  # the gradients are read, never written
+        assert all(torch.equal(p.grad, g) for p, g in zip(ours, _grads(ours, 3)))
+
+
+def test_state_dict_round_trips_with_torch_adamw(device):
+    ours, ref = _params(device), _params(device)
+    opt = AdamW(ours, **KW)
+    for p, g in zip(ours, _grads(ours, 0)):
+        p.grad = g
+    opt.step()
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **KW)
+    ref_opt.load_state_dict(opt.state_dict())
+    back = AdamW(_params(device), **KW)
+    back.load_state_dict(ref_opt.state_dict())
+    assert set(back.state_dict()["state"]) == set(opt.state_dict()["state"])
+
+
+def test_options_the_kernel_does_not_take_step_through_torch(device):
+    """amsgrad: torch's AdamW does the update (the grad_scale applied with one _foreach_mul_), same result."""
+    ours, ref = _params(device), _params(device)
+    opt = AdamW(ours, amsgrad=True, **KW)
+    ref_opt = torch.optim.AdamW(ref, amsgrad=True, foreach=False, **KW)
+    for step in range(2):
+        for p, q, g in zip(ours, ref, _grads(ours, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step(grad_scale=torch.tensor(0.5, device=device))
+        for q in ref:
+            q.grad.mul_(0.5)
+        ref_opt.step()
+    assert opt.turbo_steps == 0
+    for p, q in zip(ours, ref):
+        assert_close(p, q, torch.float32)
+
+
+def test_bf16_parameters_update_in_fp32_and_round_once(device):
+    ours = _params(device, torch.bfloat16)
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]
+    opt, ref_opt = AdamW(ours, **KW), torch.optim.AdamW(ref, foreach=False, **KW)
+    for p, q, g in zip(ours, ref, _grads(ours, 0)):
+        p.grad, q.grad = g, g.float()
+    opt.step()
+    ref_opt.step()
+    for p, q in zip(ours, ref):
+        assert p.dtype == torch.bfloat16 and opt.state[p]["exp_avg"].dtype == torch.bfloat16
+        assert_close(p.float(), q, torch.bfloat16)
+
+
+def test_bad_grad_scale_is_refused(device):
+    (p,) = _params(device)[:1]
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="grad_scale must be a one-element tensor"):
+        AdamW([p], **KW).step(grad_scale=0.5)
+
+
+def _compile_all() -> None:
+    from triton_compile_utils import compile_for_sm90
+
+    from primus_turbo.triton.optim import adamw_kernel as ak
+
+    for dtype in ("fp32", "bf16"):
+        sig = {
+            "p_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "m_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+            "scale_ptr": "*fp32", "numel": "i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32",
+            "eps": "fp32", "weight_decay": "fp32", "bias_correction1": "fp32",
+            "bias_correction2_sqrt": "fp32", "HAS_SCALE": "constexpr", "BLOCK": "constexpr",
+        }  # fmt: skip
+        for has_scale in (True, False):
+            compile_for_sm90(ak.adamw_kernel, sig, {"HAS_SCALE": has_scale, "BLOCK": ak.BLOCK}, num_warps=8)
+
+
+def test_kernel_compiles_for_sm90():
+    from triton_compile_utils import run_compile_check
+
+    run_compile_check(__file__)
+
+
+if __name__ == "__main__":
+    _compile_all()
