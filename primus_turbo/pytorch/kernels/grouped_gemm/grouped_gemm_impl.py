@@ -295,6 +295,7 @@ def _compute_then_add(variable_k: type[KernelBackend]) -> type[KernelBackend]:
 class GroupedWgradIntoDispatcher(AutoKernelDispatcher):
     op_name = "grouped_wgrad_accumulate"
     autotune = False  # in place: timing every candidate would add the gradient several times
+    cache_default = True  # the choice depends on make_key's fields only
     backends = {
         BackendType.TRITON: WgradIntoTritonBackend,
         BackendType.CUTLASS: _compute_then_add(VariableKCutlassBackend),
