@@ -16,8 +16,9 @@ precision:
 - add the half-precision weight gradient into the fp32 ``.grad`` in the backward, in one vectorized pass
   (``core.main_grad.add_into_``; the first micro-batch of a step stores it as ``.grad``; a gate/up
   gradient is split in place) and give autograd no gradient for the weight: no fp32 temporary, no
-  AccumulateGrad. The experts go further (``grouped_weights``): the grouped GEMM's ``wgrad_into`` sums
-  their gradient into ``.grad`` inside the wgrad GEMM, with no half-precision gradient at all.
+  AccumulateGrad. The experts and, on CUDA, the bf16 linears go further (``weights_for_wgrad_into``): the
+  GEMM's ``wgrad_into`` writes or sums their gradient into ``.grad`` inside the wgrad GEMM (Triton grouped
+  kernel; cuBLAS beta=1), unrounded, with no half-precision gradient at all.
 
 The gradient is rounded to bf16 before the fp32 sum, as under plain autocast. A weight that is a DTensor,
 has gradient hooks (e.g. TorchTitan's optimizer-in-backward) or needs a differentiable gradient
@@ -157,13 +158,14 @@ def fp8_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, config):
     return dataclasses.replace(w8, source=_with_grad(stand_in, (weight,)))
 
 
-def grouped_weights(owner: torch.nn.Module, name: str, weights, dtype: torch.dtype, config=None):
+def weights_for_wgrad_into(owner: torch.nn.Module, name: str, weights, dtype: torch.dtype, config=None):
     """``(b, wgrad_into)`` for ``grouped_gemm(x, b, ..., trans_b=True, wgrad_into=wgrad_into)`` (or
-    ``grouped_gemm_fp8(..., config=config, wgrad_into=...)``): b is the step's copy of the expert weights
-    [G, N, K] (several: concatenated along N) cast to ``dtype`` (the input's: the op takes one dtype for a and
-    b), or their GroupedFloat8Weight quantized from that cast (as the plain path quantizes the cast weight on
-    every call). When every weight needs a gradient, ``wgrad_into`` is the weights: the op sums their
-    gradients into ``.grad`` inside the wgrad GEMM (no half-precision [G, N, K] gradient, no add pass);
+    ``grouped_gemm_fp8(..., config=config, wgrad_into=...)``; for one dense weight, ``gemm(...,
+    wgrad_into=wgrad_into[0])``): b is the step's copy of the weights ([G, N, K] experts, several
+    concatenated along N; or one [N, K] weight) cast to ``dtype`` (the input's: the op takes one dtype for a
+    and b), or their GroupedFloat8Weight quantized from that cast (as the plain path quantizes the cast
+    weight on every call). When every weight needs a gradient, ``wgrad_into`` is the weights: the op sums
+    their gradients into ``.grad`` inside the wgrad GEMM (no half-precision gradient, no add pass);
     otherwise None, and b carries the gradient (``_GradIntoWeights``) or none."""
     weights = tuple(weights)
     fused = torch.is_grad_enabled() and all(w.requires_grad for w in weights)

@@ -76,6 +76,9 @@ class TitanLinear(Linear):
         return _share_linear_params(new, linear)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if amp.applies(self.weight, x2d) and x2d.is_cuda:  # the wgrad GEMM writes / sums into the fp32 .grad
+            weight, into = amp.weights_for_wgrad_into(self, "weight", (self.weight,), x2d.dtype)
+            return gemm(x2d, weight, trans_b=True, wgrad_into=into[0] if into else None)
         if amp.applies(self.weight, x2d):  # fp32 weight under autocast: cast once per step
             weight = amp.cast_weight(self, "weight", self.weight, x2d.dtype)
         else:
@@ -220,7 +223,7 @@ class TurboGroupedExperts(GroupedExperts):
     def _grouped(self, x: torch.Tensor, name: str, w: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
         config = EXPERTS_FP8_CONFIG
         if amp.applies(w, x):  # fp32 weights under autocast: cast (quantize) once per step
-            b, into = amp.grouped_weights(self, name, (w,), x.dtype, config)
+            b, into = amp.weights_for_wgrad_into(self, name, (w,), x.dtype, config)
             if config is not None:
                 return grouped_gemm_fp8(x, b, group_lens, trans_b=True, config=config, wgrad_into=into)
             return grouped_gemm(x, b, group_lens, trans_b=True, wgrad_into=into)
@@ -236,10 +239,10 @@ class TurboGroupedExperts(GroupedExperts):
         if not (FUSE_GATE_UP and amp.applies(w1, x) and amp.applies(w3, x)):
             return None
         if config is None:
-            b, into = amp.grouped_weights(self, "w13", (w1, w3), x.dtype)
+            b, into = amp.weights_for_wgrad_into(self, "w13", (w1, w3), x.dtype)
             h = grouped_gemm(x, b, group_lens, trans_b=True, wgrad_into=into)
         elif _gate_up_fp8_fusable(config, w1.shape[-2]):
-            b, into = amp.grouped_weights(self, "w13", (w1, w3), x.dtype, config)
+            b, into = amp.weights_for_wgrad_into(self, "w13", (w1, w3), x.dtype, config)
             h = grouped_gemm_fp8(x, b, group_lens, trans_b=True, config=config, wgrad_into=into)
         else:
             return None

@@ -67,9 +67,10 @@ def _op_shape(t: torch.Tensor, trans: bool) -> list[int]:
 
 class GemmFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad):
+    def forward(ctx, a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad, *wgrad_into):
         ctx.save_for_backward(a, b)
         ctx.trans_a, ctx.trans_b = trans_a, trans_b
+        ctx.wgrad_into = wgrad_into  # () or (the Parameter whose .grad takes b's gradient,)
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
         if accumulate_into_main_grad:
             ctx.weight = b  # the Python object carries main_grad / grad_added_to_main_grad
@@ -91,7 +92,25 @@ class GemmFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             weight = ctx.weight if ctx.accumulate_into_main_grad else None
             grad_b = gemm_wgrad(a, grad, trans_a, trans_b, b.dtype, weight)
-        return grad_a, grad_b, None, None, None, None
+        if not ctx.wgrad_into:
+            return grad_a, grad_b, None, None, None, None
+        (target,) = ctx.wgrad_into
+        if torch.is_grad_enabled():  # create_graph: the weight's gradient through autograd
+            return grad_a, grad_b, None, None, None, None, gemm_wgrad(a, grad, trans_a, trans_b, target.dtype)
+        _wgrad_into_grad(target, a, grad, trans_a, trans_b)
+        return grad_a, grad_b, None, None, None, None, None
+
+
+def _wgrad_into_grad(target, a, grad, trans_a: bool, trans_b: bool) -> None:
+    """b's gradient into ``target.grad``: one GEMM writing it in target's dtype (fp32 from half inputs: the
+    accumulator unrounded) when None, else accumulated by the GEMM (cuBLAS beta=1, ``gemm_accumulate_``)."""
+    lhs, rhs, t_lhs, t_rhs = (grad, a, True, trans_a) if trans_b else (a, grad, not trans_a, False)
+    if target.grad is None:
+        target.grad = gemm_forward(lhs, rhs, t_lhs, t_rhs, target.dtype)
+    elif target.grad.is_contiguous() and target.grad.shape == target.shape:
+        gemm_accumulate_(target.grad, lhs, rhs, t_lhs, t_rhs)
+    else:
+        target.grad.add_(gemm_forward(lhs, rhs, t_lhs, t_rhs, target.dtype))
 
 
 def gemm_wgrad(a, grad, trans_a: bool, trans_b: bool, out_dtype: torch.dtype, weight=None):
@@ -114,6 +133,7 @@ def gemm(
     out_dtype: torch.dtype | None = None,
     *,
     accumulate_into_main_grad: bool = False,
+    wgrad_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C[M, N] = op(a) @ op(b), op(x) = x.T when the flag is set. Differentiable in a and b.
 
@@ -124,6 +144,10 @@ def gemm(
             accumulator unrounded.
         accumulate_into_main_grad: add b's gradient into ``b.main_grad`` instead of returning it
             (Megatron ``gradient_accumulation_fusion`` semantics; see the module docstring).
+        wgrad_into: a leaf of b's shape that requires grad (e.g. the fp32 parameter b is the half-precision
+            copy of): b's gradient goes into its ``.grad`` instead: written by the wgrad GEMM in its dtype
+            (fp32: the accumulator unrounded) when ``.grad`` is None, summed into it by the GEMM otherwise
+            (cuBLAS beta=1); b gets no gradient, autograd none for the leaf (except under create_graph).
 
     The backend is chosen by ``GemmDispatcher`` (CUBLAS on CUDA, TORCH on CPU, TRITON when pinned
     or when autotune finds it faster); see ``primus_turbo.pytorch.core.backend``.
@@ -132,5 +156,15 @@ def gemm(
     _validate(a, b, trans_a, trans_b, out_dtype)
     if accumulate_into_main_grad and b.requires_grad:
         check_main_grad(b, "gemm", "b")
+    into = ()
+    if wgrad_into is not None:
+        if not (isinstance(wgrad_into, torch.Tensor) and wgrad_into.is_leaf and wgrad_into.requires_grad):
+            raise ValueError("gemm: wgrad_into must be a leaf tensor that requires grad (a parameter)")
+        if wgrad_into.shape != b.shape or wgrad_into.device != b.device or accumulate_into_main_grad:
+            raise ValueError(
+                f"gemm: wgrad_into is {tuple(wgrad_into.shape)} on {wgrad_into.device}; expected b's shape "
+                f"{tuple(b.shape)} on {b.device}, without accumulate_into_main_grad"
+            )
+        into = (wgrad_into,)
     out_dtype = a.dtype if out_dtype is None else out_dtype
-    return GemmFunction.apply(a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad)
+    return GemmFunction.apply(a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad, *into)
