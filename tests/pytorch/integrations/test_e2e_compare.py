@@ -413,6 +413,12 @@ def test_targets_section_names_the_dominant_op_when_a_target_is_missed(tmp_path)
     assert "the GPU runs kernels 50% of the step (host bound: see the host ops" in line, line
     slow_fp8.profile = None
     assert report.targets_section([results[0], slow_fp8], warmup=1)[2].endswith("see which op dominates")
+    # TorchTitan's own target (issue 9): 1.4x over its stock bf16 torch.compile step, no MFU target
+    titan = [report.RunResult("torchtitan", on, p, status="ok", rows=_rows(ms, 0.0))
+             for on, p, ms in ((False, "bf16", 1000.0), (True, "fp8", 700.0))]  # fmt: skip
+    line = "\n".join(report.targets_section(titan, warmup=1))
+    assert "- torchtitan turbo fp8: speedup 1.43x vs stock bf16 (target >= 1.4x): PASS" in line, line
+    assert "MFU" not in line and "1.8x" not in line, line
 
 
 def test_dry_run_prints_one_torchrun_per_configuration_and_writes_nothing(tmp_path, capsys):
