@@ -35,7 +35,7 @@ import dataclasses
 import torch
 from torch.distributed.tensor import DTensor
 
-from primus_turbo.pytorch.core.main_grad import add_into_
+from primus_turbo.pytorch.core.main_grad import add_into_grads, split_for_autograd
 
 _HALF = (torch.bfloat16, torch.float16)
 _STEP: list[int | None] = [None]  # the optimizer step the cached copies belong to; None: no caching
@@ -85,14 +85,9 @@ class _GradIntoWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weights = ctx.weights
-        parts = grad.split([w.shape[-2] for w in weights], dim=-2) if len(weights) > 1 else (grad,)
         if torch.is_grad_enabled():  # create_graph: the gradient must stay differentiable
-            return None, *(part.to(w.dtype) for part, w in zip(parts, weights))
-        for weight, part in zip(weights, parts):
-            if weight.grad is None:
-                weight.grad = part.to(weight.dtype, memory_format=torch.contiguous_format)
-            else:
-                add_into_(weight.grad, part)
+            return None, *split_for_autograd(grad, weights)
+        add_into_grads(weights, grad)
         return (None,) * (1 + len(weights))
 
 

@@ -76,10 +76,10 @@ class TitanLinear(Linear):
         return _share_linear_params(new, linear)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        if amp.applies(self.weight, x2d) and x2d.is_cuda:  # the wgrad GEMM writes / sums into the fp32 .grad
-            weight, into = amp.weights_for_wgrad_into(self, "weight", (self.weight,), x2d.dtype)
-            return gemm(x2d, weight, trans_b=True, wgrad_into=into[0] if into else None)
         if amp.applies(self.weight, x2d):  # fp32 weight under autocast: cast once per step
+            if x2d.is_cuda:  # the wgrad GEMM writes / sums into the fp32 .grad (cuBLAS beta=1)
+                weight, into = amp.weights_for_wgrad_into(self, "weight", (self.weight,), x2d.dtype)
+                return gemm(x2d, weight, trans_b=True, wgrad_into=into[0] if into else None)
             weight = amp.cast_weight(self, "weight", self.weight, x2d.dtype)
         else:
             weight = self.weight if self.weight.dtype == x2d.dtype else self.weight.to(x2d.dtype)

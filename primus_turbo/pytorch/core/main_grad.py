@@ -15,6 +15,7 @@ from primus_turbo.pytorch.core.utils import triton_can_run_on
 
 __all__ = [
     "check_main_grad", "wgrad_placeholder", "wgrad_placeholders", "accumulate_into_main_grads_", "add_into_",
+    "add_into_grads", "split_for_autograd",
 ]  # fmt: skip
 
 
@@ -109,6 +110,23 @@ def add_into_(dst: torch.Tensor, src: torch.Tensor) -> None:
         launch_accumulate_grouped(dst[0], src.reshape(src.shape[0], -1), dst[0].numel())
     else:
         launch_accumulate_grouped(dst, src.contiguous().reshape(1, -1), 0)
+
+
+def add_into_grads(weights, grad: torch.Tensor) -> None:
+    """A gradient of weights stacked along dim -2 (e.g. [w1; w3]) into each weight's ``.grad``: stored in the
+    weight's dtype where ``.grad`` is None, else added with :func:`add_into_` (one pass each)."""
+    parts = grad.split([w.shape[-2] for w in weights], dim=-2) if len(weights) > 1 else (grad,)
+    for part, w in zip(parts, weights):
+        if w.grad is None:
+            w.grad = part.to(w.dtype, memory_format=torch.contiguous_format)
+        else:
+            add_into_(w.grad, part)
+
+
+def split_for_autograd(grad: torch.Tensor, weights) -> tuple:
+    """create_graph: the stacked gradient split along dim -2, each part in its weight's dtype."""
+    parts = grad.split([w.shape[-2] for w in weights], dim=-2) if len(weights) > 1 else (grad,)
+    return tuple(part.to(w.dtype) for part, w in zip(parts, weights))
 
 
 # id(first main_grad) -> (the main_grad tensors, their runs or None): DDP's buffers live for the whole run, so

@@ -104,7 +104,7 @@ class GemmFunction(torch.autograd.Function):
 def _wgrad_into_grad(target, a, grad, trans_a: bool, trans_b: bool) -> None:
     """b's gradient into ``target.grad``: one GEMM writing it in target's dtype (fp32 from half inputs: the
     accumulator unrounded) when None, else accumulated by the GEMM (cuBLAS beta=1, ``gemm_accumulate_``)."""
-    lhs, rhs, t_lhs, t_rhs = (grad, a, True, trans_a) if trans_b else (a, grad, not trans_a, False)
+    lhs, rhs, t_lhs, t_rhs = _wgrad_operands(a, grad, trans_a, trans_b)
     if target.grad is None:
         target.grad = gemm_forward(lhs, rhs, t_lhs, t_rhs, target.dtype)
     elif target.grad.is_contiguous() and target.grad.shape == target.shape:
@@ -113,12 +113,17 @@ def _wgrad_into_grad(target, a, grad, trans_a: bool, trans_b: bool) -> None:
         target.grad.add_(gemm_forward(lhs, rhs, t_lhs, t_rhs, target.dtype))
 
 
+def _wgrad_operands(a, grad, trans_a: bool, trans_b: bool):
+    """(lhs, rhs, trans_lhs, trans_rhs) of b's gradient: dC^T @ op(a) for a [N, K] b, op(a)^T @ dC else."""
+    return (grad, a, True, trans_a) if trans_b else (a, grad, not trans_a, False)
+
+
 def gemm_wgrad(a, grad, trans_a: bool, trans_b: bool, out_dtype: torch.dtype, weight=None):
     """b's gradient from a (physical, op(a) = a^T with trans_a) and dC, in a's precision: dB = op(a)^T @ dC,
     stored dC^T @ op(a) when b is [N, K] (trans_b). With ``weight`` (the Python object carrying an fp32
     ``main_grad``) the GEMM accumulates into ``weight.main_grad`` and the DDP placeholder is returned."""
     grad = grad if grad.dtype == a.dtype else grad.to(a.dtype)
-    lhs, rhs, t_lhs, t_rhs = (grad, a, True, trans_a) if trans_b else (a, grad, not trans_a, False)
+    lhs, rhs, t_lhs, t_rhs = _wgrad_operands(a, grad, trans_a, trans_b)
     if weight is not None:
         gemm_accumulate_(weight.main_grad, lhs, rhs, t_lhs, t_rhs)
         return wgrad_placeholder(weight)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.main_grad import add_into_
+from primus_turbo.pytorch.core.main_grad import split_for_autograd
 from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     cutlass_offsets,
@@ -119,8 +119,6 @@ def wgrad_into_weights(a, grad_out, group_lens, weights, offs=None) -> None:
     written in the weight's dtype where ``.grad`` is None, added to it otherwise (summed in fp32 inside the
     GEMM where the backend can: no [G, N, K] gradient in a's precision, no add pass)."""
     grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
-    if offs is None and a.is_cuda and a.dtype == torch.bfloat16:
-        offs = cutlass_offsets(group_lens, a.shape[0])
     start = 0
     for w in weights:
         x = grad[:, start : start + w.shape[1]]
@@ -132,21 +130,6 @@ def wgrad_into_weights(a, grad_out, group_lens, weights, offs=None) -> None:
             grouped_gemm_variable_k_into_(x, a, group_lens, w.grad, True, offs)
         else:  # a .grad someone else laid out: the gradient, then autograd's add
             w.grad.add_(grouped_gemm_variable_k_impl(x, a, group_lens, offs))
-
-
-def add_into_grads(weights, wgrad: torch.Tensor) -> None:
-    """A computed [G, N, K] weight gradient into the weights' ``.grad``, split along N (one add pass each)."""
-    for part, w in zip(wgrad.split([w.shape[1] for w in weights], dim=1), weights):
-        if w.grad is None:
-            w.grad = part.to(w.dtype, memory_format=torch.contiguous_format)
-        else:
-            add_into_(w.grad, part)
-
-
-def _weight_grads(wgrad, weights) -> tuple:
-    """create_graph: the weights' gradients through autograd (differentiable), b's split along N."""
-    parts = wgrad.split([w.shape[1] for w in weights], dim=1)
-    return tuple(part.to(w.dtype) for part, w in zip(parts, weights))
 
 
 class GroupedGemmFunction(torch.autograd.Function):
@@ -182,7 +165,7 @@ class GroupedGemmFunction(torch.autograd.Function):
             wgrad = grad_b
             if wgrad is None:
                 wgrad = grouped_wgrad(a, grad_out, group_lens, True, b.shape[0], offs)
-            return grad_a, grad_b, None, None, *_weight_grads(wgrad, weights)
+            return grad_a, grad_b, None, None, *split_for_autograd(wgrad, weights)
         wgrad_into_weights(a, grad_out, group_lens, weights, offs)
         return grad_a, grad_b, None, None, *(None for _ in weights)
 

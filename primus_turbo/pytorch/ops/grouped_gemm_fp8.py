@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, ScalingStrategy
+from primus_turbo.pytorch.core.main_grad import add_into_grads, split_for_autograd
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     SCALE_BLOCKWISE,
     SCALE_ROWWISE,
@@ -41,8 +42,6 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     grouped_gemm_fp8_variable_k_impl,
 )
 from primus_turbo.pytorch.ops.grouped_gemm import (
-    _weight_grads,
-    add_into_grads,
     check_wgrad_into,
     grouped_gemm,
     grouped_wgrad,
@@ -279,7 +278,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             return grad_a, grad_b, None, None, None, None, None
         to_weights = (None,) * len(weights)
         if grad_b is not None and torch.is_grad_enabled():  # create_graph: differentiable, through autograd
-            to_weights = _weight_grads(grad_b, weights)
+            to_weights = split_for_autograd(grad_b, weights)
         elif grad_b is not None:  # the FP8 wgrad: added in one pass
             add_into_grads(weights, grad_b)
         return grad_a, grad_b if ctx.needs_input_grad[1] else None, None, None, None, None, None, *to_weights
