@@ -73,6 +73,7 @@ class TurboOptions:
     ep: int = 1
     cp: int = 1
     fsdp: bool = False  # TorchTitan shards the parameters (bf16 under FSDP's mixed precision)
+    compile: bool = False  # TorchTitan compiles each block (framework.compile)
 
     def get(self, key, default=None):
         return getattr(self, key, default)
@@ -345,15 +346,36 @@ def _dispatch(ctx) -> str:
     )
 
 
-# ---- features the TorchTitan side does not serve yet (fail-closed when requested) ------------------------
+# ---- tensor parallelism --------------------------------------------------------------------------------
 
 
-@REGISTRY.register("turbo.async_tp", "torchtitan.distributed.tensor_parallel.maybe_enable_async_tp", TESTED,
+def _async_tp_probe(ctx) -> str | None:
+    if ctx.options.compile:
+        return (
+            "framework.compile=true: turbo's fused all-gather/reduce-scatter GEMMs run eagerly (TorchTitan's "
+            "own async TP needs compile); set framework.compile=false or turbo.async_tp=false"
+        )
+    from primus_turbo.integrations.torchtitan import async_tp
+
+    if not any(async_tp.plan_for(name, m) for b in getattr(ctx.model, "layers", {}).values()
+               for name, m in b.named_children()):  # fmt: skip
+        return "no TransformerBlock attention / dense feed-forward that TorchTitan's TP plan gathers"
+    return _needs("ops.fused_all_gather_matmul", "ops.fused_matmul_reduce_scatter")(ctx)
+
+
+@REGISTRY.register("turbo.async_tp", "torch.distributed.tensor.parallel.PrepareModuleInput", TESTED,
                    feature="async_tp",
                    condition=lambda ctx: None if ctx.options.tp > 1 else "needs tp > 1",
-                   probe=lambda ctx: "the async-TP adapter is not wired for TorchTitan yet")  # fmt: skip
+                   probe=_async_tp_probe)  # fmt: skip
 def _async_tp(ctx) -> str:
-    return ""
+    from primus_turbo.integrations.torchtitan import async_tp
+
+    marked = async_tp.mark_blocks(ctx.model)
+    return (
+        f"{len(marked)} attention / dense feed-forward modules: TP input all-gather + the GEMMs reading it "
+        "-> turbo fused_all_gather_matmul, wo/w2 GEMM + reduce-scatter -> fused_matmul_reduce_scatter "
+        "(MoE layers: TorchTitan's TP)"
+    )
 
 
 def convert_model(model: nn.Module, options: TurboOptions) -> list:
@@ -376,6 +398,7 @@ class PrimusTurboConverter:
         options.ep = parallel_dims.ep
         options.cp = parallel_dims.cp
         options.fsdp = bool(getattr(parallel_dims, "fsdp_enabled", False))
+        options.compile = bool(job_config.compile.enable and "model" in job_config.compile.components)
         self.options = options
 
     def convert(self, model: nn.Module) -> None:

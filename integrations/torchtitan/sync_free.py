@@ -150,10 +150,11 @@ def train_step(trainer, data_iterator) -> None:
     trainer.optimizers.step()
     trainer.lr_schedulers.step()
     if trainer.metrics_processor.should_log(trainer.step):
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor norm (TP / EP meshes)
-            grad_norm = grad_norm.full_tensor()
+        loss = torch.stack(losses).sum()
+        # DTensors under TP (the loss-parallel loss is Replicate, the norm may be Partial): whole tensors
+        loss, grad_norm = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (loss, grad_norm))
         extra = {"n_tokens_seen": trainer.ntokens_seen, "lr": lr}
-        trainer.metrics_processor.log_async(trainer.step, torch.stack(losses).sum(), grad_norm, extra)
+        trainer.metrics_processor.log_async(trainer.step, loss, grad_norm, extra)
 
 
 def use_turbo_adamw(optimizers) -> int:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from primus_turbo.integrations.torchtitan import amp_weights as amp
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.models.deepseek_v3.model.model import Attention as MLAAttention
 from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
@@ -127,6 +127,17 @@ class TitanInnerAttention(TurboAttention):
             raise ValueError(
                 f"TitanInnerAttention: scale={scale} differs from the converted {self.softmax_scale}"
             )
+        if isinstance(q, DTensor):  # TP plans that keep q/k/v DTensors (qwen3): per-rank heads, run locally
+            placements = q.placements
+            if any(t.placements != placements for t in (k, v)) or not all(
+                isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 1) for p in placements
+            ):
+                raise ValueError(
+                    "TitanInnerAttention: q/k/v DTensors must share placements that shard the heads "
+                    f"(Shard(1)) or replicate, got {q.placements}, {k.placements}, {v.placements}"
+                )
+            out = super().forward(q.to_local(), k.to_local(), v.to_local())
+            return DTensor.from_local(out, q.device_mesh, placements, run_check=False)
         return super().forward(q, k, v)
 
 
