@@ -163,7 +163,9 @@ def _check_turbo(cfg: DictConfig) -> None:
     for key in ("enabled", "strict", *TURBO_FEATURES):
         _require(isinstance(cfg.turbo[key], bool), f"turbo.{key}={cfg.turbo[key]!r}: expected true or false")
     _require(
-        not cfg.parallel.sequence_parallel or (cfg.turbo.enabled and cfg.turbo.rmsnorm),
+        cfg.framework.name != "megatron"  # TorchTitan's TP plans shard the norms (SequenceParallel)
+        or not cfg.parallel.sequence_parallel
+        or (cfg.turbo.enabled and cfg.turbo.rmsnorm),
         "parallel.sequence_parallel=true needs turbo.enabled=true and turbo.rmsnorm=true: stock "
         "Megatron-Core without apex/TE has no sequence-parallel norm",
     )

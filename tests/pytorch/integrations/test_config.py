@@ -124,6 +124,12 @@ def test_bad_values_name_the_key(overrides, world, message):
         validate_config(cfg, world_size=world)
 
 
+def test_stock_torchtitan_sequence_parallel_is_valid():
+    """TorchTitan's TP plan shards the norms itself: only the Megatron path needs turbo's SP RMSNorm."""
+    overrides = ("parallel.tp=2", "parallel.ep=1", "parallel.sequence_parallel=true", "turbo.enabled=false")
+    validate_config(_cfg(*overrides, "framework=torchtitan"), world_size=2)
+
+
 def test_dense_model_rejects_expert_parallel():
     with pytest.raises(ConfigError, match="needs an MoE model"):
         validate_config(_cfg("recipe=tiny_dense", "parallel.ep=2"), world_size=2)

@@ -117,13 +117,13 @@ def test_sync_free_step_and_turbo_adamw_train_exactly_like_torchtitans_step(tmp_
 
 
 def test_tensor_parallel_run_with_turbo_async_tp_trains_like_torchtitans_tp(tmp_path):
-    """TP=2 (sequence parallel) on tiny_dense: the fused all-gather / reduce-scatter GEMMs and TorchTitan's own
-    TP give the same losses (fp32 on CPU), through the sync-free step (the loss is a DTensor under TP)."""
+    """TP=2 (sequence parallel) on tiny_dense: the fused all-gather / reduce-scatter GEMMs and TorchTitan's
+    own TP give the same losses (fp32 on CPU), through the sync-free step (the loss is a DTensor under TP)."""
     losses = {}
     for flag in ("true", "false"):
         path = tmp_path / f"async_tp_{flag}.jsonl"
-        rc, out, _ = torchrun("recipe=tiny_dense", "parallel.tp=2", "parallel.sequence_parallel=true",
-                              f"turbo.async_tp={flag}", "train.steps=3", f"train.metrics_file={path}")  # fmt: skip
+        tp = ("recipe=tiny_dense", "parallel.tp=2", "parallel.sequence_parallel=true")
+        rc, out, _ = torchrun(*tp, f"turbo.async_tp={flag}", "train.steps=3", f"train.metrics_file={path}")
         assert rc == 0, out[-4000:]
         assert re.search(r"turbo\.async_tp\s+" + ("active" if flag == "true" else "off"), out), out[-4000:]
         losses[flag] = _losses(path)
