@@ -61,6 +61,35 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class _CastOnce(torch.autograd.Function):
+    """``x.to(dtype)`` once for ``n`` consumers; backward: their gradients summed in x's dtype, as the
+    consumers' own casts (one ToCopyBackward each) and autograd's sum of those did, bitwise for n = 2."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, n):
+        ctx.in_dtype = x.dtype
+        ctx.set_materialize_grads(False)
+        y = x.to(dtype)
+        return tuple(y.view_as(y) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for g in grads:
+            if g is not None:
+                total = g.to(ctx.in_dtype, copy=True) if total is None else total.add_(g)
+        return total, None, None
+
+
+def autocast_inputs(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """``autocast_input(x)`` for ``n`` linears reading the same ``x`` (an fp32 norm output under autocast):
+    one cast kernel forward and one backward instead of n each."""
+    y = autocast_input(x)
+    if y is x or not torch.is_grad_enabled() or not x.requires_grad:
+        return (y,) * n
+    return _CastOnce.apply(x, y.dtype, n)
+
+
 def _share_linear_params(new: nn.Module, linear: nn.Linear) -> nn.Module:
     new.weight = linear.weight
     new.bias = linear.bias
@@ -171,10 +200,11 @@ class TurboMLA(MLAAttention):
         if positions is not None or freqs_cis.dtype != torch.complex64:
             return super().forward(x, freqs_cis, attention_masks, positions)
         bsz, seqlen, _ = x.size()
-        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        x_q, x_kv = autocast_inputs(x, 2)  # the q and kv_a projections read the same norm output
+        q = self.wq(x_q) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x_q)))
         q = q.view(bsz, seqlen, -1, self.qk_head_dim)  # (bsz, seqlen, n_heads, qk_head_dim)
         q = apply_rotary_emb_complex(q, freqs_cis, self.qk_rope_head_dim)
-        kv, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv, k_pe = torch.split(self.wkv_a(x_kv), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb_complex(k_pe.unsqueeze(2), freqs_cis)  # (bsz, seqlen, 1, qk_rope_head_dim)
         kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
         k, v = mla_key_value(kv, k_pe, self.qk_nope_head_dim)  # split + cat(k_nope, k_pe over heads)
@@ -345,13 +375,16 @@ class TurboMoE(MoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
-        top_scores, selected, num_tokens_per_expert = self.router(x, self.expert_bias)
+        # the router gate and the shared experts cast the same fp32 tokens under autocast: once here (the
+        # permute keeps reading fp32 x, so its gradient is summed over the K routes in fp32 as before)
+        x_router, x_shared = autocast_inputs(x, 2) if self.shared_experts is not None else (x, None)
+        top_scores, selected, num_tokens_per_expert = self.router(x_router, self.expert_bias)
         with torch.no_grad():  # expert-bias balancing / usage counts, as the stock forward keeps them
             self.tokens_per_expert.add_(num_tokens_per_expert)
         out_experts = self._routed_experts(x, top_scores, selected)
         if self.shared_experts is None:
             return out_experts.reshape(bs, slen, dim)
-        return (self.shared_experts(x) + out_experts).reshape(bs, slen, dim)
+        return (self.shared_experts(x_shared) + out_experts).reshape(bs, slen, dim)
 
     def _routed_experts(self, x, top_scores, selected) -> torch.Tensor:
         before = self.score_before_experts

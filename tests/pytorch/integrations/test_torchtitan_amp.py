@@ -112,6 +112,24 @@ def test_gate_up_as_one_gemm_and_swiglu_matches_the_separate_gemms(fp8_recipe, d
     _assert_same(fused, apart, exact=False, snr_db=28.0 if fp8_recipe else None)
 
 
+def test_one_cast_for_the_linears_sharing_an_input_gives_the_same_gradients(device, monkeypatch):
+    """MLA's q and kv_a projections, and the MoE router gate and shared experts, each read one fp32 tensor:
+    it is cast once (``autocast_inputs``) and the consumers' bf16 gradients are summed in fp32 as their own
+    casts' backward did: bitwise the per-consumer casts on CPU (two consumers: the fp32 sum commutes)."""
+    cfg, model = _turbo_model()
+    model.to(device)
+    calls = []
+    apply = tm._CastOnce.apply
+    monkeypatch.setattr(tm._CastOnce, "apply", lambda *a: calls.append(a[2]) or apply(*a))
+    once = _accumulate(model, cfg, micro_batches=2, seed=3)
+    n_mla = sum(type(m) is tm.TurboMLA for m in model.modules())
+    n_moe = sum(type(m) is tm.TurboMoE and m.shared_experts is not None for m in model.modules())
+    assert n_mla and n_moe and calls == [2] * (2 * (n_mla + n_moe))  # 2 micro-batches
+    monkeypatch.setattr(tm, "autocast_inputs", lambda x, n: (x,) * n)  # each linear casts its own copy
+    apart = _accumulate(model, cfg, micro_batches=2, seed=3)
+    _assert_same(once, apart, exact=device.type == "cpu")
+
+
 def test_the_cached_cast_is_reused_within_a_step_and_rebuilt_after_it_or_a_write():
     lin = tm.TitanLinear(32, 16, bias=False)
     x = torch.randn(4, 32)
