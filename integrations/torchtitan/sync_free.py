@@ -7,12 +7,13 @@ for the metrics line. After each drain the GPU idles while the host launches the
 
 - every micro-batch is pinned and its copy queued without blocking when the batch is drawn
   (``_StagedBatch``: TorchTitan's later ``.to(device)`` returns that copy);
-- single-GPU and TP/EP-only runs (no data parallel, no pipeline) also run ``train_step`` below: TorchTitan
-  0.2.2's own, with the valid-token count staged the same way and the loss and grad norm handed to the
-  metrics processor as GPU tensors (``DeferredMetrics``): copied to pinned memory behind a timing event and
-  logged one step later, when that event (not the queue) has completed. A step's time is then the GPU
-  timeline between the end events of two steps; its line prints during the next step (the last one at
-  close). Data-parallel and pipeline runs keep TorchTitan's step (their metrics reduce over ranks).
+- runs without pipeline stages also run ``train_step`` below: TorchTitan 0.2.2's own, with the valid-token
+  count staged the same way (and, with data parallelism, summed over the data-parallel ranks on the GPU, where
+  TorchTitan reads it back first), and the loss (summed over the loss mesh on the GPU) and grad norm handed
+  to the metrics processor as GPU tensors (``DeferredMetrics``): copied to pinned memory behind a timing
+  event and logged one step later, when that event (not the queue) has completed. A step's time is then the
+  GPU timeline between the end events of two steps; its line prints during the next step (the last one at
+  close). Pipeline runs keep TorchTitan's step.
 
 On a CPU the same code runs (nothing is pinned, the host clock times the steps): the CPU training tests cover
 this step against TorchTitan's.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from primus_turbo.pytorch.optim import AdamW as TurboAdamW
 
@@ -109,8 +111,9 @@ class DeferredMetrics:
 
 
 def train_step(trainer, data_iterator) -> None:
-    """TorchTitan 0.2.2 ``Trainer.train_step`` for runs without data parallelism or pipeline stages, with no
-    host sync: the valid-token count staged like the batches, the metrics deferred (``DeferredMetrics``)."""
+    """TorchTitan 0.2.2 ``Trainer.train_step`` for runs without pipeline stages, with no host sync: the
+    valid-token count staged like the batches (summed over the data-parallel ranks by a GPU all-reduce), the
+    metrics deferred (``DeferredMetrics``; the loss summed over the loss mesh on the GPU)."""
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
 
@@ -122,7 +125,10 @@ def train_step(trainer, data_iterator) -> None:
         input_dict, labels = next(data_iterator)
         local_valid_tokens += (labels != IGNORE_INDEX).sum()
         microbatches.append((input_dict, labels))
-    global_valid_tokens = stage_to_device(local_valid_tokens, trainer.device).to(trainer.device).float()
+    global_valid_tokens = stage_to_device(local_valid_tokens, trainer.device).to(trainer.device)
+    if dims.dp_enabled:  # TorchTitan: dist_sum over the batch mesh, read back to the host
+        global_valid_tokens = funcol.all_reduce(global_valid_tokens, "sum", dims.get_mesh("batch"))
+    global_valid_tokens = global_valid_tokens.float()
     losses = []
     for input_dict, labels in microbatches:
         inputs = {k: v.to(trainer.device) if torch.is_tensor(v) else v for k, v in input_dict.items()}
@@ -153,6 +159,8 @@ def train_step(trainer, data_iterator) -> None:
         loss = torch.stack(losses).sum()
         # DTensors under TP (the loss-parallel loss is Replicate, the norm may be Partial): whole tensors
         loss, grad_norm = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (loss, grad_norm))
+        if dims.dp_cp_enabled:  # TorchTitan's global average loss: the sum over the loss mesh
+            loss = funcol.all_reduce(loss, "sum", dims.get_optional_mesh("loss"))
         extra = {"n_tokens_seen": trainer.ntokens_seen, "lr": lr}
         trainer.metrics_processor.log_async(trainer.step, loss, grad_norm, extra)
 
@@ -208,13 +216,14 @@ def trainer_class(cfg, trainer_cls: type, log) -> type:
             return staged_batches(batches, self.device) if sync_free else batches
 
         def train_step(self, data_iterator):
-            if not sync_free or self.parallel_dims.pp_enabled or self.parallel_dims.dp_cp_enabled:
+            if not sync_free or self.parallel_dims.pp_enabled:
                 return super().train_step(data_iterator)
             return train_step(self, data_iterator)
 
     if sync_free:
         log(
-            "turbo.sync_free_step: micro-batches staged to the GPU without blocking; without data "
-            "parallelism or pipeline stages, loss and grad norm read back one step later (event-timed steps)"
+            "turbo.sync_free_step: micro-batches staged to the GPU without blocking; without pipeline "
+            "stages, token count and loss reduced on the GPU, loss and grad norm read back one step later "
+            "(event-timed steps)"
         )
     return TurboTitanTrainer

@@ -116,6 +116,21 @@ def test_sync_free_step_and_turbo_adamw_train_exactly_like_torchtitans_step(tmp_
     assert rows["true", "true"] == rows["false", "false"] == rows["true", "false"]
 
 
+def test_sync_free_step_with_data_parallelism_trains_exactly_like_torchtitans_step(tmp_path):
+    """Two FSDP ranks: the sync-free step sums the valid-token count and the loss over the ranks on the
+    device (TorchTitan reads them back to the host): the same losses and grad norms over 3 steps."""
+    rows = {}
+    for sync_free in ("true", "false"):
+        path = tmp_path / f"fsdp_sync_free_{sync_free}.jsonl"
+        rc, out, _ = torchrun("train.steps=3", "parallel.ep=1", f"turbo.sync_free_step={sync_free}",
+                              f"train.metrics_file={path}")  # fmt: skip
+        assert rc == 0, out[-4000:]
+        assert "Applied FSDP" in out, out[-4000:]
+        rows[sync_free] = {key: _losses(path, key) for key in ("loss", "grad_norm")}
+    assert sorted(rows["true"]["loss"]) == [1, 2, 3]
+    assert rows["true"] == rows["false"]
+
+
 def test_tensor_parallel_run_with_turbo_async_tp_trains_like_torchtitans_tp(tmp_path):
     """TP=2 (sequence parallel) on tiny_dense: the fused all-gather / reduce-scatter GEMMs and TorchTitan's
     own TP give the same losses (fp32 on CPU), through the sync-free step (the loss is a DTensor under TP)."""
