@@ -44,28 +44,30 @@ _ATTR = "_turbo_async_tp"
 
 
 def plan_for(name: str, module: nn.Module) -> tuple[tuple[str, ...], str] | None:
-    """(linears reading the gathered input, the row-parallel output linear) of a block child, or None."""
+    """(linears reading the gathered input, the row-parallel output linear) of a block child, or None (not a
+    module this adapter fuses; one with a biased linear keeps TorchTitan's plan)."""
     if name == "attention" and isinstance(module, _GQA):
-        return ("wq", "wk", "wv"), "wo"
-    if name == "attention" and isinstance(module, MLAAttention):
-        return (("wq",) if module.q_lora_rank == 0 else ("wq_a",)) + ("wkv_a",), "wo"
-    if name == "feed_forward" and all(hasattr(module, w) for w in ("w1", "w2", "w3")):
-        return ("w1", "w3"), "w2"
-    return None
+        plan = ("wq", "wk", "wv"), "wo"
+    elif name == "attention" and isinstance(module, MLAAttention):
+        plan = (("wq",) if module.q_lora_rank == 0 else ("wq_a",)) + ("wkv_a",), "wo"
+    elif name == "feed_forward" and all(hasattr(module, w) for w in ("w1", "w2", "w3")):
+        plan = ("w1", "w3"), "w2"
+    else:
+        return None
+    return None if any(getattr(module, w).bias is not None for w in (*plan[0], plan[1])) else plan
 
 
 def mark_blocks(model: nn.Module) -> list[str]:
-    """Mark every TransformerBlock's attention / dense feed-forward for the fused path (the converter, on the
-    meta model). Returns the marked module paths; modules with a biased linear keep TorchTitan's plan."""
+    """Mark every TransformerBlock's attention / dense feed-forward that ``plan_for`` accepts for the fused
+    path (the converter, on the meta model). Returns the marked module paths."""
     marked = []
     for block_name, block in getattr(model, "layers", nn.ModuleDict()).items():
         for name, module in block.named_children():
             plan = plan_for(name, module)
-            if plan is None or any(getattr(module, w).bias is not None for w in (*plan[0], plan[1])):
-                continue
-            consumers, row = plan
-            setattr(module, _ATTR, _FusedBlock(module, consumers, row, f"layers.{block_name}.{name}"))
-            marked.append(f"layers.{block_name}.{name}")
+            if plan is not None:
+                path = f"layers.{block_name}.{name}"
+                setattr(module, _ATTR, _FusedBlock(module, *plan, path))
+                marked.append(path)
     return marked
 
 

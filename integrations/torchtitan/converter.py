@@ -359,7 +359,7 @@ def _async_tp_probe(ctx) -> str | None:
 
     if not any(async_tp.plan_for(name, m) for b in getattr(ctx.model, "layers", {}).values()
                for name, m in b.named_children()):  # fmt: skip
-        return "no TransformerBlock attention / dense feed-forward that TorchTitan's TP plan gathers"
+        return "no bias-free block attention / dense feed-forward that TorchTitan's TP plan gathers"
     return _needs("ops.fused_all_gather_matmul", "ops.fused_matmul_reduce_scatter")(ctx)
 
 

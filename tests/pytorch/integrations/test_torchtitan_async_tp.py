@@ -116,3 +116,17 @@ def test_async_tp_is_refused_under_compile():
     _, model = build(cfg)
     with pytest.raises(PatchError, match="framework.compile=true"):
         conv.convert_model(model, options(cfg, tp=2, async_tp=True, compile=True))
+
+
+def test_modules_with_a_biased_linear_keep_torchtitans_plan():
+    from primus_turbo.integrations.torchtitan import async_tp
+
+    cfg = cfg_of(*TINY_DENSE, *TP)
+    _, model = build(cfg)
+    attention = model.layers["0"].attention
+    assert async_tp.plan_for("attention", attention) == (("wq", "wk", "wv"), "wo")
+    attention.wq.bias = torch.nn.Parameter(torch.zeros(attention.wq.out_features))
+    assert async_tp.plan_for("attention", attention) is None
+    marked = async_tp.mark_blocks(model)
+    assert "layers.0.attention" not in marked and "layers.0.feed_forward" in marked
+    assert "layers.1.attention" in marked
