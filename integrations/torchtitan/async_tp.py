@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from primus_turbo.integrations.megatron.turbo_async_tp import row_forward
+from primus_turbo.integrations.torchtitan.turbo_modules import autocast_input
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torchtitan.models.deepseek_v3.model.model import Attention as MLAAttention
@@ -69,14 +70,6 @@ def mark_blocks(model: nn.Module) -> list[str]:
                 setattr(module, _ATTR, _FusedBlock(module, *plan, path))
                 marked.append(path)
     return marked
-
-
-def _autocast(t: torch.Tensor) -> torch.Tensor:
-    """What autocast does to ``F.linear``'s operands (the fused ops are opaque to it)."""
-    if torch.is_autocast_enabled(t.device.type):
-        dtype = torch.get_autocast_dtype(t.device.type)
-        return t.to(dtype) if t.dtype != dtype else t
-    return t
 
 
 class _GatherMatmulsFn(torch.autograd.Function):
@@ -170,10 +163,9 @@ class _FusedBlock:
         weights = [getattr(module, n).weight for n in self.consumers]
         replicated = tuple(w.placements == (Replicate(),) for w in weights)
         b, s_local, hidden = x.shape
-        x2d = (
-            _autocast(x).transpose(0, 1).reshape(s_local * b, hidden)
-        )  # seq-first rows: the gather dim leads
-        local_w = [_autocast(w.to_local()) for w in weights]
+        # seq-first rows (the gather dim leads), operands cast as autocast casts F.linear's (opaque ops here)
+        x2d = autocast_input(x).transpose(0, 1).reshape(s_local * b, hidden)
+        local_w = [autocast_input(w.to_local()) for w in weights]
         with torch.autocast(x.device.type, enabled=False):
             x_full, *outs = _GatherMatmulsFn.apply(x2d, mesh.get_group(), replicated, *local_w)
         s = s_local * mesh.size()
@@ -202,9 +194,9 @@ class _FusedBlock:
             _check(isinstance(x, DTensor) and _sharded_last(x), f"{self.path}.{self.row} input",
                    "expected RowwiseParallel's DTensor sharded on the last dim")  # fmt: skip
             mesh, local = x.device_mesh, x.to_local()
-            w = _autocast(linear.weight.to_local())
+            w, x_sbk = autocast_input(linear.weight.to_local()), autocast_input(local).transpose(0, 1)
             with torch.autocast(local.device.type, enabled=False):
-                y = row_forward(_autocast(local).transpose(0, 1), w, mesh.get_group())  # [s / tp, b, out]
+                y = row_forward(x_sbk, w, mesh.get_group())  # [s / tp, b, out]
             return DTensor.from_local(y.transpose(0, 1), mesh, (Shard(1),), run_check=False)
 
         return forward
