@@ -24,30 +24,34 @@ def glu_fwd_kernel(
     x_ptr,
     probs_ptr,
     out_ptr,
+    N,
     H,
     stride_x,
     stride_out,
     ACT: tl.constexpr,
     HAS_PROBS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    out_row = out_ptr + row * stride_out
-    scale = 1.0
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    row_ok = rows < N
+    x_rows = x_ptr + rows[:, None] * stride_x
+    out_rows = out_ptr + rows[:, None] * stride_out
     if HAS_PROBS:
-        scale = tl.load(probs_ptr + row).to(tl.float32)
+        scale = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    else:
+        scale = tl.full([BLOCK_R, 1], 1.0, tl.float32)
     for start in range(0, H, BLOCK_H):
-        offs = start + tl.arange(0, BLOCK_H)
-        mask = offs < H
-        g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_row + H + offs, mask=mask, other=0.0).to(tl.float32)
+        cols = start + tl.arange(0, BLOCK_H)
+        mask = row_ok[:, None] & (cols < H)[None, :]
+        g = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if ACT == 0:
             act = g / (1.0 + tl.exp(-g))
         else:
             act = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
         y = act * u * scale
-        tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -57,28 +61,32 @@ def glu_bwd_kernel(
     probs_ptr,
     grad_x_ptr,
     grad_probs_ptr,
+    N,
     H,
     stride_g,
     stride_x,
     stride_gx,
     ACT: tl.constexpr,
     HAS_PROBS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    g_row = grad_out_ptr + row * stride_g
-    x_row = x_ptr + row * stride_x
-    gx_row = grad_x_ptr + row * stride_gx
-    scale = 1.0
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    row_ok = rows < N
+    g_rows = grad_out_ptr + rows[:, None] * stride_g
+    x_rows = x_ptr + rows[:, None] * stride_x
+    gx_rows = grad_x_ptr + rows[:, None] * stride_gx
     if HAS_PROBS:
-        scale = tl.load(probs_ptr + row).to(tl.float32)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        scale = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    else:
+        scale = tl.full([BLOCK_R, 1], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     for start in range(0, H, BLOCK_H):
-        offs = start + tl.arange(0, BLOCK_H)
-        mask = offs < H
-        dy = tl.load(g_row + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_row + H + offs, mask=mask, other=0.0).to(tl.float32)
+        cols = start + tl.arange(0, BLOCK_H)
+        mask = row_ok[:, None] & (cols < H)[None, :]
+        dy = tl.load(g_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if ACT == 0:
             sig = 1.0 / (1.0 + tl.exp(-g))
             act = g * sig
@@ -89,12 +97,13 @@ def glu_bwd_kernel(
             dact = cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
         acc += dy * act * u  # unconditional: a constexpr-guarded loop-carried value miscompiles
         dys = dy * scale
-        tl.store(gx_row + offs, (dys * u * dact).to(grad_x_ptr.dtype.element_ty), mask=mask)
-        tl.store(gx_row + H + offs, (dys * act).to(grad_x_ptr.dtype.element_ty), mask=mask)
+        tl.store(gx_rows + cols[None, :], (dys * u * dact).to(grad_x_ptr.dtype.element_ty), mask=mask)
+        tl.store(gx_rows + H + cols[None, :], (dys * act).to(grad_x_ptr.dtype.element_ty), mask=mask)
     if HAS_PROBS:
-        tl.store(grad_probs_ptr + row, tl.sum(acc, axis=0).to(grad_probs_ptr.dtype.element_ty))
+        tl.store(grad_probs_ptr + rows, tl.sum(acc, axis=1).to(grad_probs_ptr.dtype.element_ty), mask=row_ok)
 
 
-def block_h_for(hidden: int) -> int:
-    # 1024 fp32 lanes per chunk = 8 elements/thread at 4 warps: full 16 B bf16 vector loads.
-    return min(1024, triton.next_power_of_2(max(hidden, 16)))
+def launch_config(rows: int, hidden: int, backward: bool) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_H, num_warps) for ``rows`` rows of ``hidden`` outputs: PLACEHOLDER_RULE"""
+    block_h = min(1024, triton.next_power_of_2(max(hidden, 16)))
+    return 1, block_h, 4

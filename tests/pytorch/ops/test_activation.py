@@ -5,7 +5,7 @@ from test_utils import assert_close
 from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.ops.activation import geglu, geglu_with_probs, swiglu, swiglu_with_probs
-from primus_turbo.triton.activation.activation_kernel import glu_bwd_kernel, glu_fwd_kernel
+from primus_turbo.triton.activation.activation_kernel import glu_bwd_kernel, glu_fwd_kernel, launch_config
 
 OPS = {
     ("silu", False): swiglu,
@@ -78,20 +78,24 @@ def test_glu_bad_input(device):
 def _compile_all():
     for act in (0, 1):
         for has_probs in (False, True):
-            common = {"ACT": act, "HAS_PROBS": has_probs, "BLOCK_H": 1024}
-            compile_for_sm90(glu_fwd_kernel, FWD_SIG, common)
-            compile_for_sm90(glu_bwd_kernel, BWD_SIG, common)
+            for rows, hidden in ((32768, 2048), (49152, 1408), (8192, 14336), (7, 48)):
+                for backward, kernel, sig in ((False, glu_fwd_kernel, FWD_SIG), (True, glu_bwd_kernel, BWD_SIG)):
+                    block_r, block_h, warps = launch_config(rows, hidden, backward)
+                    common = {"ACT": act, "HAS_PROBS": has_probs, "BLOCK_R": block_r, "BLOCK_H": block_h}
+                    compile_for_sm90(kernel, sig, common, num_warps=warps)
 
 
 FWD_SIG = {
     "x_ptr": "*bf16",
     "probs_ptr": "*fp32",
     "out_ptr": "*bf16",
+    "N": "i32",
     "H": "i32",
     "stride_x": "i32",
     "stride_out": "i32",
     "ACT": "constexpr",
     "HAS_PROBS": "constexpr",
+    "BLOCK_R": "constexpr",
     "BLOCK_H": "constexpr",
 }
 BWD_SIG = {
@@ -100,12 +104,14 @@ BWD_SIG = {
     "probs_ptr": "*fp32",
     "grad_x_ptr": "*bf16",
     "grad_probs_ptr": "*fp32",
+    "N": "i32",
     "H": "i32",
     "stride_g": "i32",
     "stride_x": "i32",
     "stride_gx": "i32",
     "ACT": "constexpr",
     "HAS_PROBS": "constexpr",
+    "BLOCK_R": "constexpr",
     "BLOCK_H": "constexpr",
 }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from primus_turbo.pytorch.core.utils import eager_direct, triton_can_run_on
 
@@ -32,18 +33,22 @@ def glu_fwd(x: torch.Tensor, probs: torch.Tensor | None, act: str) -> torch.Tens
         if probs is not None:
             y = y * probs.float().unsqueeze(-1)
         return out.copy_(y)
-    from primus_turbo.triton.activation.activation_kernel import block_h_for, glu_fwd_kernel
+    from primus_turbo.triton.activation.activation_kernel import glu_fwd_kernel, launch_config
 
-    glu_fwd_kernel[(n,)](
+    block_r, block_h, warps = launch_config(n, h, backward=False)
+    glu_fwd_kernel[(triton.cdiv(n, block_r),)](
         x,
         probs if probs is not None else x,
         out,
+        n,
         h,
         x.stride(0),
         out.stride(0),
         ACT=_ACTS[act],
         HAS_PROBS=probs is not None,
-        BLOCK_H=block_h_for(h),
+        BLOCK_R=block_r,
+        BLOCK_H=block_h,
+        num_warps=warps,
     )
     return out
 
@@ -61,10 +66,12 @@ def glu_bwd(
     n, two_h = x.shape
     h = two_h // 2
     grad_x = torch.empty_like(x)
-    grad_probs = torch.zeros((n,) if probs is None else probs.shape, dtype=torch.float32, device=x.device)
-    if n == 0:
-        return grad_x, grad_probs
-    if h == 0 or not triton_can_run_on(x):
+    # no probs: no probs gradient (0 elements); else every row's is written below (h == 0: zeros)
+    probs_shape = (0,) if probs is None else probs.shape
+    if n == 0 or h == 0:
+        return grad_x, torch.zeros(probs_shape, dtype=torch.float32, device=x.device)
+    grad_probs = torch.empty(probs_shape, dtype=torch.float32, device=x.device)
+    if not triton_can_run_on(x):
         # Explicit formulas: autograd is not available inside a custom op's implementation.
         gate, up = x.float().chunk(2, dim=-1)
         if act == "silu":
@@ -79,27 +86,31 @@ def glu_bwd(
             dy = dy * probs.float().reshape(-1, 1)
         grad_x.copy_(torch.cat([dy * up * dact, dy * act_val], dim=-1))
         return grad_x, grad_probs
-    from primus_turbo.triton.activation.activation_kernel import block_h_for, glu_bwd_kernel
+    from primus_turbo.triton.activation.activation_kernel import glu_bwd_kernel, launch_config
 
     grad_out = grad_out.contiguous()
-    glu_bwd_kernel[(n,)](
+    block_r, block_h, warps = launch_config(n, h, backward=True)
+    glu_bwd_kernel[(triton.cdiv(n, block_r),)](
         grad_out,
         x,
         probs if probs is not None else x,
         grad_x,
-        grad_probs,
+        grad_probs if probs is not None else grad_x,  # not written without probs
+        n,
         h,
         grad_out.stride(0),
         x.stride(0),
         grad_x.stride(0),
         ACT=_ACTS[act],
         HAS_PROBS=probs is not None,
-        BLOCK_H=block_h_for(h),
+        BLOCK_R=block_r,
+        BLOCK_H=block_h,
+        num_warps=warps,
     )
     return grad_x, grad_probs
 
 
 @glu_bwd.register_fake
 def _(grad_out, x, probs, act):
-    shape = (x.shape[0],) if probs is None else probs.shape
+    shape = (0,) if probs is None else probs.shape
     return torch.empty_like(x), x.new_empty(shape, dtype=torch.float32)
