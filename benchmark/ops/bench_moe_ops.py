@@ -75,7 +75,15 @@ def bench_copy(t, h):
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     ms, _ = bench_ms(lambda: y.copy_(x))
-    return [_row("copy (bw ceiling)", f"{t}x{h}", x.dtype, "PASS", 2 * x.numel() * 2, ms)]
+    # write-only and read-only streams of the same buffer: the permute forward writes top_k x what it
+    # reads, the unpermute reads top_k x what it writes, so their ceilings lie between these and copy
+    fill_ms, _ = bench_ms(lambda: y.fill_(1.0))
+    read_ms, _ = bench_ms(lambda: torch.sum(x, dtype=torch.float32))
+    return [
+        _row("copy (bw ceiling)", f"{t}x{h}", x.dtype, "PASS", 2 * x.numel() * 2, ms),
+        _row("fill (write-only ceiling)", f"{t}x{h}", x.dtype, "PASS", x.numel() * 2, fill_ms),
+        _row("sum (read-only ceiling)", f"{t}x{h}", x.dtype, "PASS", x.numel() * 2, read_ms),
+    ]
 
 
 def bench_router(t, e, k, groups, topk_groups):

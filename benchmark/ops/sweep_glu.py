@@ -56,13 +56,40 @@ def sweep_shape(n: int, h: int, with_probs: bool, report: io.StringIO) -> None:
 
     def fwd(cfg):
         r, bh, w = cfg
-        glu_fwd_kernel[(triton.cdiv(n, r),)](x, probs, out, n, h, x.stride(0), out.stride(0), ACT=0,
-                                             HAS_PROBS=with_probs, BLOCK_R=r, BLOCK_H=bh, num_warps=w)  # fmt: skip
+        glu_fwd_kernel[(triton.cdiv(n, r),)](
+            x,
+            probs,
+            out,
+            n,
+            h,
+            x.stride(0),
+            out.stride(0),
+            ACT=0,
+            HAS_PROBS=with_probs,
+            BLOCK_R=r,
+            BLOCK_H=bh,
+            num_warps=w,
+        )
 
     def bwd(cfg):
         r, bh, w = cfg
-        glu_bwd_kernel[(triton.cdiv(n, r),)](dy, x, probs, dx, dp, n, h, dy.stride(0), x.stride(0), dx.stride(0),
-                                             ACT=0, HAS_PROBS=with_probs, BLOCK_R=r, BLOCK_H=bh, num_warps=w)  # fmt: skip
+        glu_bwd_kernel[(triton.cdiv(n, r),)](
+            dy,
+            x,
+            probs,
+            dx,
+            dp,
+            n,
+            h,
+            dy.stride(0),
+            x.stride(0),
+            dx.stride(0),
+            ACT=0,
+            HAS_PROBS=with_probs,
+            BLOCK_R=r,
+            BLOCK_H=bh,
+            num_warps=w,
+        )
 
     picked = (launch_config(n, h, False), launch_config(n, h, True))
     fwd(picked[0])
@@ -87,8 +114,10 @@ def sweep_shape(n: int, h: int, with_probs: bool, report: io.StringIO) -> None:
         f_pct = 100 * fwd_bytes / f_us / 1e3 / copy_gbps
         b_pct = 100 * bwd_bytes / b_us / 1e3 / copy_gbps
         mark = "fwd" * (cfg == picked[0]) + "bwd" * (cfg == picked[1])
-        report.write(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | {f_us:.1f} | {f_pct:.0f} | {b_us:.1f} | {b_pct:.0f} "
-                     f"| {ok} | {mark} |\n")  # fmt: skip
+        report.write(
+            f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | {f_us:.1f} | {f_pct:.0f} | {b_us:.1f} | {b_pct:.0f} "
+            f"| {ok} | {mark} |\n"
+        )
         print(n, h, cfg, f"{f_us:.1f} {b_us:.1f}", ok, flush=True)
 
 
@@ -97,8 +126,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("sweep_glu: needs a CUDA device")
     report = io.StringIO()
-    report.write(f"# glu kernel sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-                 f"triton {triton.__version__}\n")  # fmt: skip
+    report.write(
+        f"# glu kernel sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}\n"
+    )
     for n, h, with_probs in SHAPES:
         sweep_shape(n, h, with_probs, report)
     path = out_dir(args) / "sweep_glu.txt"

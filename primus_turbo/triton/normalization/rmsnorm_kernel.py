@@ -35,6 +35,7 @@ def rmsnorm_fwd_kernel(
     ZERO_CENTERED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    EVICT_FIRST: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -42,14 +43,20 @@ def rmsnorm_fwd_kernel(
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if EVICT_FIRST:  # streamed once: keep L2 for the weight and the neighbours' rows
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(sum_ptr.dtype.element_ty)  # normalise the rounded sum, as the unfused ops do
         tl.store(sum_ptr + offs, s, mask=mask)
         x = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if EVICT_FIRST:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    else:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
     y = x * rstd[:, None] * w[None, :]

@@ -79,7 +79,10 @@ def _compile_all():
     for act in (0, 1):
         for has_probs in (False, True):
             for rows, hidden in ((32768, 2048), (49152, 1408), (8192, 14336), (7, 48)):
-                for backward, kernel, sig in ((False, glu_fwd_kernel, FWD_SIG), (True, glu_bwd_kernel, BWD_SIG)):
+                for backward, kernel, sig in (
+                    (False, glu_fwd_kernel, FWD_SIG),
+                    (True, glu_bwd_kernel, BWD_SIG),
+                ):
                     block_r, block_h, warps = launch_config(rows, hidden, backward)
                     common = {"ACT": act, "HAS_PROBS": has_probs, "BLOCK_R": block_r, "BLOCK_H": block_h}
                     compile_for_sm90(kernel, sig, common, num_warps=warps)

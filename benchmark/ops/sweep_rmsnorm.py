@@ -1,0 +1,149 @@
+"""RMSNorm forward kernel sweep in GPU time (a diagnosis tool, not a benchmark of record).
+
+    python benchmark/ops/sweep_rmsnorm.py [--out DIR]
+
+``triton.testing.do_bench_cudagraph`` medians (no host overhead) of: the TURBO (csrc) forward and
+backward, the TRITON forward over (BLOCK_M, num_warps, eviction hints), torch.compile of the same
+fp32 math (forward alone under no_grad, and forward + backward through autograd in one graph), and
+the device-to-device copy of x. Every Triton variant's y is checked against the default config's.
+Writes DIR/sweep_rmsnorm.txt.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing as tt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import bench_parser, out_dir  # noqa: E402
+
+from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops  # noqa: E402
+from primus_turbo.triton.normalization.rmsnorm_kernel import rmsnorm_fwd_kernel, tile_config  # noqa: E402
+
+EPS = 1e-6
+SHAPES = [(8192, 2048), (16384, 4096), (8192, 7168), (32768, 7168), (16384, 8192)]
+
+
+def _us(fn) -> float:
+    return tt.do_bench_cudagraph(fn, return_mode="median") * 1e3
+
+
+def _math(x, w):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(x.dtype)
+
+
+def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
+    torch._dynamo.reset()
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(hidden, device="cuda") * 0.1 + 1.0).to(torch.bfloat16)
+    dy = torch.randn_like(x)
+    y = torch.empty_like(x)
+    rstd = torch.empty(rows, device="cuda")
+    buf = torch.empty_like(x)
+    copy_us = _us(lambda: buf.copy_(x))
+    copy_gbps = 2 * x.numel() * 2 / copy_us / 1e3
+    fwd_bytes = 2 * x.numel() * 2 + rows * 4
+    bwd_bytes = 3 * x.numel() * 2 + rows * 4
+
+    def pct(nbytes, us):
+        return 100 * nbytes / us / 1e3 / copy_gbps
+
+    compiled = torch.compile(_math, dynamic=False)
+    with torch.no_grad():
+        compiled(x, w)
+        c_fwd = _us(lambda: compiled(x, w))
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = compiled(xg, wg)
+    try:  # the autograd engine may run the backward off the capturing stream
+        c_bwd = _us(lambda: torch.autograd.grad(out, [xg, wg], dy, retain_graph=True))
+    except Exception:  # noqa: BLE001
+        torch.cuda.synchronize()
+        c_bwd = 1e3 * tt.do_bench(
+            lambda: torch.autograd.grad(out, [xg, wg], dy, retain_graph=True), return_mode="median"
+        )
+        report.write("\n(torch.compile backward: do_bench, not CUDA-graph timing)\n")
+    report.write(
+        f"\n### {rows} x {hidden} bf16; copy {copy_gbps:.0f} GB/s\n\n| kernel | fwd us | fwd %copy |"
+        " fwd vs compile | bwd us | bwd %copy | bwd vs compile |\n|---|---|---|---|---|---|---|\n"
+    )
+    report.write(
+        f"| torch.compile | {c_fwd:.1f} | {pct(fwd_bytes, c_fwd):.0f} | 1.00 | {c_bwd:.1f} | "
+        f"{pct(bwd_bytes, c_bwd):.0f} | 1.00 |\n"
+    )
+    if HAS_CPP_EXTENSION:
+        ops = cpp_ops()
+        t_fwd = _us(lambda: ops.rmsnorm_fwd(x, w, EPS, False))
+        r = ops.rmsnorm_fwd(x, w, EPS, False)[1]
+        t_bwd = _us(lambda: ops.rmsnorm_bwd(dy, x, w, r, None, False))
+        report.write(
+            f"| TURBO (csrc) | {t_fwd:.1f} | {pct(fwd_bytes, t_fwd):.0f} | {c_fwd / t_fwd:.2f} | "
+            f"{t_bwd:.1f} | {pct(bwd_bytes, t_bwd):.0f} | {c_bwd / t_bwd:.2f} |\n"
+        )
+
+    def launch(block_m, warps, evict):
+        rmsnorm_fwd_kernel[(triton.cdiv(rows, block_m),)](
+            x,
+            x,
+            w,
+            y,
+            y,
+            rstd,
+            rows,
+            hidden,
+            EPS,
+            HAS_RESIDUAL=False,
+            ZERO_CENTERED=False,
+            BLOCK_M=block_m,
+            BLOCK_N=triton.next_power_of_2(hidden),
+            num_warps=warps,
+            EVICT_FIRST=evict,
+        )
+
+    default = tile_config(hidden, rows)
+    launch(default[0], default[2], False)
+    want = y.clone()
+    for block_m, warps, evict in itertools.product((1, 2, 4), (4, 8, 16, 32), (False, True)):
+        tile = block_m * triton.next_power_of_2(hidden)
+        if tile > 32768 or tile < 32 * warps:
+            continue
+        try:
+            y.zero_()
+            launch(block_m, warps, evict)
+            ok = torch.equal(y, want)
+            us = _us(lambda m=block_m, w=warps, e=evict: launch(m, w, e))
+        except Exception as exc:  # noqa: BLE001 (a variant that does not compile is a result too)
+            report.write(f"| TRITON m{block_m} w{warps} evict={evict} | {type(exc).__name__} | | | | | |\n")
+            continue
+        tag = " (default)" if (block_m, warps, evict) == (default[0], default[2], False) else ""
+        report.write(
+            f"| TRITON m{block_m} w{warps} evict={evict}{tag} | {us:.1f} | {pct(fwd_bytes, us):.0f} | "
+            f"{c_fwd / us:.2f} | | | {'' if ok else 'MISMATCH'} |\n"
+        )
+        print(rows, hidden, block_m, warps, evict, f"{us:.1f}", ok, flush=True)
+
+
+def main() -> None:
+    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("sweep_rmsnorm: needs a CUDA device")
+    report = io.StringIO()
+    report.write(
+        f"# RMSNorm sweep (GPU time) on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}\n"
+    )
+    for rows, hidden in SHAPES:
+        sweep_shape(rows, hidden, report)
+    path = out_dir(args) / "sweep_rmsnorm.txt"
+    path.write_text(report.getvalue())
+    print(report.getvalue())
+
+
+if __name__ == "__main__":
+    main()

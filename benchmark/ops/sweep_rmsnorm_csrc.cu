@@ -1,0 +1,192 @@
+// Launch-plan sweep of the TURBO (csrc) RMSNorm kernels, bf16 (a diagnosis tool, not a benchmark of
+// record). It includes csrc/kernels/normalization/rmsnorm.cu, so it times the shipped kernels under
+// plans other than make_plan()'s, and checks every plan's output against the shipped plan's.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc/include benchmark/ops/sweep_rmsnorm_csrc.cu -o /tmp/sweep_rms
+//   /tmp/sweep_rms [rows x hidden ...]       (default: the bench_rmsnorm shapes)
+//
+// Timing as triton.testing.do_bench: per call, a 256 MB memset flushes L2, then CUDA events around the
+// call alone; the median of 60 calls. GB/s counts each input read and each output written once.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "../../csrc/kernels/normalization/rmsnorm.cu"
+
+using primus_turbo::Plan;
+using T = __nv_bfloat16;
+constexpr int kVec = 8;
+
+#define CK(x)                                                                              \
+    do {                                                                                   \
+        cudaError_t e = (x);                                                               \
+        if (e != cudaSuccess) {                                                            \
+            std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
+            std::exit(1);                                                                  \
+        }                                                                                  \
+    } while (0)
+
+static void* g_flush = nullptr;
+
+template <typename F>
+float median_ms(F launch) {
+    std::vector<float> ms;
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int i = 0; i < 70; ++i) {
+        CK(cudaMemsetAsync(g_flush, i, 256 << 20));
+        CK(cudaEventRecord(a));
+        launch();
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float t = 0.f;
+        CK(cudaEventElapsedTime(&t, a, b));
+        if (i >= 10) ms.push_back(t);
+    }
+    CK(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+}
+
+template <typename K>
+int grid_for(K kernel, int threads, size_t smem, int64_t rows, int rpc, double scale) {
+    int sms = 0, per_sm = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    const int64_t needed = (rows + rpc - 1) / rpc;
+    const int64_t g = static_cast<int64_t>(sms * std::max(per_sm, 1) * scale);
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed, g)));
+}
+
+bool same(const T* a, const T* b, size_t n) {
+    std::vector<uint16_t> ha(n), hb(n);
+    CK(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
+    return std::memcmp(ha.data(), hb.data(), n * 2) == 0;
+}
+
+__global__ void fill_kernel(T* p, size_t n, uint32_t seed) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+        uint32_t h = (uint32_t(i) ^ seed) * 2654435761u;
+        h ^= h >> 13;
+        p[i] = __float2bfloat16((h & 0xffff) / 32768.f - 1.f);
+    }
+}
+
+template <int VPT, bool PF>
+void fwd_variant(const char* name, int64_t rows, int hidden, T* x, T* w, T* y, T* y_ref, float* rstd,
+                 double copy_gbps, double scale) {
+    auto kernel = primus_turbo::rmsnorm_fwd_kernel<T, kVec, VPT, PF, false>;
+    const int n_vec = hidden / kVec;
+    int tpr = std::max(32, ((n_vec + VPT - 1) / VPT + 31) / 32 * 32);
+    if (tpr > 512) return;
+    const int rpc = tpr == 32 ? 4 : 1;
+    const int grid = grid_for(kernel, tpr * rpc, 0, rows, rpc, scale);
+    auto go = [&] { kernel<<<grid, dim3(tpr, rpc)>>>(x, nullptr, w, y, nullptr, rstd, rows, hidden, 1e-6f, false); };
+    CK(cudaMemset(y, 0, rows * hidden * 2));
+    go();
+    const bool ok = same(y, y_ref, size_t(rows) * hidden);
+    const float ms = median_ms(go);
+    const double gbps = (2.0 * rows * hidden * 2 + rows * 4) / ms / 1e6;
+    std::printf("| fwd %s VPT%d PF%d tpr%d rpc%d grid%d | %.1f | %.0f | %s |\n", name, VPT, int(PF), tpr, rpc, grid,
+                ms * 1e3, 100 * gbps / copy_gbps, ok ? "ok" : "MISMATCH");
+}
+
+void bwd_variant(int64_t rows, int hidden, int rpc, double scale, T* dy, T* x, T* w, float* rstd, T* dx, T* dx_ref,
+                 T* dw, float* ws, double copy_gbps) {
+    auto kernel = primus_turbo::rmsnorm_bwd_vpt2_kernel<T, kVec>;
+    const int n_vec = hidden / kVec;
+    const int tpr = std::max(32, ((n_vec + 1) / 2 + 31) / 32 * 32);
+    if (tpr > 512 || tpr * rpc > 512) return;
+    const size_t smem = rpc > 1 ? sizeof(float) * rpc * hidden : 0;
+    if (smem > 48 * 1024) return;
+    const int grid = grid_for(kernel, tpr * rpc, smem, rows, rpc, scale);
+    auto go = [&] {
+        kernel<<<grid, dim3(tpr, rpc), smem>>>(dy, x, w, rstd, nullptr, dx, ws, rows, hidden, false);
+        primus_turbo::dweight_reduce_kernel<T><<<(hidden + 31) / 32, dim3(32, 32)>>>(ws, dw, grid, hidden);
+    };
+    CK(cudaMemset(dx, 0, rows * hidden * 2));
+    go();
+    const bool ok = dx_ref == nullptr || same(dx, dx_ref, size_t(rows) * hidden);
+    const float ms = median_ms(go);
+    const double gbps = (3.0 * rows * hidden * 2 + rows * 4) / ms / 1e6;
+    std::printf("| bwd tpr%d rpc%d grid%d (x%.2f) | %.1f | %.0f | %s |\n", tpr, rpc, grid, scale, ms * 1e3,
+                100 * gbps / copy_gbps, ok ? "ok" : "MISMATCH");
+}
+
+int main(int argc, char** argv) {
+    std::vector<std::pair<int64_t, int>> shapes;
+    for (int i = 1; i < argc; ++i) {
+        long long r = 0;
+        int h = 0;
+        if (std::sscanf(argv[i], "%lldx%d", &r, &h) == 2) shapes.push_back({r, h});
+    }
+    if (shapes.empty())
+        for (int64_t r : {8192, 16384, 32768})
+            for (int h : {2048, 4096, 7168, 8192}) shapes.push_back({r, h});
+    CK(cudaMalloc(&g_flush, 256 << 20));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("# TURBO RMSNorm plan sweep, bf16, %s; times in us, %% of the same-size copy\n", prop.name);
+    for (const auto& shape : shapes) {
+        const int64_t rows = shape.first;
+        const int hidden = shape.second;
+        const size_t n = size_t(rows) * hidden;
+        T *x, *y, *y_ref, *w, *dy, *dx, *dx_ref, *dw, *buf;
+        float *rstd, *ws;
+        CK(cudaMalloc(&x, n * 2));
+        CK(cudaMalloc(&y, n * 2));
+        CK(cudaMalloc(&y_ref, n * 2));
+        CK(cudaMalloc(&dy, n * 2));
+        CK(cudaMalloc(&dx, n * 2));
+        CK(cudaMalloc(&dx_ref, n * 2));
+        CK(cudaMalloc(&buf, n * 2));
+        CK(cudaMalloc(&w, hidden * 2));
+        CK(cudaMalloc(&dw, hidden * 2));
+        CK(cudaMalloc(&rstd, rows * 4));
+        CK(cudaMalloc(&ws, size_t(4096) * hidden * 4));
+        fill_kernel<<<1024, 256>>>(x, n, 1);
+        fill_kernel<<<1024, 256>>>(dy, n, 2);
+        fill_kernel<<<8, 256>>>(w, hidden, 3);
+        const float copy_ms = median_ms([&] { CK(cudaMemcpyAsync(buf, x, n * 2, cudaMemcpyDeviceToDevice)); });
+        const double copy_gbps = 2.0 * n * 2 / copy_ms / 1e6;
+        std::printf("\n### %lld x %d: copy %.1f us, %.0f GB/s\n\n| plan | us | %%copy | check |\n|---|---|---|---|\n",
+                    (long long)rows, hidden, copy_ms * 1e3, copy_gbps);
+        const bool aligned = true;
+        CK(primus_turbo::rmsnorm_fwd_launch(x, nullptr, w, y_ref, nullptr, rstd, rows, hidden, 1e-6f, false,
+                                            primus_turbo::DType::kBFloat16, aligned, 0));
+        const float ship_ms = median_ms([&] {
+            CK(primus_turbo::rmsnorm_fwd_launch(x, nullptr, w, y, nullptr, rstd, rows, hidden, 1e-6f, false,
+                                                primus_turbo::DType::kBFloat16, aligned, 0));
+        });
+        std::printf("| fwd shipped plan | %.1f | %.0f | ok |\n", ship_ms * 1e3,
+                    100 * (2.0 * n * 2 + rows * 4) / ship_ms / 1e6 / copy_gbps);
+        for (double scale : {1.0, 0.5}) {
+            fwd_variant<2, true>("", rows, hidden, x, w, y, y_ref, rstd, copy_gbps, scale);
+            fwd_variant<4, true>("", rows, hidden, x, w, y, y_ref, rstd, copy_gbps, scale);
+            fwd_variant<2, false>("", rows, hidden, x, w, y, y_ref, rstd, copy_gbps, scale);
+            fwd_variant<4, false>("", rows, hidden, x, w, y, y_ref, rstd, copy_gbps, scale);
+            fwd_variant<8, false>("", rows, hidden, x, w, y, y_ref, rstd, copy_gbps, scale);
+        }
+        const int64_t ws_rows = primus_turbo::rmsnorm_bwd_workspace_rows(rows, hidden, primus_turbo::DType::kBFloat16,
+                                                                         aligned);
+        CK(primus_turbo::rmsnorm_bwd_launch(dy, x, w, rstd, nullptr, dx_ref, dw, ws, rows, hidden, false,
+                                            primus_turbo::DType::kBFloat16, aligned, 0));
+        const float bship_ms = median_ms([&] {
+            CK(primus_turbo::rmsnorm_bwd_launch(dy, x, w, rstd, nullptr, dx, dw, ws, rows, hidden, false,
+                                                primus_turbo::DType::kBFloat16, aligned, 0));
+        });
+        std::printf("| bwd shipped plan (grid %lld) | %.1f | %.0f | ok |\n", (long long)ws_rows, bship_ms * 1e3,
+                    100 * (3.0 * n * 2 + rows * 4) / bship_ms / 1e6 / copy_gbps);
+        for (int rpc : {1, 2, 4, 8})
+            for (double scale : {1.0, 0.5, 0.25}) bwd_variant(rows, hidden, rpc, scale, dy, x, w, rstd, dx, dx_ref, dw,
+                                                             ws, copy_gbps);
+        for (void* p : {(void*)x, (void*)y, (void*)y_ref, (void*)dy, (void*)dx, (void*)dx_ref, (void*)buf, (void*)w,
+                        (void*)dw, (void*)rstd, (void*)ws})
+            CK(cudaFree(p));
+    }
+    return 0;
+}
