@@ -277,6 +277,8 @@ def main():
     global QUICK
     args = bench_parser(__doc__).parse_args()
     QUICK = args.quick
+    # the backward is timed repeatedly on one graph (retain_graph): compiled backwards must not donate
+    torch._functorch.config.donated_buffer = False
     torch.manual_seed(0)
     rows = []
     if args.quick:

@@ -3,16 +3,16 @@
     python benchmark/ops/sweep_rmsnorm.py [--out DIR]
 
 ``triton.testing.do_bench_cudagraph`` medians (no host overhead) of: the TURBO (csrc) forward and
-backward, the TRITON forward over (BLOCK_M, num_warps, eviction hints), torch.compile of the same
-fp32 math (forward alone under no_grad, and forward + backward through autograd in one graph), and
-the device-to-device copy of x. Every Triton variant's y is checked against the default config's.
+backward, the TRITON forward over (BLOCK_M, num_warps), the two-pass looped forward over (CHUNK,
+num_warps), torch.compile of the same fp32 math (forward alone under no_grad; its backward through
+autograd, timed by do_bench when the graph capture declines), and the device-to-device copy of x.
+Every Triton variant's y is checked against the default config's (bf16 tolerance).
 Writes DIR/sweep_rmsnorm.txt.
 """
 
 from __future__ import annotations
 
 import io
-import itertools
 import sys
 from pathlib import Path
 
@@ -24,7 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import bench_parser, out_dir  # noqa: E402
 
 from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops  # noqa: E402
-from primus_turbo.triton.normalization.rmsnorm_kernel import rmsnorm_fwd_kernel, tile_config  # noqa: E402
+from primus_turbo.triton.normalization.rmsnorm_kernel import (  # noqa: E402
+    rmsnorm_fwd_kernel,
+    rmsnorm_fwd_looped_kernel,
+    tile_config,
+)
 
 EPS = 1e-6
 SHAPES = [(8192, 2048), (16384, 4096), (8192, 7168), (32768, 7168), (16384, 8192)]
@@ -87,46 +91,41 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
             f"{t_bwd:.1f} | {pct(bwd_bytes, t_bwd):.0f} | {c_bwd / t_bwd:.2f} |\n"
         )
 
-    def launch(block_m, warps, evict):
-        rmsnorm_fwd_kernel[(triton.cdiv(rows, block_m),)](
-            x,
-            x,
-            w,
-            y,
-            y,
-            rstd,
-            rows,
-            hidden,
-            EPS,
-            HAS_RESIDUAL=False,
-            ZERO_CENTERED=False,
-            BLOCK_M=block_m,
-            BLOCK_N=triton.next_power_of_2(hidden),
-            num_warps=warps,
-            EVICT_FIRST=evict,
-        )
+    def launch(kind, block, warps):
+        if kind == "one-pass":
+            rmsnorm_fwd_kernel[(triton.cdiv(rows, block),)](
+                x, x, w, y, y, rstd, rows, hidden, EPS, HAS_RESIDUAL=False, ZERO_CENTERED=False,
+                BLOCK_M=block, BLOCK_N=triton.next_power_of_2(hidden), num_warps=warps,
+            )  # fmt: skip
+        else:
+            rmsnorm_fwd_looped_kernel[(rows,)](
+                x, x, w, y, y, rstd, rows, hidden, EPS, HAS_RESIDUAL=False, ZERO_CENTERED=False, CHUNK=block,
+                num_warps=warps,
+            )  # fmt: skip
 
     default = tile_config(hidden, rows)
-    launch(default[0], default[2], False)
+    launch("one-pass", default[0], default[2])
     want = y.clone()
-    for block_m, warps, evict in itertools.product((1, 2, 4), (4, 8, 16, 32), (False, True)):
-        tile = block_m * triton.next_power_of_2(hidden)
-        if tile > 32768 or tile < 32 * warps:
+    variants = [("one-pass", m, wp) for m in (1, 2, 4) for wp in (4, 8, 16)]
+    variants += [("looped", c, wp) for c in (1024, 2048, 4096) for wp in (4, 8)]
+    for kind, block, warps in variants:
+        tile = block * triton.next_power_of_2(hidden) if kind == "one-pass" else block
+        if tile > 32768 or tile < 32 * warps or (kind == "looped" and block > hidden):
             continue
         try:
             y.zero_()
-            launch(block_m, warps, evict)
-            ok = torch.equal(y, want)
-            us = _us(lambda m=block_m, w=warps, e=evict: launch(m, w, e))
+            launch(kind, block, warps)
+            ok = torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-2)
+            us = _us(lambda k=kind, b=block, wp=warps: launch(k, b, wp))
         except Exception as exc:  # noqa: BLE001 (a variant that does not compile is a result too)
-            report.write(f"| TRITON m{block_m} w{warps} evict={evict} | {type(exc).__name__} | | | | | |\n")
+            report.write(f"| TRITON {kind} {block} w{warps} | {type(exc).__name__} | | | | | |\n")
             continue
-        tag = " (default)" if (block_m, warps, evict) == (default[0], default[2], False) else ""
+        tag = " (default)" if (kind, block, warps) == ("one-pass", default[0], default[2]) else ""
         report.write(
-            f"| TRITON m{block_m} w{warps} evict={evict}{tag} | {us:.1f} | {pct(fwd_bytes, us):.0f} | "
-            f"{c_fwd / us:.2f} | | | {'' if ok else 'MISMATCH'} |\n"
+            f"| TRITON {kind} {block} w{warps}{tag} | {us:.1f} | {pct(fwd_bytes, us):.0f} | {c_fwd / us:.2f} "
+            f"| | | {'' if ok else 'MISMATCH'} |\n"
         )
-        print(rows, hidden, block_m, warps, evict, f"{us:.1f}", ok, flush=True)
+        print(rows, hidden, kind, block, warps, f"{us:.1f}", ok, flush=True)
 
 
 def main() -> None:

@@ -35,7 +35,6 @@ def rmsnorm_fwd_kernel(
     ZERO_CENTERED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    EVICT_FIRST: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -43,25 +42,65 @@ def rmsnorm_fwd_kernel(
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-    if EVICT_FIRST:  # streamed once: keep L2 for the weight and the neighbours' rows
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(sum_ptr.dtype.element_ty)  # normalise the rounded sum, as the unfused ops do
         tl.store(sum_ptr + offs, s, mask=mask)
         x = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    if EVICT_FIRST:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    else:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
     y = x * rstd[:, None] * w[None, :]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def rmsnorm_fwd_looped_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    sum_ptr,
+    rstd_ptr,
+    n_rows,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One row per program in two passes over CHUNK-column slices: the sum of squares, then the
+    normalised row from a second read that hits L2 (HBM still reads x once). Fewer registers than a
+    whole row per program, so more rows are in flight per SM."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * n_cols
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, n_cols, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            s = (x + r).to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
+            x = s.to(tl.float32)
+        acc += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n_cols + eps)
+    for start in range(0, n_cols, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            x = (x + r).to(sum_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w = w + 1.0
+        tl.store(y_ptr + row * n_cols + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit

@@ -252,7 +252,7 @@ _TY = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 _FWD_SIG = {
     "x_ptr": "T", "res_ptr": "T", "w_ptr": "T", "y_ptr": "T", "sum_ptr": "T", "rstd_ptr": "*fp32",
     "n_rows": "i32", "n_cols": "i32", "eps": "fp32", "HAS_RESIDUAL": "constexpr",
-    "ZERO_CENTERED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "EVICT_FIRST": "constexpr",
+    "ZERO_CENTERED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
 }  # fmt: skip
 _BWD_SIG = {
     "dy_ptr": "T", "x_ptr": "T", "w_ptr": "T", "rstd_ptr": "*fp32", "dsum_ptr": "T", "dx_ptr": "T",
@@ -272,8 +272,6 @@ def _compile_all():
             signature = {k: (_TY[dtype] if v == "T" else v) for k, v in sig.items()}
             constexprs = {flag: hidden != 100, "ZERO_CENTERED": hidden == 100, "BLOCK_M": block_m,
                           "BLOCK_N": block_n}  # fmt: skip
-            if sig is _FWD_SIG:
-                constexprs["EVICT_FIRST"] = hidden == 7168
             compile_for_sm90(kernel, signature, constexprs, num_warps=num_warps)
 
 
