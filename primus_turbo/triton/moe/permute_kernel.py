@@ -85,16 +85,19 @@ def unpermute_bwd_probs_kernel(
     K,
     stride_g,
     stride_y,
+    routes_per_program,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """Backward of unpermute with merging probs: grad_y[d] = g[t] * p[t,k];
     grad_probs[t,k] = <g[t], y[d]>; covered[d] = 1 for every row written (the rows left uncovered
-    are zeroed by ``zero_uncovered_rows_kernel``). One program per token; its K routes are one
-    [BLOCK_K, BLOCK_H] tile per step, so the g chunk is loaded once for all of them and the K row
-    streams are in flight together (one route at a time left the loads latency-bound)."""
+    are zeroed by ``zero_uncovered_rows_kernel``). Program (t, j) owns routes [j * routes_per_program,
+    (j + 1) * routes_per_program) of token t, as [BLOCK_K, BLOCK_H] tiles, so the g chunk is loaded
+    once for BLOCK_K routes and their row streams are in flight together (one route at a time left the
+    loads latency-bound)."""
     t = tl.program_id(0).to(tl.int64)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = tl.program_id(1) * routes_per_program
+    for k0 in range(k_begin, tl.minimum(k_begin + routes_per_program, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         d = tl.load(map_ptr + t * K + offs_k, mask=kmask, other=-1).to(tl.int64)

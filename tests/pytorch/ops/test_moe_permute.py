@@ -5,6 +5,7 @@ from test_utils import assert_close, assert_snr, fp8_snr_gate
 from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.core.low_precision import Format
+from primus_turbo.pytorch.kernels.moe.permute_impl import unpermute_bwd_probs_config
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_permute_fp8, token_unpermute
 from primus_turbo.triton.memory.zero_rows_kernel import zero_rows_from_kernel
 from primus_turbo.triton.moe import permute_kernel as pk
@@ -290,6 +291,7 @@ BSIG = {
     "K": "i32",
     "stride_g": "i32",
     "stride_y": "i32",
+    "routes_per_program": "i32",
     "BLOCK_K": "constexpr",
     "BLOCK_H": "constexpr",
 }
@@ -311,7 +313,10 @@ def _compile_all():
     for has_probs in (False, True):
         compile_for_sm90(pk.permute_kernel, SIG, {"HAS_PROBS": has_probs, "BLOCK_H": 2048})
         compile_for_sm90(pk.unpermute_kernel, USIG, {"HAS_PROBS": has_probs, "BLOCK_H": 2048})
-    compile_for_sm90(pk.unpermute_bwd_probs_kernel, BSIG, {"BLOCK_K": 8, "BLOCK_H": 512})
+    for k, h in ((8, 7168), (6, 2048), (3, 100)):
+        block_k, block_h, _, warps = unpermute_bwd_probs_config(k, h)
+        compile_for_sm90(pk.unpermute_bwd_probs_kernel, BSIG, {"BLOCK_K": block_k, "BLOCK_H": block_h},
+                         num_warps=warps)  # fmt: skip
     compile_for_sm90(pk.mark_covered_kernel, {"map_ptr": "*i32", "covered_ptr": "*i8", "numel": "i32",
                                               "BLOCK": "constexpr"}, {"BLOCK": 4096})  # fmt: skip
     zsig = {"out_ptr": "*bf16", "probs_ptr": "*fp32", "covered_ptr": "*i8", "N": "i32", "H": "i32"}

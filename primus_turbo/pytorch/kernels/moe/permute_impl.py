@@ -441,16 +441,21 @@ def moe_unpermute_bwd_probs(
     grad_y = torch.empty_like(y)
     grad_probs = torch.empty(row_id_map.shape, dtype=torch.float32, device=y.device)
     covered = torch.zeros(y.shape[0], dtype=torch.int8, device=y.device)
-    # 2 routes x 2048 columns a step, 8 warps: H200, 4096 x 7168 top-8 (benchmark/ops/sweep_permute.py):
-    # 266 us vs 294 for 8 x 512 at 4 warps and 325 for 8 x 1024 at 8 warps
-    block_k = min(2, triton.next_power_of_2(k))
-    block_h = max(16, min(triton.next_power_of_2(h), 4096 // block_k))
-    unpermute_bwd_probs_kernel[(t,)](
+    block_k, block_h, routes, warps = unpermute_bwd_probs_config(k, h)
+    unpermute_bwd_probs_kernel[(t, triton.cdiv(k, routes))](
         grad_out, y, row_id_map, probs, grad_y, grad_probs, covered, h, k, grad_out.stride(0), y.stride(0),
-        BLOCK_K=block_k, BLOCK_H=block_h, num_warps=8,
+        routes, BLOCK_K=block_k, BLOCK_H=block_h, num_warps=warps,
     )  # fmt: skip
     _zero_uncovered_rows(grad_y, covered)
     return grad_y, grad_probs
+
+
+def unpermute_bwd_probs_config(k: int, h: int) -> tuple[int, int, int, int]:
+    """(BLOCK_K, BLOCK_H, routes per program, num_warps) of ``unpermute_bwd_probs_kernel``: 2 routes x
+    2048 columns a step, all K routes of a token in one program, 8 warps (H200, 4096 x 7168 top-8,
+    benchmark/ops/sweep_permute.py: 266 us vs 294 for 8 x 512 at 4 warps and 325 for 8 x 1024 at 8)."""
+    block_k = min(2, triton.next_power_of_2(k))
+    return block_k, max(16, min(triton.next_power_of_2(h), 4096 // block_k)), k, 8
 
 
 def _zero_uncovered_rows(out: torch.Tensor, covered: torch.Tensor, probs: torch.Tensor | None = None) -> None:
