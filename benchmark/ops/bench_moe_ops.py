@@ -193,13 +193,16 @@ def bench_permute(t, h, e, k):
     probs_g = probs.clone().requires_grad_(True)
     _, _, rid, _ = token_permute(x.detach(), indices, num_experts=e, num_out_tokens=n)
     _, sorted_idx = _megatron_permute(x.detach(), routing_map, n)
-    dense = torch.zeros(t, e, device="cuda").scatter(1, indices, probs)
-    probs_t = dense.T.contiguous().masked_select(routing_map.T.contiguous()).to(torch.bfloat16)
+    expert_major = routing_map.T.contiguous()
 
     def turbo_unperm(inp, w):
         return token_unpermute(inp, rid, w)
 
     def eager_unperm(inp, w):
+        # Megatron's layout of the probs (expert-major, one per routed row), differentiable in w: training
+        # needs the probs gradient (the router learns through it), so every label computes both gradients
+        dense = torch.zeros(t, e, device="cuda", dtype=w.dtype).scatter(1, indices, w)
+        probs_t = dense.T.contiguous().masked_select(expert_major).to(torch.bfloat16)
         return _megatron_unpermute(inp, sorted_idx, probs_t, t)
 
     compiled_unperm = torch.compile(eager_unperm)
@@ -213,7 +216,8 @@ def bench_permute(t, h, e, k):
         f, _ = bench_ms(lambda fn=fn, ins=ins: fn(*ins))
         host = host_ms(lambda fn=fn, ins=ins: fn(*ins), n=50, warmup=3) * 1e3
         out = fn(*ins)
-        b, _ = bench_ms(lambda out=out: torch.autograd.grad(out, [y], gout, retain_graph=True))
+        b, _ = bench_ms(lambda out=out: torch.autograd.grad(out, [y, probs_g], gout, retain_graph=True))
+        # backward: read the token gradients and the expert rows (for the probs gradient), write the rows'
         rows.append(_row(label, f"{t}x{h} E{e} top{k}", x.dtype, _check(out, ref, 0.1), p_bytes, f,
                          p_bytes + n * h * 2, b, host))  # fmt: skip
     return rows
