@@ -3,8 +3,8 @@
     python benchmark/ops/sweep_rmsnorm.py [--out DIR]
 
 ``triton.testing.do_bench_cudagraph`` medians (no host overhead) of: the TURBO (csrc) forward and
-backward, the TRITON forward over (BLOCK_M, num_warps), the two-pass looped forward over (CHUNK,
-num_warps), torch.compile of the same fp32 math (forward alone under no_grad; its backward through
+backward, the TRITON forward over (BLOCK_M, num_warps) and with the row length a compile-time
+constant, torch.compile of the same fp32 math (forward alone under no_grad; its backward through
 autograd, timed by do_bench when the graph capture declines), and the device-to-device copy of x.
 Every Triton variant's y is checked against the default config's (bf16 tolerance).
 Writes DIR/sweep_rmsnorm.txt.
@@ -26,9 +26,8 @@ from bench_utils import bench_parser, out_dir  # noqa: E402
 
 from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops  # noqa: E402
 from primus_turbo.triton.normalization.rmsnorm_kernel import (  # noqa: E402
+    fwd_tile_config,
     rmsnorm_fwd_kernel,
-    rmsnorm_fwd_looped_kernel,
-    tile_config,
 )
 
 EPS = 1e-6
@@ -114,26 +113,20 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
                 x, w, y, rstd, rows, EPS, N_COLS=hidden, BLOCK_M=block,
                 BLOCK_N=triton.next_power_of_2(hidden), num_warps=warps,
             )  # fmt: skip
-        elif kind == "one-pass":
+        else:
             rmsnorm_fwd_kernel[(triton.cdiv(rows, block),)](
                 x, x, w, y, y, rstd, rows, hidden, EPS, HAS_RESIDUAL=False, ZERO_CENTERED=False,
                 BLOCK_M=block, BLOCK_N=triton.next_power_of_2(hidden), num_warps=warps,
             )  # fmt: skip
-        else:
-            rmsnorm_fwd_looped_kernel[(rows,)](
-                x, x, w, y, y, rstd, rows, hidden, EPS, HAS_RESIDUAL=False, ZERO_CENTERED=False, CHUNK=block,
-                num_warps=warps,
-            )  # fmt: skip
 
-    default = tile_config(hidden, rows)
+    default = fwd_tile_config(hidden, rows)
     launch("one-pass", default[0], default[2])
     want = y.clone()
     variants = [("one-pass", m, wp) for m in (1, 2, 4) for wp in (4, 8, 16)]
     variants += [("static-cols", m, wp) for m in (1, 2) for wp in (4, 8)]
-    variants += [("looped", c, wp) for c in (2048, 4096) for wp in (8,)]
     for kind, block, warps in variants:
-        tile = block if kind == "looped" else block * triton.next_power_of_2(hidden)
-        if tile > 32768 or tile < 32 * warps or (kind == "looped" and block > hidden):
+        tile = block * triton.next_power_of_2(hidden)
+        if tile > 32768 or tile < 32 * warps:
             continue
         try:
             y.zero_()
