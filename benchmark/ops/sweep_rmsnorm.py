@@ -3,8 +3,8 @@
     python benchmark/ops/sweep_rmsnorm.py [--out DIR]
 
 ``triton.testing.do_bench_cudagraph`` medians (no host overhead) of: the TURBO (csrc) forward and
-backward, the TRITON forward over (BLOCK_M, num_warps) and with the row length a compile-time
-constant, torch.compile of the same fp32 math (forward alone under no_grad; its backward through
+backward, the TRITON one-pass forward over (BLOCK_M, num_warps) and the two-pass forward over
+(CHUNK, num_warps), torch.compile of the same fp32 math (forward alone under no_grad; its backward through
 autograd, timed by do_bench when the graph capture declines), and the device-to-device copy of x.
 Every Triton variant's y is checked against the default config's (bf16 tolerance).
 Writes DIR/sweep_rmsnorm.txt.
@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 import triton.testing as tt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,26 +27,11 @@ from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops  
 from primus_turbo.triton.normalization.rmsnorm_kernel import (  # noqa: E402
     fwd_tile_config,
     rmsnorm_fwd_kernel,
+    rmsnorm_fwd_two_pass_kernel,
 )
 
 EPS = 1e-6
 SHAPES = [(8192, 2048), (16384, 4096), (8192, 7168), (32768, 7168), (16384, 8192)]
-
-
-@triton.jit
-def _fwd_static_cols_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, eps, N_COLS: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """The one-pass forward with the row length a compile-time constant (as torch.compile's static
-    shapes): does a known mask / stride change the code?"""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows < n_rows)[:, None] & (cols < N_COLS)[None, :]
-    offs = rows[:, None].to(tl.int64) * N_COLS + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N_COLS + eps)
-    w = tl.load(w_ptr + cols, mask=cols < N_COLS, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
 
 
 def _us(fn) -> float:
@@ -108,10 +92,10 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
         )
 
     def launch(kind, block, warps):
-        if kind == "static-cols":
-            _fwd_static_cols_kernel[(triton.cdiv(rows, block),)](
-                x, w, y, rstd, rows, EPS, N_COLS=hidden, BLOCK_M=block,
-                BLOCK_N=triton.next_power_of_2(hidden), num_warps=warps,
+        if kind == "two-pass":
+            rmsnorm_fwd_two_pass_kernel[(rows,)](
+                x, x, w, y, y, rstd, rows, hidden, EPS, HAS_RESIDUAL=False, ZERO_CENTERED=False, CHUNK=block,
+                num_warps=warps,
             )  # fmt: skip
         else:
             rmsnorm_fwd_kernel[(triton.cdiv(rows, block),)](
@@ -123,10 +107,14 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
     launch("one-pass", default[0], default[2])
     want = y.clone()
     variants = [("one-pass", m, wp) for m in (1, 2, 4) for wp in (4, 8, 16)]
-    variants += [("static-cols", m, wp) for m in (1, 2) for wp in (4, 8)]
+    variants += [("two-pass", c, wp) for c in (1024, 2048, 4096) for wp in (4, 8, 16)]
     for kind, block, warps in variants:
-        tile = block * triton.next_power_of_2(hidden)
-        if tile > 32768 or tile < 32 * warps:
+        tile = block if kind == "two-pass" else block * triton.next_power_of_2(hidden)
+        if (
+            tile > 32768
+            or tile < 32 * warps
+            or (kind == "two-pass" and block > triton.next_power_of_2(hidden))
+        ):
             continue
         try:
             y.zero_()
