@@ -58,53 +58,6 @@ def rmsnorm_fwd_kernel(
 
 
 @triton.jit
-def rmsnorm_fwd_two_pass_kernel(
-    x_ptr,
-    res_ptr,
-    w_ptr,
-    y_ptr,
-    sum_ptr,
-    rstd_ptr,
-    n_rows,
-    n_cols,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """One row per program in two passes over CHUNK columns: the sum of squares, then the normalised
-    row from a second read of x that L2 serves (pass 1 loads with evict_last so the row stays there,
-    pass 2 with evict_first; HBM reads x once). Fewer registers per row than the one-pass kernel, so
-    more rows are in flight per SM (the scheme torch.compile's reduction kernels use)."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * n_cols
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in tl.range(0, n_cols, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-            s = (x + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)  # the rounded sum, as the unfused ops
-            tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
-            x = s.to(tl.float32)
-        acc += x * x
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n_cols + eps)
-    for start in tl.range(0, n_cols, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-            x = (x + r.to(tl.float32)).to(sum_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if ZERO_CENTERED:
-            w = w + 1.0
-        tl.store(y_ptr + row * n_cols + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
-
-
-@triton.jit
 def rmsnorm_bwd_kernel(
     dy_ptr,
     x_ptr,
