@@ -66,7 +66,7 @@ def residual_math(x, r, w):
 def candidates(residual: bool) -> dict:
     compiled = torch.compile(residual_math if residual else rmsnorm_math, dynamic=False)
     out = {}
-    # "auto": backend=None, the dispatcher's default (TURBO; TRITON forward above 32M elements)
+    # "auto": backend=None, the dispatcher's default (TURBO; TRITON forward above 128M elements)
     for name in ("TURBO", "TRITON", None):
         if name == "TURBO" and not HAS_CPP_EXTENSION:
             continue

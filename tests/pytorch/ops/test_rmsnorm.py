@@ -151,7 +151,7 @@ def test_default_backend_rule_per_stage():
         def numel(self):
             return self.n
 
-    small, large = _CudaLike(8192, 4096), _CudaLike(16384, 4096)  # 32M elements: the last TURBO forward
+    small, large = _CudaLike(32768, 4096), _CudaLike(32768, 4104)  # 128M elements: the last TURBO forward
     assert RMSNormDispatcher.default_backend(stage="fwd", x=small) == BackendType.TURBO
     assert RMSNormDispatcher.default_backend(stage="fwd", x=large) == BackendType.TRITON
     assert RMSNormDispatcher.default_backend(stage="bwd", x=small) == BackendType.TURBO

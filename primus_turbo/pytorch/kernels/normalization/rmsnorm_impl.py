@@ -5,7 +5,7 @@
 Residual variant: x is replaced by s = x + residual (rounded to x.dtype, as the unfused ops do),
 and s is returned too. rstd (fp32 [rows]) is saved for the backward, which every backend can read
 whichever backend produced it. Backends (on CUDA the backward defaults to TURBO, the forward to
-TURBO up to 32M elements and TRITON above, see ``RMSNormDispatcher.default_backend``; else TURBO >
+TURBO up to 128M elements and TRITON above, see ``RMSNormDispatcher.default_backend``; else TURBO >
 TRITON > TORCH):
 
 * ``TURBO``: CUDA C++ kernels in csrc/kernels/normalization/rmsnorm.cu (needs the ``_C`` extension;
@@ -40,7 +40,7 @@ __all__ = [
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TRITON_MAX_HIDDEN = 65536
-_TURBO_FWD_MAX_NUMEL = 1 << 25  # default forward: TURBO up to here, TRITON above (default_backend)
+_TURBO_FWD_MAX_NUMEL = 1 << 27  # default forward: TURBO up to here, TRITON above (default_backend)
 
 
 def turbo_max_hidden(hidden: int, dtype: torch.dtype, tensors: list[torch.Tensor | None]) -> int:
@@ -142,16 +142,17 @@ class RMSNormDispatcher(AutoKernelDispatcher):
 
     @classmethod
     def default_backend(cls, stage, x, **_) -> BackendType | None:
-        """Measured rule (bench_rmsnorm, bf16; H100 full sweep 2026-11-25, H200 --quick 2026-11-24):
-        the TURBO backward beats the TRITON one at every shape (H100: 91-96% of copy bandwidth vs
-        77-85% at 16384+ rows; H200: 80-83% vs 44-63%). The forward is a near tie on the GPU (H100:
-        TRITON 1-5% faster above 32M elements, H200: TRITON +6% at 16384x4096, TURBO +3% at 16384x7168)
-        but not on the host: a Triton launch costs several times a C++ one, so up to 32M elements
-        (a 64 MB bf16 input, where the kernel is a few tens of microseconds) the TURBO forward wins
-        (H100 8192x4096: 2596 vs 1582 GB/s) and above it TRITON is the default. rstd is shared, so a
-        TRITON forward feeds a TURBO backward. A backend that cannot serve the inputs falls through to
-        the order TURBO > TRITON > TORCH. CPU: TORCH (the Triton interpreter is orders of magnitude
-        slower than eager torch)."""
+        """Measured rule (bench_rmsnorm and benchmark/ops/sweep_rmsnorm.py, bf16, H100 2026-11-25 and
+        H200 2026-11-26): the TURBO backward beats the TRITON one at every shape (H200: 80-92% of copy
+        bandwidth vs 44-73% at 16384+ rows). The forward kernels are close in GPU time (H200, CUDA-graph
+        timing: TRITON 2-8% faster at 4096-8192 columns, e.g. 223 vs 236 us at 32768 x 7168, even at 2048)
+        but not on the host: a Triton launch costs 50-100 us more than the C++ op on the H200 machines'
+        hosts (bench_rmsnorm "host fwd us": 145-195 vs 50-100), which is the whole GPU time of a
+        64-128M-element forward (16384 x 4096: TURBO 3539 GB/s, TRITON 2154 GB/s end to end). So the
+        TURBO forward is the default up to 128M elements (256 MB of bf16 input, ~120 us of GPU time) and
+        TRITON above it. rstd is shared, so a TRITON forward feeds a TURBO backward. A backend that cannot
+        serve the inputs falls through to the order TURBO > TRITON > TORCH. CPU: TORCH (the Triton
+        interpreter is orders of magnitude slower than eager torch)."""
         if not x.is_cuda:
             return BackendType.TORCH
         if stage == "fwd" and x.numel() > _TURBO_FWD_MAX_NUMEL:
