@@ -73,6 +73,38 @@ def test_router_gpu_real_shapes(t, case, device):
     _run((t,) + case[1:], torch.float32, device)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("e", [8, 64, 256, 1000, 1024])
+@pytest.mark.parametrize("score", [0, 1, 2, 1 | 4, 2 | 4])  # softmax, pre-softmax, sigmoid; | 4: renormalised
+def test_router_backward_csrc_matches_triton(dtype, e, score, device):
+    """On CUDA the backward runs the C++ twin of the Triton kernel; both against each other (and the Triton
+    kernel stays tested on the GPU)."""
+    import triton
+
+    from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops
+    from primus_turbo.pytorch.kernels.moe.router_impl import _split
+
+    if not HAS_CPP_EXTENSION:
+        pytest.skip("the C++ extension is not built")
+    t, k = 999, min(8, e)
+    logits = torch.randn(t, e, device=device).to(dtype)
+    routing_map = torch.zeros(t, e, dtype=torch.bool, device=device)
+    routing_map.scatter_(1, torch.rand(t, e, device=device).topk(k, -1).indices, True)
+    grad = torch.randn(t, e, device=device).to(dtype)
+    base, norm = _split(score)
+    got = cpp_ops().router_bwd(grad, logits, routing_map, base, norm, 2.5)
+    want = torch.empty_like(logits)
+    bt = rk.router_block_t(e)
+    rk.router_bwd_kernel[(triton.cdiv(t, bt),)](
+        grad, logits, routing_map.view(torch.int8), want, t, e, 2.5, SCORE=base, NORM=norm, K=k, BLOCK_T=bt,
+        BLOCK_E=triton.next_power_of_2(e),
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == logits.shape
+    assert_close(got, want, dtype)
+    assert got.abs().sum() > 0
+
+
 def test_router_matches_megatron(device):
     moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
     logits = torch.randn(32, 64, device=device)

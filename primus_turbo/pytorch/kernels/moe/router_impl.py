@@ -1,9 +1,11 @@
-"""Router kernels as torch custom ops: Triton on GPU / interpreter, eager reference otherwise."""
+"""Router kernels as torch custom ops: Triton on GPU / interpreter (the backward: its C++ twin on CUDA when
+the extension is built), eager reference otherwise."""
 
 from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops
 from primus_turbo.pytorch.core.utils import ceil_div, eager_direct, triton_can_run_on
 
 SCORES = {"softmax": 0, "pre_softmax": 1, "sigmoid": 2}
@@ -121,6 +123,12 @@ def router_bwd(
     scaling: float,
 ) -> torch.Tensor:
     t, e = logits.shape
+    base, norm = _split(score)
+    if t > 0 and logits.is_cuda and e <= 1024 and HAS_CPP_EXTENSION:
+        # the CUDA twin of router_bwd_kernel (csrc/kernels/moe/router.cu): the same math, launched from one
+        # C++ op; the op is bound by its launch path (GPU 2-15 us, host ~100 us), and a Triton launch is the
+        # larger share of that
+        return cpp_ops().router_bwd(grad_probs.contiguous(), logits, routing_map, base, norm, float(scaling))
     if t == 0 or not triton_can_run_on(logits):
         return _router_bwd_eager(grad_probs, logits, routing_map, topk, score, scaling)
     import triton
@@ -129,7 +137,6 @@ def router_bwd(
 
     grad_logits = torch.empty_like(logits)
     block_t = router_block_t(e)
-    base, norm = _split(score)
     router_bwd_kernel[(ceil_div(t, block_t),)](
         grad_probs.contiguous(),
         logits,
