@@ -23,7 +23,6 @@
 // and not kept: dweight partials in shared memory instead of registers (VPT 4 + prefetch), 76-78%.
 
 #include <algorithm>
-#include <cstring>
 #include <type_traits>
 
 #include "primus_turbo/common.h"
@@ -108,35 +107,11 @@ __device__ __forceinline__ float elem(const uint4& raw, int j) {  // j: a consta
     }
 }
 
-// STREAM: x / dy / dx / y move with the evict-first cache hints (ld.global.cs / st.global.cs): each byte is used
-// once, so they need not displace L2 lines that are (the weight, the next CTAs' rows).
-template <bool STREAM, typename V>
-__device__ __forceinline__ V load_row_vec(const V* p) {
-    if constexpr (STREAM && sizeof(V) == 16) {
-        const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
-        V v;
-        memcpy(&v, &raw, 16);
-        return v;
-    } else {
-        return *p;
-    }
-}
-template <bool STREAM, typename V>
-__device__ __forceinline__ void store_row_vec(V* p, const V& v) {
-    if constexpr (STREAM && sizeof(V) == 16) {
-        uint4 raw;
-        memcpy(&raw, &v, 16);
-        __stcs(reinterpret_cast<uint4*>(p), raw);
-    } else {
-        *p = v;
-    }
-}
-
 // PREFETCH: the loads of the row group's next row (row + groups) are issued into a second register
 // buffer before the current row is reduced and written, so HBM reads overlap the barriers and stores.
 // RESIDUAL = false compiles the residual path out (residual must be nullptr): the prefetch kernels
 // are instantiated both ways, since the residual's two buffers would cost every launch ~60 registers.
-template <typename T, int VEC, int VPT, bool PREFETCH, bool RESIDUAL = true, bool STREAM = false>
+template <typename T, int VEC, int VPT, bool PREFETCH, bool RESIDUAL = true>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
     rmsnorm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ residual, const T* weight,
                        T* __restrict__ y, T* __restrict__ sum_out, float* __restrict__ rstd_out, int64_t rows,
@@ -155,7 +130,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
         for (int i = 0; i < VPT; ++i) {
             const int idx = threadIdx.x + i * blockDim.x;
             if (idx < n_vec) {
-                xs[i] = load_row_vec<STREAM>(x_row + idx);
+                xs[i] = x_row[idx];
                 if (PREFETCH && has_residual) rs[i] = reinterpret_cast<const V*>(residual + row * hidden)[idx];
             }
         }
@@ -198,7 +173,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 #pragma unroll
                 for (int j = 0; j < VEC; ++j)
                     out.v[j] = from_float<T>(to_float(v[i].v[j]) * rstd * (to_float(w.v[j]) + w_shift));
-                store_row_vec<STREAM>(y_row + idx, out);
+                y_row[idx] = out;
             }
         }
     };
@@ -225,7 +200,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 // The backward's loads of one row: this thread's x and dy vectors, and rstd (returned); nothing (0)
 // for a row past the end. A function, not a lambda: a lambda changes the scheduling of the default
 // fp32 kernel.
-template <typename T, typename B, int VPT, bool STREAM = false>
+template <typename T, typename B, int VPT>
 __device__ __forceinline__ float load_bwd_row(const T* __restrict__ x, const T* __restrict__ dy,
                                               const float* __restrict__ rstd_in, int64_t row, int64_t rows,
                                               int hidden, B (&xs)[VPT], B (&dys)[VPT]) {
@@ -238,8 +213,8 @@ __device__ __forceinline__ float load_bwd_row(const T* __restrict__ x, const T* 
     for (int i = 0; i < VPT; ++i) {
         const int idx = threadIdx.x + i * blockDim.x;
         if (valid && idx < n_vec) {
-            xs[i] = load_row_vec<STREAM>(x_row + idx);
-            dys[i] = load_row_vec<STREAM>(dy_row + idx);
+            xs[i] = x_row[idx];
+            dys[i] = dy_row[idx];
         }
     }
     return rstd;
@@ -255,7 +230,7 @@ __device__ __forceinline__ float load_bwd_row(const T* __restrict__ x, const T* 
 // cuts the workspace traffic from ~10% to ~1% of the backward's bytes).
 //
 // PREFETCH: as in the forward (x, dy, rstd of row + block_stride; dsum is still read at the store).
-template <typename T, int VEC, int VPT, bool PREFETCH, bool STREAM = false>
+template <typename T, int VEC, int VPT, bool PREFETCH>
 __device__ __forceinline__ void rmsnorm_bwd_body(const T* __restrict__ dy, const T* __restrict__ x, const T* weight,
                                                  const float* __restrict__ rstd_in, const T* __restrict__ dsum,
                                                  T* __restrict__ dx, float* __restrict__ dw_partial, int64_t rows,
@@ -283,9 +258,8 @@ __device__ __forceinline__ void rmsnorm_bwd_body(const T* __restrict__ dy, const
     Buf x_pf[VPT], dy_pf[VPT];
     float rstd_pf = 0.f;
     if constexpr (PREFETCH)
-        rstd_pf = load_bwd_row<T, Buf, VPT, STREAM>(x, dy, rstd_in,
-                                                    static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, rows,
-                                                    hidden, x_pf, dy_pf);
+        rstd_pf = load_bwd_row(x, dy, rstd_in, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, rows,
+                               hidden, x_pf, dy_pf);
     for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += block_stride) {
         const int64_t row = base + threadIdx.y;
         const bool valid = row < rows;  // a short last row block: idle groups still reach the barriers
@@ -296,8 +270,7 @@ __device__ __forceinline__ void rmsnorm_bwd_body(const T* __restrict__ dy, const
             // merge each (predicated) load with x_pf's old value right away, i.e. wait for it.
             Buf x_next[VPT], dy_next[VPT];
             rstd = rstd_pf;
-            rstd_pf = load_bwd_row<T, Buf, VPT, STREAM>(x, dy, rstd_in, row + block_stride, rows, hidden, x_next,
-                                                        dy_next);
+            rstd_pf = load_bwd_row(x, dy, rstd_in, row + block_stride, rows, hidden, x_next, dy_next);
 #pragma unroll
             for (int i = 0; i < VPT; ++i) {
                 xv[i] = x_pf[i], dyv[i] = dy_pf[i];
@@ -343,7 +316,7 @@ __device__ __forceinline__ void rmsnorm_bwd_body(const T* __restrict__ dy, const
                     if (ds_row != nullptr) g += to_float(ds.v[j]);
                     out.v[j] = from_float<T>(g);
                 }
-                store_row_vec<STREAM>(dx_row + idx, out);
+                dx_row[idx] = out;
             }
         }
     }
@@ -380,9 +353,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow) rmsnorm_bwd_kernel(PT_BWD_P
 
 // VPT 2 + prefetch: the register cap sets the occupancy (80: 3 CTAs of 256 threads per SM at hidden
 // 4096; A/B on H200: caps 64 (no prefetch room) and 72 (spills) measured 67-77% of copy, 80: 80-83%).
-template <typename T, int VEC, bool STREAM = false>
+template <typename T, int VEC>
 __global__ void __maxnreg__(80) rmsnorm_bwd_vpt2_kernel(PT_BWD_PARAMS) {
-    rmsnorm_bwd_body<T, VEC, 2, true, STREAM>(PT_BWD_ARGS);
+    rmsnorm_bwd_body<T, VEC, 2, true>(PT_BWD_ARGS);
 }
 
 // dweight[c] = sum_g partial[g, c]: a 32x32 CTA, coalesced over columns, fixed summation order,
