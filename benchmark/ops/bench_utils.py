@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -85,6 +86,26 @@ def bench_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default benchmark/results/<gpu>)")
     p.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
     return p
+
+
+def run_sweep(doc: str, name: str, title: str, cases, sweep_case) -> None:
+    """Main of the sweep scripts (diagnosis tools): parse ``--out``, require CUDA, run
+    ``sweep_case(*case, report)`` per case into one markdown report headed by the device and versions, write
+    it to DIR/<name>.txt and print it."""
+    import io
+
+    import triton
+
+    args = bench_parser(doc.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"{name}: needs a CUDA device")
+    report = io.StringIO()
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    report.write(f"# {title} on {torch.cuda.get_device_name()}, {versions}\n")
+    for case in cases:
+        sweep_case(*case, report)
+    (out_dir(args) / f"{name}.txt").write_text(report.getvalue())
+    print(report.getvalue())
 
 
 def out_dir(args) -> Path:

@@ -22,7 +22,7 @@ import triton
 import triton.testing as tt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_parser, out_dir  # noqa: E402
+from bench_utils import run_sweep  # noqa: E402
 
 from primus_turbo.triton.activation.activation_kernel import (  # noqa: E402
     glu_bwd_kernel,
@@ -122,19 +122,7 @@ def sweep_shape(n: int, h: int, with_probs: bool, report: io.StringIO) -> None:
 
 
 def main() -> None:
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("sweep_glu: needs a CUDA device")
-    report = io.StringIO()
-    report.write(
-        f"# glu kernel sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}\n"
-    )
-    for n, h, with_probs in SHAPES:
-        sweep_shape(n, h, with_probs, report)
-    path = out_dir(args) / "sweep_glu.txt"
-    path.write_text(report.getvalue())
-    print(report.getvalue())
+    run_sweep(__doc__, "sweep_glu", "glu kernel sweep", SHAPES, sweep_shape)
 
 
 if __name__ == "__main__":

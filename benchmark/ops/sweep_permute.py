@@ -21,7 +21,7 @@ import triton
 import triton.testing as tt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_parser, out_dir  # noqa: E402
+from bench_utils import run_sweep  # noqa: E402
 
 import primus_turbo.pytorch.kernels.moe.permute_impl as pi  # noqa: E402
 from primus_turbo.triton.moe.permute_kernel import unpermute_bwd_probs_kernel  # noqa: E402
@@ -96,15 +96,9 @@ def _sweep_unpermute_bwd_shape(report: io.StringIO, t: int, e: int, k: int, h: i
 
 
 def main() -> None:
-    args = bench_parser(__doc__).parse_args()
     torch.manual_seed(0)
-    report = io.StringIO()
-    report.write(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}\n\n")
-    sweep_map(report)
-    sweep_unpermute_bwd(report)
-    path = out_dir(args) / "sweep_permute.txt"
-    path.write_text(report.getvalue())
-    print(report.getvalue())
+    parts = [(sweep_map,), (sweep_unpermute_bwd,)]
+    run_sweep(__doc__, "sweep_permute", "permute helper kernels", parts, lambda part, report: part(report))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import triton.language as tl
 import triton.testing as tt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_parser, out_dir  # noqa: E402
+from bench_utils import run_sweep  # noqa: E402
 
 from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops  # noqa: E402
 from primus_turbo.triton.normalization.rmsnorm_kernel import (  # noqa: E402
@@ -180,19 +180,7 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
 
 
 def main() -> None:
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("sweep_rmsnorm: needs a CUDA device")
-    report = io.StringIO()
-    report.write(
-        f"# RMSNorm sweep (GPU time) on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}\n"
-    )
-    for rows, hidden in SHAPES:
-        sweep_shape(rows, hidden, report)
-    path = out_dir(args) / "sweep_rmsnorm.txt"
-    path.write_text(report.getvalue())
-    print(report.getvalue())
+    run_sweep(__doc__, "sweep_rmsnorm", "RMSNorm sweep (GPU time)", SHAPES, sweep_shape)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import triton
 import triton.testing as tt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_parser, host_ms, out_dir  # noqa: E402
+from bench_utils import host_ms, run_sweep  # noqa: E402
 
 from primus_turbo.pytorch.kernels.moe.router_impl import _score_code, _split, router_forward_eager  # noqa: E402
 from primus_turbo.pytorch.ops.moe.router import fused_topk_routing  # noqa: E402
@@ -103,18 +103,8 @@ def sweep_shape(t: int, e: int, k: int, g: int, kg: int, report: io.StringIO) ->
 
 
 def main() -> None:
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("sweep_router: needs a CUDA device")
-    torch._functorch.config.donated_buffer = False
-    report = io.StringIO()
-    report.write(f"# router sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-                 f"triton {triton.__version__}\n")  # fmt: skip
-    for shape in SHAPES:
-        sweep_shape(*shape, report)
-    path = out_dir(args) / "sweep_router.txt"
-    path.write_text(report.getvalue())
-    print(report.getvalue())
+    torch._functorch.config.donated_buffer = False  # the backward is timed repeatedly on one graph
+    run_sweep(__doc__, "sweep_router", "router sweep", SHAPES, sweep_shape)
 
 
 if __name__ == "__main__":
