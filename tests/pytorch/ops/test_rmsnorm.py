@@ -327,7 +327,7 @@ def test_gpu_turbo_misaligned_and_default():
     w = torch.randn(2048, dtype=torch.bfloat16, device="cuda").requires_grad_()
     y = turbo.ops.rmsnorm(x, w)  # automatic on CUDA, 128K elements: TURBO both ways (measured rule)
     assert RMSNormDispatcher.last_backend == BackendType.TURBO
-    big = torch.randn(16384, 2049, dtype=torch.bfloat16, device="cuda")  # > 2**25 elements: TRITON forward
+    big = torch.randn(65536, 2049, dtype=torch.bfloat16, device="cuda")  # > 2**27 elements: TRITON forward
     w_big = torch.randn(2049, dtype=torch.bfloat16, device="cuda")
     y_big = turbo.ops.rmsnorm(big, w_big)
     assert_close(y_big, rmsnorm_ref(big, w_big)[0], torch.bfloat16, msg="large default")
