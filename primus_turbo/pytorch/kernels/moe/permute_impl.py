@@ -453,7 +453,9 @@ def moe_unpermute_bwd_probs(
 def unpermute_bwd_probs_config(k: int, h: int) -> tuple[int, int, int, int]:
     """(BLOCK_K, BLOCK_H, routes per program, num_warps) of ``unpermute_bwd_probs_kernel``: 2 routes x
     2048 columns a step, all K routes of a token in one program, 8 warps (H200, 4096 x 7168 top-8,
-    benchmark/ops/sweep_permute.py: 266 us vs 294 for 8 x 512 at 4 warps and 325 for 8 x 1024 at 8)."""
+    benchmark/ops/sweep_permute.py: 266 us vs 294 for 8 x 512 at 4 warps and 325 for 8 x 1024 at 8).
+    Splitting a token's routes over programs (routes per program < K) was slower at every size swept
+    (session 20: 274-292 vs 265 us at 4096 x 7168 top-8)."""
     block_k = min(2, triton.next_power_of_2(k))
     return block_k, max(16, min(triton.next_power_of_2(h), 4096 // block_k)), k, 8
 
