@@ -139,10 +139,10 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
         )
 
     def launch(kind, block, warps):
-        if kind == "two-pass":
+        if kind.startswith("two-pass"):
             rmsnorm_fwd_two_pass_kernel[(rows,)](
                 x, x, w, y, y, rstd, rows, hidden, EPS, HAS_RESIDUAL=False, ZERO_CENTERED=False, CHUNK=block,
-                num_warps=warps,
+                num_warps=warps, num_stages=1 if kind == "two-pass-s1" else 3,
             )  # fmt: skip
         else:
             rmsnorm_fwd_kernel[(triton.cdiv(rows, block),)](
@@ -155,12 +155,16 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
     want = y.clone()
     variants = [("one-pass", m, wp) for m in (1, 2, 4) for wp in (4, 8, 16)]
     variants += [("two-pass", c, wp) for c in (1024, 2048, 4096) for wp in (4, 8, 16)]
+    # torch.compile's pick at 7168 / 8192 columns (TORCH_LOGS=+inductor, 2026-11-26): one 8192-column chunk,
+    # 16 warps, num_stages 1 (31 registers)
+    full = triton.next_power_of_2(hidden)
+    variants += [("two-pass-s1", c, wp) for c in dict.fromkeys((2048, full)) for wp in (8, 16)]
     for kind, block, warps in variants:
-        tile = block if kind == "two-pass" else block * triton.next_power_of_2(hidden)
+        tile = block if kind.startswith("two-pass") else block * triton.next_power_of_2(hidden)
         if (
             tile > 32768
             or tile < 32 * warps
-            or (kind == "two-pass" and block > triton.next_power_of_2(hidden))
+            or (kind.startswith("two-pass") and block > triton.next_power_of_2(hidden))
         ):
             continue
         try:
