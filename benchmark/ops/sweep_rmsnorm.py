@@ -81,6 +81,27 @@ def rmsnorm_fwd_two_pass_kernel(  # a candidate, not shipped: slower than the on
     tl.store(rstd_ptr + row, rstd)
 
 
+@triton.jit
+def _two_pass_static_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, N_COLS: tl.constexpr, CHUNK: tl.constexpr):
+    """torch.compile's scheme with its static shapes: the row length a constant (a one-chunk loop is no loop),
+    pass 1 evict_last, pass 2 evict_first, the weight evict_last (a candidate, not shipped)."""
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in tl.range(0, N_COLS, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + row * N_COLS + cols, mask=cols < N_COLS, other=0.0, eviction_policy="evict_last")
+        acc += x.to(tl.float32) * x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N_COLS + eps)
+    for start in tl.range(0, N_COLS, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        mask = cols < N_COLS
+        x = tl.load(x_ptr + row * N_COLS + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        y = x.to(tl.float32) * rstd * w.to(tl.float32)
+        tl.store(y_ptr + row * N_COLS + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
 def _us(fn) -> float:
     return tt.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
@@ -139,7 +160,11 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
         )
 
     def launch(kind, block, warps):
-        if kind.startswith("two-pass"):
+        if kind == "two-pass-static":
+            _two_pass_static_kernel[(rows,)](
+                x, w, y, rstd, EPS, N_COLS=hidden, CHUNK=block, num_warps=warps, num_stages=1,
+            )  # fmt: skip
+        elif kind.startswith("two-pass"):
             rmsnorm_fwd_two_pass_kernel[(rows,)](
                 x, x, w, y, y, rstd, rows, hidden, EPS, HAS_RESIDUAL=False, ZERO_CENTERED=False, CHUNK=block,
                 num_warps=warps, num_stages=1 if kind == "two-pass-s1" else 3,
@@ -159,6 +184,7 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
     # 16 warps, num_stages 1 (31 registers)
     full = triton.next_power_of_2(hidden)
     variants += [("two-pass-s1", c, wp) for c in dict.fromkeys((2048, full)) for wp in (8, 16)]
+    variants += [("two-pass-static", c, wp) for c in dict.fromkeys((2048, full)) for wp in (8, 16)]
     for kind, block, warps in variants:
         tile = block if kind.startswith("two-pass") else block * triton.next_power_of_2(hidden)
         if (
