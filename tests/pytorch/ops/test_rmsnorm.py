@@ -107,6 +107,14 @@ def test_rmsnorm_many_rows_and_eps(backend, device):
     _check_plain((130, 64), torch.float32, device, backend, eps=0.5)
 
 
+@pytest.mark.parametrize("hidden", [4096, 4100, 7168])
+def test_triton_forward_wide_rows(hidden, device):
+    # 4096-8192 columns: the TRITON forward runs the row-per-program two-pass kernel (the row length a
+    # compile-time constant; 4100 and 7168: a masked tail in its one 8192-column chunk)
+    _check_plain((3, hidden), torch.float32, device, "TRITON", zero_centered_gamma=True)
+    _check_residual((2, hidden), torch.float32, device, "TRITON", use_sum_grad=True)
+
+
 @pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
 @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16), (4, 0)])
 def test_zero_size(backend, shape, device):
@@ -274,6 +282,14 @@ def _compile_all():
             constexprs = {flag: hidden != 100, "ZERO_CENTERED": hidden == 100, "BLOCK_M": block_m,
                           "BLOCK_N": block_n}  # fmt: skip
             compile_for_sm90(kernel, signature, constexprs, num_warps=num_warps)
+    rows_sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "sum_ptr": "*bf16",
+                "rstd_ptr": "*fp32", "eps": "fp32", "N_COLS": "constexpr", "HAS_RESIDUAL": "constexpr",
+                "ZERO_CENTERED": "constexpr", "CHUNK": "constexpr"}  # fmt: skip
+    for n_cols, chunk, warps in ((4096, 4096, 8), (7168, 8192, 16), (5120, 8192, 16)):
+        for residual in (False, True):
+            constexprs = {"N_COLS": n_cols, "HAS_RESIDUAL": residual, "ZERO_CENTERED": residual}
+            constexprs["CHUNK"] = chunk
+            compile_for_sm90(rk.rmsnorm_fwd_rows_kernel, rows_sig, constexprs, num_warps=warps, num_stages=1)
 
 
 def test_triton_kernels_compile_sm90():
