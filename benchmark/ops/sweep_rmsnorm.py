@@ -3,10 +3,12 @@
     python benchmark/ops/sweep_rmsnorm.py [--out DIR]
 
 ``triton.testing.do_bench_cudagraph`` medians (no host overhead) of: the TURBO (csrc) forward and
-backward, the TRITON one-pass forward over (BLOCK_M, num_warps) and the two-pass forward over
-(CHUNK, num_warps), torch.compile of the same fp32 math (forward alone under no_grad; its backward through
-autograd, timed by do_bench when the graph capture declines), and the device-to-device copy of x.
-Every Triton variant's y is checked against the default config's (bf16 tolerance).
+backward, the TRITON one-pass forward over (BLOCK_M, num_warps) and the rows kernel (4096-8192 columns)
+over (CHUNK, num_warps), torch.compile of the same fp32 math (forward alone under no_grad; its backward
+through autograd, timed by do_bench when the graph capture declines), and the device-to-device copy of x.
+Every Triton variant's y is checked against the one-pass default's (bf16 tolerance). Candidates measured
+and dropped (eviction hints on the one-pass kernel, two passes with a runtime row length): results in
+benchmark/results/h200/sweep_rmsnorm_*.txt.
 Writes DIR/sweep_rmsnorm.txt.
 """
 
@@ -18,7 +20,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 import triton.testing as tt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,78 +29,11 @@ from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops  
 from primus_turbo.triton.normalization.rmsnorm_kernel import (  # noqa: E402
     fwd_tile_config,
     rmsnorm_fwd_kernel,
+    rmsnorm_fwd_rows_kernel,
 )
 
 EPS = 1e-6
 SHAPES = [(8192, 2048), (16384, 4096), (8192, 7168), (32768, 7168), (16384, 8192)]
-
-
-@triton.jit
-def rmsnorm_fwd_two_pass_kernel(  # a candidate, not shipped: slower than the one-pass kernel at 7168
-    x_ptr,
-    res_ptr,
-    w_ptr,
-    y_ptr,
-    sum_ptr,
-    rstd_ptr,
-    n_rows,
-    n_cols,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """One row per program in two passes over CHUNK columns: the sum of squares, then the normalised
-    row from a second read of x that L2 serves (pass 1 loads with evict_last so the row stays there,
-    pass 2 with evict_first; HBM reads x once). Fewer registers per row than the one-pass kernel, so
-    more rows are in flight per SM (the scheme torch.compile's reduction kernels use)."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * n_cols
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in tl.range(0, n_cols, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-            s = (x + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)  # the rounded sum, as the unfused ops
-            tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
-            x = s.to(tl.float32)
-        acc += x * x
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n_cols + eps)
-    for start in tl.range(0, n_cols, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-            x = (x + r.to(tl.float32)).to(sum_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if ZERO_CENTERED:
-            w = w + 1.0
-        tl.store(y_ptr + row * n_cols + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
-
-
-@triton.jit
-def _two_pass_static_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, eps, N_COLS: tl.constexpr, CHUNK: tl.constexpr):
-    """torch.compile's scheme with its static shapes: the row length a constant (a one-chunk loop is no loop),
-    pass 1 evict_last, pass 2 evict_first, the weight evict_last (a candidate, not shipped)."""
-    row = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in tl.range(0, N_COLS, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        x = tl.load(x_ptr + row * N_COLS + cols, mask=cols < N_COLS, other=0.0, eviction_policy="evict_last")
-        acc += x.to(tl.float32) * x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N_COLS + eps)
-    for start in tl.range(0, N_COLS, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < N_COLS
-        x = tl.load(x_ptr + row * N_COLS + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-        y = x.to(tl.float32) * rstd * w.to(tl.float32)
-        tl.store(y_ptr + row * N_COLS + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
 
 
 def _us(fn) -> float:
@@ -160,14 +94,10 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
         )
 
     def launch(kind, block, warps):
-        if kind == "two-pass-static":
-            _two_pass_static_kernel[(rows,)](
-                x, w, y, rstd, EPS, N_COLS=hidden, CHUNK=block, num_warps=warps, num_stages=1,
-            )  # fmt: skip
-        elif kind.startswith("two-pass"):
-            rmsnorm_fwd_two_pass_kernel[(rows,)](
-                x, x, w, y, y, rstd, rows, hidden, EPS, HAS_RESIDUAL=False, ZERO_CENTERED=False, CHUNK=block,
-                num_warps=warps, num_stages=1 if kind == "two-pass-s1" else 3,
+        if kind == "rows":
+            rmsnorm_fwd_rows_kernel[(rows,)](
+                x, x, w, y, y, rstd, EPS, N_COLS=hidden, HAS_RESIDUAL=False, ZERO_CENTERED=False, CHUNK=block,
+                num_warps=warps, num_stages=1,
             )  # fmt: skip
         else:
             rmsnorm_fwd_kernel[(triton.cdiv(rows, block),)](
@@ -179,19 +109,11 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
     launch("one-pass", default[0], default[2])
     want = y.clone()
     variants = [("one-pass", m, wp) for m in (1, 2, 4) for wp in (4, 8, 16)]
-    variants += [("two-pass", c, wp) for c in (1024, 2048, 4096) for wp in (4, 8, 16)]
-    # torch.compile's pick at 7168 / 8192 columns (TORCH_LOGS=+inductor, 2026-11-26): one 8192-column chunk,
-    # 16 warps, num_stages 1 (31 registers)
     full = triton.next_power_of_2(hidden)
-    variants += [("two-pass-s1", c, wp) for c in dict.fromkeys((2048, full)) for wp in (8, 16)]
-    variants += [("two-pass-static", c, wp) for c in dict.fromkeys((2048, full)) for wp in (8, 16)]
+    variants += [("rows", c, wp) for c in dict.fromkeys((2048, full)) for wp in (8, 16)]
     for kind, block, warps in variants:
-        tile = block if kind.startswith("two-pass") else block * triton.next_power_of_2(hidden)
-        if (
-            tile > 32768
-            or tile < 32 * warps
-            or (kind.startswith("two-pass") and block > triton.next_power_of_2(hidden))
-        ):
+        tile = block if kind == "rows" else block * triton.next_power_of_2(hidden)
+        if tile > 32768 or tile < 32 * warps or (kind == "rows" and block > triton.next_power_of_2(hidden)):
             continue
         try:
             y.zero_()
