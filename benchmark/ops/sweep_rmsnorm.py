@@ -27,9 +27,9 @@ from bench_utils import run_sweep  # noqa: E402
 
 from primus_turbo.pytorch.core.cpp_extension import HAS_CPP_EXTENSION, cpp_ops  # noqa: E402
 from primus_turbo.triton.normalization.rmsnorm_kernel import (  # noqa: E402
-    fwd_tile_config,
     rmsnorm_fwd_kernel,
     rmsnorm_fwd_rows_kernel,
+    tile_config,
 )
 
 EPS = 1e-6
@@ -105,7 +105,7 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
                 BLOCK_M=block, BLOCK_N=triton.next_power_of_2(hidden), num_warps=warps,
             )  # fmt: skip
 
-    default = fwd_tile_config(hidden, rows)
+    default = tile_config(hidden, rows)
     launch("one-pass", default[0], default[2])
     want = y.clone()
     variants = [("one-pass", m, wp) for m in (1, 2, 4) for wp in (4, 8, 16)]

@@ -103,9 +103,9 @@ def glu_bwd_kernel(
         tl.store(grad_probs_ptr + rows, tl.sum(acc, axis=1).to(grad_probs_ptr.dtype.element_ty), mask=row_ok)
 
 
-def launch_config(rows: int, hidden: int, backward: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_H, num_warps) for ``rows`` rows of ``hidden`` outputs: one row per program in
-    chunks of <= 1024 columns (8 elements per thread at 4 warps: 16-byte bf16 accesses), forward and
+def launch_config(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_H, num_warps) for rows of ``hidden`` outputs: one row per program in chunks of
+    <= 1024 columns (8 elements per thread at 4 warps: 16-byte bf16 accesses), forward and
     backward. Measured (benchmark/ops/sweep_glu.py, H200, GPU time): the best or within 2% of the best
     of 24 (BLOCK_R, BLOCK_H, warps) variants at 32768 x 2048, 49152 x 1408 and 8192 x 14336, at 94-100%
     of the same-size copy; whole-row tiles (BLOCK_H 4096) and 16 warps lose 5-45%."""

@@ -160,14 +160,6 @@ def tile_config(hidden: int, rows: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
-def fwd_tile_config(hidden: int, rows: int) -> tuple[int, int, int]:
-    """``tile_config`` for the forward, with at most 8 warps up to 8192 columns (benchmark/ops/
-    sweep_rmsnorm.py, H200 GPU time, 16 -> 8 warps: 7168 columns 62-63 -> 58 us at 8192 rows and
-    242-245 -> 223 us at 32768, 0.97-0.98x torch.compile; 8192 columns 133 -> 131 us)."""
-    block_m, block_n, num_warps = tile_config(hidden, rows)
-    return block_m, block_n, min(num_warps, 8) if block_n <= 8192 else num_warps
-
-
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -191,7 +183,7 @@ def rmsnorm_fwd_triton(
     y = torch.empty_like(x)
     sum_out = torch.empty_like(x) if residual is not None else x.new_empty(0)
     rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
-    block_m, block_n, num_warps = fwd_tile_config(hidden, rows)
+    block_m, block_n, num_warps = tile_config(hidden, rows)
     if 4096 <= block_n <= 8192:
         # 4096-8192 columns: the row-per-program two-pass kernel (sweep_rmsnorm.py, H200 GPU time vs the
         # one-pass kernel: 4096 columns 65.4 vs 67.2 us, 7168 57.3 vs 58.8 us, 8192 127.2 vs 131.3 us)

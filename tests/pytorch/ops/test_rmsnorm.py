@@ -276,8 +276,7 @@ def _compile_all():
     for hidden, dtype in cases:
         for sig, flag in ((_FWD_SIG, "HAS_RESIDUAL"), (_BWD_SIG, "HAS_DSUM")):
             kernel = rk.rmsnorm_fwd_kernel if sig is _FWD_SIG else rk.rmsnorm_bwd_kernel
-            config = rk.fwd_tile_config if sig is _FWD_SIG else rk.tile_config
-            block_m, block_n, num_warps = config(hidden, 16384)
+            block_m, block_n, num_warps = rk.tile_config(hidden, 16384)
             signature = {k: (_TY[dtype] if v == "T" else v) for k, v in sig.items()}
             constexprs = {flag: hidden != 100, "ZERO_CENTERED": hidden == 100, "BLOCK_M": block_m,
                           "BLOCK_N": block_n}  # fmt: skip

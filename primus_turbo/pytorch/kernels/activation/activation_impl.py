@@ -35,7 +35,7 @@ def glu_fwd(x: torch.Tensor, probs: torch.Tensor | None, act: str) -> torch.Tens
         return out.copy_(y)
     from primus_turbo.triton.activation.activation_kernel import glu_fwd_kernel, launch_config
 
-    block_r, block_h, warps = launch_config(n, h, backward=False)
+    block_r, block_h, warps = launch_config(h)
     glu_fwd_kernel[(triton.cdiv(n, block_r),)](
         x,
         probs if probs is not None else x,
@@ -89,7 +89,7 @@ def glu_bwd(
     from primus_turbo.triton.activation.activation_kernel import glu_bwd_kernel, launch_config
 
     grad_out = grad_out.contiguous()
-    block_r, block_h, warps = launch_config(n, h, backward=True)
+    block_r, block_h, warps = launch_config(h)
     glu_bwd_kernel[(triton.cdiv(n, block_r),)](
         grad_out,
         x,

@@ -144,11 +144,13 @@ class RMSNormDispatcher(AutoKernelDispatcher):
     def default_backend(cls, stage, x, **_) -> BackendType | None:
         """Measured rule (bench_rmsnorm and benchmark/ops/sweep_rmsnorm.py, bf16, H100 2026-11-25 and
         H200 2026-11-26): the TURBO backward beats the TRITON one at every shape (H200: 80-92% of copy
-        bandwidth vs 44-73% at 16384+ rows). The forward kernels are close in GPU time (H200, CUDA-graph
-        timing: TRITON 2-8% faster at 4096-8192 columns, e.g. 223 vs 236 us at 32768 x 7168, even at 2048)
-        but not on the host: a Triton launch costs 50-100 us more than the C++ op on the H200 machines'
-        hosts (bench_rmsnorm "host fwd us": 145-195 vs 50-100), which is the whole GPU time of a
-        64-128M-element forward (16384 x 4096: TURBO 3539 GB/s, TRITON 2154 GB/s end to end). So the
+        bandwidth vs 44-73% at 16384+ rows). The TRITON forward is the faster kernel (H200 CUDA-graph timing:
+        its one-pass kernel 2-8% ahead at 2048-8192 columns, e.g. 223 vs 236 us at 32768 x 7168; the rows
+        kernel for 4096-8192 columns end to end 4097 vs 3795 GB/s at 16384 x 7168) but not on the host: a
+        Triton launch costs 30-140 us more than the C++ op on the H200 machines' hosts (bench_rmsnorm
+        "host fwd us": 78 vs 42-47 on one machine, 145-195 vs 50-100 on another), up to the whole GPU
+        time of a 64-128M-element forward (on the slower host, 16384 x 4096: TURBO 3539 GB/s, TRITON
+        2154 GB/s end to end). So the
         TURBO forward is the default up to 128M elements (256 MB of bf16 input, ~120 us of GPU time) and
         TRITON above it. rstd is shared, so a TRITON forward feeds a TURBO backward. A backend that cannot
         serve the inputs falls through to the order TURBO > TRITON > TORCH. CPU: TORCH (the Triton
