@@ -37,6 +37,7 @@ constexpr int kMaxRowsPerCta = 8;   // backward: rows per CTA = 256 / tpr (>= 25
 constexpr int kBwdCtaThreads = 256;
 constexpr int kVecVpt = 4;          // 16-byte vectors per thread (vectorized path)
 constexpr int kScalarVpt = 8;       // elements per thread (scalar path)
+constexpr int kRowKernelCtas = 4;   // rmsnorm_fwd_row_kernel: CTAs per SM its registers allow
 
 struct Plan {
     bool vectorized;
@@ -45,6 +46,7 @@ struct Plan {
     int tpr;  // threads per row
     int rpc;  // rows (row groups) per CTA
     size_t smem;  // dynamic shared memory (backward: dweight partials of the CTA's row groups)
+    bool row_kernel;  // forward: rmsnorm_fwd_row_kernel (one row per CTA, exactly vpt vectors per thread)
 };
 
 int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
@@ -61,6 +63,9 @@ Plan make_plan(int64_t hidden, DType dtype, bool aligned, bool backward = false)
     p.tpr = static_cast<int>(std::min<int64_t>(threads, 1 << 20));
     p.rpc = p.tpr == 32 ? kWarpRowsPerCta : 1;
     p.smem = 0;
+    // Rows of 512-1024 vectors (bf16 4096-8192 columns) that split into VPT 2 per thread exactly:
+    // one row per CTA (rmsnorm_fwd_row_kernel), measured in benchmark/NOTES.md (session 21).
+    p.row_kernel = !backward && p.vectorized && p.vpt == 2 && n_vec > 512 && n_vec % 64 == 0;
     if (backward) {
         p.rpc = std::max(1, std::min(kMaxRowsPerCta, kBwdCtaThreads / p.tpr));
         // rpc > 1 only when tpr <= 128, so rpc * hidden <= 256 * 32 floats: <= 32 KB, under the 48 KB default.
@@ -194,6 +199,58 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
             load_row(row, v, r);
             process_row(row, v, r);
         }
+    }
+}
+
+// One row per CTA, every thread holding exactly VPT 16-byte vectors of it (hidden == VEC * VPT *
+// blockDim.x, which the plan checks): no bounds checks and no loop, a grid of `rows` CTAs that the
+// hardware refills as CTAs retire, and __launch_bounds__(kMaxThreadsPerRow, MIN_CTAS) caps the
+// registers so that MIN_CTAS CTAs of 512 threads fit on an SM. This is torch.compile's scheme for
+// these rows (one row per program, a compile-time row length, num_stages 1: its forward moves 100-102%
+// of the same-size copy at 7168 / 8192 columns) with the row held in registers instead of re-read from
+// L2. The row is kept as raw 16-byte words (see Raw): 4 registers per vector, not 8.
+template <typename T, int VPT, int MIN_CTAS, bool RESIDUAL>
+__global__ void __launch_bounds__(kMaxThreadsPerRow, MIN_CTAS)
+    rmsnorm_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ residual, const T* weight,
+                           T* __restrict__ y, T* __restrict__ sum_out, float* __restrict__ rstd_out, int64_t rows,
+                           int hidden, float eps, bool zero_centered_gamma) {
+    constexpr int VEC = 16 / sizeof(T);
+    using V = Vec<T, VEC>;
+    __shared__ float smem[32];
+    const int64_t offset = static_cast<int64_t>(blockIdx.x) * hidden;
+    uint4 v[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) v[i] = reinterpret_cast<const uint4*>(x + offset)[threadIdx.x + i * blockDim.x];
+    if constexpr (RESIDUAL) {
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const int idx = threadIdx.x + i * blockDim.x;
+            const uint4 r = reinterpret_cast<const uint4*>(residual + offset)[idx];
+            V s;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) s.v[j] = from_float<T>(elem<T, VEC>(v[i], j) + elem<T, VEC>(r, j));
+            v[i] = *reinterpret_cast<const uint4*>(&s);
+            reinterpret_cast<uint4*>(sum_out + offset)[idx] = v[i];
+        }
+    }
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sum_sq += elem<T, VEC>(v[i], j) * elem<T, VEC>(v[i], j);
+    sum_sq = row_sum(sum_sq, smem);
+    const float rstd = rsqrtf(sum_sq / hidden + eps);
+    if (threadIdx.x == 0) rstd_out[blockIdx.x] = rstd;
+    const float w_shift = zero_centered_gamma ? 1.f : 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int idx = threadIdx.x + i * blockDim.x;
+        const uint4 w = reinterpret_cast<const uint4*>(weight)[idx];
+        V out;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+            out.v[j] = from_float<T>(elem<T, VEC>(v[i], j) * rstd * (elem<T, VEC>(w, j) + w_shift));
+        reinterpret_cast<V*>(y + offset)[idx] = out;
     }
 }
 
@@ -399,6 +456,9 @@ using BwdKernel = void (*)(const T*, const T*, const T*, const float*, const T*,
 template <typename T>
 FwdKernel<T> fwd_kernel_for(const Plan& p, bool residual) {
     constexpr int kVec = 16 / sizeof(T);
+    if (p.row_kernel)
+        return residual ? rmsnorm_fwd_row_kernel<T, 2, kRowKernelCtas, true>
+                        : rmsnorm_fwd_row_kernel<T, 2, kRowKernelCtas, false>;
     if (!p.vectorized) return rmsnorm_fwd_kernel<T, 1, kScalarVpt, false>;
     if (p.vpt == 2)
         return residual ? rmsnorm_fwd_kernel<T, kVec, 2, true, true> : rmsnorm_fwd_kernel<T, kVec, 2, true, false>;
@@ -419,7 +479,7 @@ cudaError_t fwd_typed(const void* x, const void* residual, const void* weight, v
                       float* rstd, int64_t rows, int64_t hidden, float eps, bool zcg, const Plan& p,
                       cudaStream_t stream) {
     auto kernel = fwd_kernel_for<T>(p, residual != nullptr);
-    const int grid = persistent_grid(kernel, p, rows);
+    const int grid = p.row_kernel ? static_cast<int>(rows) : persistent_grid(kernel, p, rows);
     kernel<<<grid, dim3(p.tpr, p.rpc), 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(weight),
         static_cast<T*>(y), static_cast<T*>(sum_out), rstd, rows, static_cast<int>(hidden), eps, zcg);
@@ -473,7 +533,8 @@ cudaError_t rmsnorm_fwd_launch(const void* x, const void* residual, const void* 
     if (rows == 0 || hidden == 0) return cudaSuccess;
     if (hidden > rmsnorm_max_hidden(hidden, dtype, aligned) || (residual != nullptr) != (sum_out != nullptr))
         return cudaErrorInvalidValue;
-    const Plan p = make_plan(hidden, dtype, aligned, /*backward=*/false);
+    Plan p = make_plan(hidden, dtype, aligned, /*backward=*/false);
+    p.row_kernel = p.row_kernel && rows <= INT32_MAX;  // its grid is one CTA per row
     PT_DISPATCH_DTYPE(dtype, T, {
         return fwd_typed<T>(x, residual, weight, y, sum_out, rstd, rows, hidden, eps, zero_centered_gamma, p,
                             stream);
