@@ -1,5 +1,9 @@
 // RMSNorm forward / backward for Hopper (sm_90), memory-bound: the goal is copy bandwidth.
 //
+// Forward of rows of 256-1024 16-byte vectors that split evenly over the threads (bf16 2048-8192
+// columns): rmsnorm_fwd_row_kernel, one row per CTA and a grid of one CTA per row. Other rows, and the
+// backward, as follows.
+//
 // Work split: a "row group" of `tpr` threads owns one row at a time. tpr = 32 (one warp per row,
 // 4 rows per 128-thread CTA, shuffle-only reduction) for short rows; otherwise one CTA per row
 // (tpr <= 512 threads, shuffle + shared-memory reduction); the backward packs 256 / tpr row groups
@@ -37,7 +41,7 @@ constexpr int kMaxRowsPerCta = 8;   // backward: rows per CTA = 256 / tpr (>= 25
 constexpr int kBwdCtaThreads = 256;
 constexpr int kVecVpt = 4;          // 16-byte vectors per thread (vectorized path)
 constexpr int kScalarVpt = 8;       // elements per thread (scalar path)
-constexpr int kRowKernelCtas = 4;   // rmsnorm_fwd_row_kernel: CTAs per SM its registers allow
+constexpr int kRowKernelCtas = 2;   // rmsnorm_fwd_row_kernel: register cap for >= 2 CTAs of 512 per SM
 
 struct Plan {
     bool vectorized;
@@ -63,9 +67,19 @@ Plan make_plan(int64_t hidden, DType dtype, bool aligned, bool backward = false)
     p.tpr = static_cast<int>(std::min<int64_t>(threads, 1 << 20));
     p.rpc = p.tpr == 32 ? kWarpRowsPerCta : 1;
     p.smem = 0;
-    // Rows of 512-1024 vectors (bf16 4096-8192 columns) that split into VPT 2 per thread exactly:
-    // one row per CTA (rmsnorm_fwd_row_kernel), measured in benchmark/NOTES.md (session 21).
-    p.row_kernel = !backward && p.vectorized && p.vpt == 2 && n_vec > 512 && n_vec % 64 == 0;
+    // Rows of 256-1024 vectors (bf16 2048-8192 columns) that split exactly into 2 vectors per thread
+    // (<= 512 vectors) or 4 (more): one row per CTA, rmsnorm_fwd_row_kernel. Its plan sweep on H200
+    // (benchmark/results/h200/sweep_rmsnorm_csrc_*.txt): 96-99% of the same-size copy at 2048-8192
+    // columns, against 90-96% for the persistent prefetching kernel; 1 or more than 4 vectors per
+    // thread, or registers capped for more CTAs per SM, were slower.
+    if (!backward && p.vectorized && n_vec >= 256 && n_vec <= 1024) {
+        const int row_vpt = n_vec <= 512 ? 2 : 4;
+        if (n_vec % (32 * row_vpt) == 0) {
+            p.row_kernel = true;
+            p.vpt = row_vpt;
+            p.tpr = static_cast<int>(n_vec / row_vpt);
+        }
+    }
     if (backward) {
         p.rpc = std::max(1, std::min(kMaxRowsPerCta, kBwdCtaThreads / p.tpr));
         // rpc > 1 only when tpr <= 128, so rpc * hidden <= 256 * 32 floats: <= 32 KB, under the 48 KB default.
@@ -208,7 +222,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 // registers so that MIN_CTAS CTAs of 512 threads fit on an SM. This is torch.compile's scheme for
 // these rows (one row per program, a compile-time row length, num_stages 1: its forward moves 100-102%
 // of the same-size copy at 7168 / 8192 columns) with the row held in registers instead of re-read from
-// L2. The row is kept as raw 16-byte words (see Raw): 4 registers per vector, not 8.
+// L2. The row is kept as raw 16-byte words (see Raw): 4 registers per vector, not 8. MIN_CTAS 2 (<= 64
+// registers) measured best: a cap of 4 CTAs (32 registers) spills or serialises the loads.
 template <typename T, int VPT, int MIN_CTAS, bool RESIDUAL>
 __global__ void __launch_bounds__(kMaxThreadsPerRow, MIN_CTAS)
     rmsnorm_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ residual, const T* weight,
@@ -456,9 +471,12 @@ using BwdKernel = void (*)(const T*, const T*, const T*, const float*, const T*,
 template <typename T>
 FwdKernel<T> fwd_kernel_for(const Plan& p, bool residual) {
     constexpr int kVec = 16 / sizeof(T);
-    if (p.row_kernel)
+    if (p.row_kernel && p.vpt == 2)
         return residual ? rmsnorm_fwd_row_kernel<T, 2, kRowKernelCtas, true>
                         : rmsnorm_fwd_row_kernel<T, 2, kRowKernelCtas, false>;
+    if (p.row_kernel)
+        return residual ? rmsnorm_fwd_row_kernel<T, 4, kRowKernelCtas, true>
+                        : rmsnorm_fwd_row_kernel<T, 4, kRowKernelCtas, false>;
     if (!p.vectorized) return rmsnorm_fwd_kernel<T, 1, kScalarVpt, false>;
     if (p.vpt == 2)
         return residual ? rmsnorm_fwd_kernel<T, kVec, 2, true, true> : rmsnorm_fwd_kernel<T, kVec, 2, true, false>;
