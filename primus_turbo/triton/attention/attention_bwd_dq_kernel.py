@@ -186,6 +186,8 @@ def attn_bwd_dq_kernel(
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), batch * Hq): one query block, no atomics."""
     pid_m = tl.program_id(0)
+    if HAS_RIGHT:  # causal: the last query blocks see the most keys, launch them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
