@@ -71,21 +71,21 @@ def _turbo_fn(pin, auto_tune=False, deterministic=False):
     return run
 
 
-# A/B rows of the TRITON backward's dQ (attention_triton_impl.DQ_MODE_DEFAULT is the shipped choice):
-# atomics as TMA bulk reductions / element-wise, set for the whole row
-_DQ_MODE_ROWS = {"turbo_triton_dq_red": "red", "turbo_triton_dq_tma": "tma"}
+# A/B rows of the TRITON backward's dQ atomics: TMA bulk reductions vs element-wise (the shipped choice
+# is DQ_TMA_DEFAULT), set for the whole row (forward and backward timing)
+_DQ_TMA_ROWS = {"turbo_triton_dq_red": False, "turbo_triton_dq_tma": True}
 
 
 @contextlib.contextmanager
 def _dq_mode(name):
     from primus_turbo.pytorch.kernels.attention import attention_triton_impl as impl
 
-    shipped = impl.DQ_MODE_DEFAULT
-    impl.DQ_MODE_DEFAULT = _DQ_MODE_ROWS.get(name, shipped)
+    shipped = impl.DQ_TMA_DEFAULT
+    impl.DQ_TMA_DEFAULT = _DQ_TMA_ROWS.get(name, shipped)
     try:
         yield
     finally:
-        impl.DQ_MODE_DEFAULT = shipped
+        impl.DQ_TMA_DEFAULT = shipped
 
 
 def _candidates(d_qk, d_v):
@@ -96,7 +96,7 @@ def _candidates(d_qk, d_v):
         "turbo_autotune": _turbo_fn(None, True),
         "turbo_triton": _turbo_fn("TRITON"),
         "turbo_triton_deterministic": _turbo_fn("TRITON", deterministic=True),
-        **{name: _turbo_fn("TRITON") for name in _DQ_MODE_ROWS},
+        **{name: _turbo_fn("TRITON") for name in _DQ_TMA_ROWS},
     }
     sdpa = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}  # fmt: skip

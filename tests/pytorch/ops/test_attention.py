@@ -80,18 +80,14 @@ def test_torch_backend_matches_ref(case):
                        torch.float32)  # fmt: skip
 
 
-@pytest.mark.parametrize("dq_mode", ["deterministic", "red"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["dq_atomics", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_triton_matches_ref(case, dq_mode, device, monkeypatch):
-    """Both backwards: the separate dQ kernel, and dQ added with atomics inside the dK/dV kernel."""
-    from primus_turbo.pytorch.kernels.attention import attention_triton_impl as impl
-
-    if dq_mode == "red":
-        monkeypatch.setattr(impl, "DQ_MODE_DEFAULT", "red")
+def test_triton_matches_ref(case, deterministic, device):
+    """Both backwards: dQ added with atomics inside the dK/dV kernel, and the separate dQ kernel."""
     b, sq, sk, hq, hk, d, dv, causal, window, sink = CASES[case]
     dtype = SMALL_DTYPE
     _check_against_ref("TRITON", b, sq, sk, hq, hk, d, dv, dtype, device, causal, window, sink, dtype,
-                       dq_mode == "deterministic")  # fmt: skip
+                       deterministic)  # fmt: skip
 
 
 def test_triton_fp16_interpreter(device):
@@ -338,9 +334,9 @@ def test_gpu_deterministic_grads(shape, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_mode", ["red", "tma"])
+@pytest.mark.parametrize("dq_tma", [False, True], ids=["red", "tma"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_gpu_dq_atomics_match_deterministic(dq_mode, varlen, device):
+def test_gpu_dq_atomics_match_deterministic(dq_tma, varlen, device):
     """The atomic dQ (element-wise and TMA bulk reductions) against the deterministic dQ kernel, with a
     partial last query block (1000 rows) and, varlen, tiles overhanging into the next sequence."""
     from primus_turbo.pytorch.kernels.attention.attention_triton_impl import (
@@ -349,7 +345,7 @@ def test_gpu_dq_atomics_match_deterministic(dq_mode, varlen, device):
         triton_attn_fwd,
     )
 
-    if dq_mode == "tma" and not _dq_tma_usable(128):
+    if dq_tma and not _dq_tma_usable(128):
         pytest.skip("this Triton build has no TMA descriptor reductions")
     hq, hk, d = 8, 2, 128
     lens = [1, 700, 1000, 3, 300] if varlen else [1000, 1000]
@@ -365,9 +361,9 @@ def test_gpu_dq_atomics_match_deterministic(dq_mode, varlen, device):
     out, lse = triton_attn_fwd(q, k, v, *geo)
     dout = torch.randn_like(out)
     want = triton_attn_bwd(dout, q, k, v, out, lse, *geo, deterministic=True)
-    got = triton_attn_bwd(dout, q, k, v, out, lse, *geo, deterministic=False, dq_mode=dq_mode)
+    got = triton_attn_bwd(dout, q, k, v, out, lse, *geo, deterministic=False, dq_tma=dq_tma)
     for name, g, r in zip(("dq", "dk", "dv"), got[:3], want[:3]):
-        assert_snr(g, r.float(), 45.0, f"{name} {dq_mode} varlen={varlen}")
+        assert_snr(g, r.float(), 45.0, f"{name} tma={dq_tma} varlen={varlen}")
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter-only check; on a GPU every TRITON test autotunes for real")
@@ -381,7 +377,6 @@ def test_triton_autotune_launch_path(monkeypatch):
         monkeypatch.setitem(table, 64, [(32, 16, 4, 1), (16, 16, 4, 1)])
     impl._tuned_kernel.cache_clear()
     try:
-        monkeypatch.setattr(impl, "DQ_MODE_DEFAULT", "red")
         for deterministic in (False, True):
             _check_against_ref("TRITON", 1, 40, 40, 2, 1, 32, 32, torch.float32, "cpu", True, (-1, -1), False,
                                torch.float32, deterministic)  # fmt: skip

@@ -239,16 +239,14 @@ def triton_attn_bwd(
     window_left,
     window_right,
     deterministic=True,
-    dq_mode=None,
+    dq_tma=None,
 ):
-    """Returns (dq, dk, dv, dsink or None). How dQ is made (``dq_mode``, None: ``DQ_MODE_DEFAULT``):
+    """Returns (dq, dk, dv, dsink or None).
 
-    * ``"kernel"`` (always when ``deterministic``): a dK/dV kernel and a separate dQ kernel, no atomics,
-      bitwise reproducible; 7 matmuls per (query block, key block).
-    * ``"tma"``: the dK/dV kernel also adds dQ into an fp32 accumulator with TMA bulk reductions
-      (5 matmuls; power-of-two head dims, a Triton with descriptor reductions). The default falls back
-      to "kernel" where TMA does not apply; asked for explicitly, that raises.
-    * ``"red"``: the same with element-wise atomics (any head dim)."""
+    deterministic: a dK/dV kernel and a dQ kernel, no atomics (bitwise reproducible; 7 matmuls per
+    (query block, key block)). Otherwise one dK/dV kernel also adds dQ into an fp32 accumulator with
+    atomics (5 matmuls), the flash-attention default. ``dq_tma``: those adds as TMA bulk reductions
+    (None: ``DQ_TMA_DEFAULT`` where the head dim is a power of two and the build has them)."""
     varlen, batch, seqlen_q, seqlen_k = _geometry(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     hq, hk = q.shape[-2], k.shape[-2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -288,18 +286,14 @@ def triton_attn_bwd(
         HAS_RIGHT=has_right,
     )
     qk_scale = softmax_scale * LOG2E
-    mode = "kernel" if deterministic else (dq_mode or DQ_MODE_DEFAULT)
-    if mode not in ("kernel", "tma", "red"):
-        raise ValueError(f"triton_attn_bwd: dq_mode must be 'kernel', 'tma' or 'red', got {mode!r}")
-    if mode == "tma" and not _dq_tma_usable(d_qk):
-        if dq_mode == "tma":
-            raise ValueError(f"triton_attn_bwd: dq_mode='tma' needs TMA reductions and a power-of-two head "
-                             f"dim; head dim {d_qk}, Triton {triton.__version__}")  # fmt: skip
-        mode = "kernel"
-    accum, use_tma = mode != "kernel", mode == "tma"
-    dq_acc = dq_desc = dq  # placeholders (not read) on the "kernel" path
+    accum = not deterministic
+    dq_acc = dq_desc = dq  # placeholders (not read) on the deterministic path
+    use_tma = False
     if accum:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        use_tma = _dq_tma_usable(d_qk) and (DQ_TMA_DEFAULT if dq_tma is None else dq_tma)
+        if dq_tma and not use_tma:
+            raise ValueError(f"triton_attn_bwd: dq_tma=True needs TMA, a power-of-two head dim; got {d_qk}")
         if use_tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -327,21 +321,20 @@ def triton_attn_bwd(
     return dq, dk, dv, dsink
 
 
-# The non-deterministic backward's dQ: "kernel" until the atomic variants are measured faster (H100,
-# session 21: element-wise atomics 240 vs 306 TFLOP/s for the kernel at MLA 192/128)
-DQ_MODE_DEFAULT = "kernel"
+# TMA bulk reductions for the dQ atomics: off until measured faster than element-wise atomics on H200
+DQ_TMA_DEFAULT = False
 _DQ_DESC_ARG = 9  # DQ_DESC's position in attn_bwd_dkdv_kernel's arguments
 
 
 def _dq_tma_usable(d_qk: int) -> bool:
-    if triton_interpret_enabled() or qk_dim_split(d_qk) != (d_qk, 0) or not torch.cuda.is_available():
+    if triton_interpret_enabled() or qk_dim_split(d_qk) != (d_qk, 0):
         return False
     try:
-        from triton.language.core import tensor_descriptor_base
+        import triton.language as tl
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return False
-    return hasattr(tensor_descriptor_base, "atomic_add") and torch.cuda.get_device_capability()[0] >= 9
+    return hasattr(tl.tensor_descriptor_base, "atomic_add") and torch.cuda.get_device_capability()[0] >= 9
 
 
 def sink_grad(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, varlen: bool) -> torch.Tensor:
