@@ -13,7 +13,6 @@ dV, dP, dQ, dK), halved for causal.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -58,34 +57,17 @@ def _sdpa_fn(backend, pad_v_to=None):
     return run
 
 
-def _turbo_fn(pin, auto_tune=False, deterministic=False):
+def _turbo_fn(pin, auto_tune=False):
     def run(q, k, v):
         GlobalBackendManager.set_attention_backend(pin)
         GlobalBackendManager.set_auto_tune(auto_tune)
         try:
-            return flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+            return flash_attn_func(q, k, v, causal=True)
         finally:
             GlobalBackendManager.set_attention_backend(None)
             GlobalBackendManager.set_auto_tune(None)
 
     return run
-
-
-# A/B rows of the TRITON backward's dQ atomics: TMA bulk reductions vs element-wise (the shipped choice
-# is DQ_TMA_DEFAULT), set for the whole row (forward and backward timing)
-_DQ_TMA_ROWS = {"turbo_triton_dq_red": False, "turbo_triton_dq_tma": True}
-
-
-@contextlib.contextmanager
-def _dq_mode(name):
-    from primus_turbo.pytorch.kernels.attention import attention_triton_impl as impl
-
-    shipped = impl.DQ_TMA_DEFAULT
-    impl.DQ_TMA_DEFAULT = _DQ_TMA_ROWS.get(name, shipped)
-    try:
-        yield
-    finally:
-        impl.DQ_TMA_DEFAULT = shipped
 
 
 def _candidates(d_qk, d_v):
@@ -95,8 +77,6 @@ def _candidates(d_qk, d_v):
         "turbo": _turbo_fn(None),
         "turbo_autotune": _turbo_fn(None, True),
         "turbo_triton": _turbo_fn("TRITON"),
-        "turbo_triton_deterministic": _turbo_fn("TRITON", deterministic=True),
-        **{name: _turbo_fn("TRITON") for name in _DQ_TMA_ROWS},
     }
     sdpa = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}  # fmt: skip
@@ -136,41 +116,36 @@ def bench_shape(model, s, check):
     k = torch.randn(b, s, hk, d_qk, device=dev, dtype=dt, requires_grad=True)
     v = torch.randn(b, s, hk, d_v, device=dev, dtype=dt, requires_grad=True)
     dout = torch.randn(b, s, hq, d_v, device=dev, dtype=dt)
+    fwd_flop, bwd_flop = _flops(b, s, hq, d_qk, d_v, True)
     ref = _reference(q, k, v) if check else None
     ref_grads = torch.autograd.grad(ref[0], ref[1], dout.float()) if check else None
     rows = []
     for name, fn in _candidates(d_qk, d_v).items():
-        with _dq_mode(name):
-            row = _measure(name, fn, q, k, v, dout, model, check, ref, ref_grads)
-        if row is not None:
-            rows.append(row)
+        try:
+            out = fn(q, k, v)
+            grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        except Exception as exc:  # a backend that does not serve the shape
+            print(f"  {model} S={s} {name}: skipped ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
+            continue
+        used = AttentionDispatcher.last_backend.name if name.startswith("turbo") else name
+        fwd_ms, fwd_sd = bench_ms(lambda fn=fn: fn(q, k, v))
+        bwd_ms, bwd_sd = bench_ms(
+            lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        )
+        row = dict(label=model, backend=f"{name}({used})" if name.startswith("turbo") else name, B=b, S=s,
+                   Hq=hq, Hk=hk, D_qk=d_qk, D_v=d_v, causal=True,
+                   **{"Forward TFLOPS": tflops(fwd_flop, fwd_ms), "Backward TFLOPS": tflops(bwd_flop, bwd_ms),
+                      "Forward TFLOPS_stddev": tflops(fwd_flop, fwd_ms) * fwd_sd / fwd_ms,
+                      "Backward TFLOPS_stddev": tflops(bwd_flop, bwd_ms) * bwd_sd / bwd_ms,
+                      "Fwd+Bwd TFLOPS": tflops(fwd_flop + bwd_flop, fwd_ms + bwd_ms),
+                      "Forward Time (ms)": fwd_ms, "Backward Time (ms)": bwd_ms})  # fmt: skip
+        if check:
+            snrs = [_snr(r, x) for r, x in zip((ref[0], *ref_grads), (out, *grads))]
+            row.update(out_snr=snrs[0], dq_snr=snrs[1], dk_snr=snrs[2], dv_snr=snrs[3])
+            row["Check"] = "PASS" if min(snrs) >= SNR_GATE_DB else "FAIL"
+        rows.append(row)
+        del out, grads
     return rows
-
-
-def _measure(name, fn, q, k, v, dout, model, check, ref, ref_grads):
-    (b, s, hq, d_qk), (hk, d_v) = q.shape, k.shape[2:3] + v.shape[3:]
-    fwd_flop, bwd_flop = _flops(b, s, hq, d_qk, d_v, True)
-    try:
-        out = fn(q, k, v)
-        grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    except Exception as exc:  # a backend that does not serve the shape
-        print(f"  {model} S={s} {name}: skipped ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
-        return None
-    used = AttentionDispatcher.last_backend.name if name.startswith("turbo") else name
-    fwd_ms, fwd_sd = bench_ms(lambda: fn(q, k, v))
-    bwd_ms, bwd_sd = bench_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
-    row = dict(label=model, backend=f"{name}({used})" if name.startswith("turbo") else name, B=b, S=s,
-               Hq=hq, Hk=hk, D_qk=d_qk, D_v=d_v, causal=True,
-               **{"Forward TFLOPS": tflops(fwd_flop, fwd_ms), "Backward TFLOPS": tflops(bwd_flop, bwd_ms),
-                  "Forward TFLOPS_stddev": tflops(fwd_flop, fwd_ms) * fwd_sd / fwd_ms,
-                  "Backward TFLOPS_stddev": tflops(bwd_flop, bwd_ms) * bwd_sd / bwd_ms,
-                  "Fwd+Bwd TFLOPS": tflops(fwd_flop + bwd_flop, fwd_ms + bwd_ms),
-                  "Forward Time (ms)": fwd_ms, "Backward Time (ms)": bwd_ms})  # fmt: skip
-    if check:
-        snrs = [_snr(r, x) for r, x in zip((ref[0], *ref_grads), (out, *grads))]
-        row.update(out_snr=snrs[0], dq_snr=snrs[1], dk_snr=snrs[2], dv_snr=snrs[3])
-        row["Check"] = "PASS" if min(snrs) >= SNR_GATE_DB else "FAIL"
-    return row
 
 
 def _fixed_iters_ms(fn, iters=10, warmup=3):

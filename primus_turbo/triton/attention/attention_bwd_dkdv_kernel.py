@@ -1,13 +1,5 @@
 """Flash-attention backward, dK/dV: one program owns a key block and loops over the q heads of its
-GQA group and over query blocks. Conventions: attention_kernel.py.
-
-ACCUM_DQ (the non-deterministic backward): the program also adds each step's dQ contribution
-(dS @ K, scaled) into an fp32 dQ accumulator with atomics, so the backward is 5 matmuls per (query
-block, key block) instead of 7 (the deterministic path recomputes S and dP in a separate dQ kernel).
-DQ_TMA: the add is a TMA bulk reduction of the whole [BLOCK_M, D] tile (``cp.reduce.async.bulk``,
-through a host-side 3-D descriptor over the accumulator viewed as [tokens, heads, D]); otherwise
-element-wise ``red.global.add.f32``. Rows past a sequence end get zeros (their dS is 0), so a tile
-that overhangs into the next sequence's rows is harmless, and rows past the tensor are dropped."""
+GQA group and over query blocks (no atomics). Conventions: attention_kernel.py."""
 
 from __future__ import annotations
 
@@ -40,12 +32,6 @@ def _bwd_dkdv_inner(
     window_left,
     window_right,
     qk_scale,
-    sm_scale,
-    dq_base,
-    dq_desc,
-    dq_row0,
-    h,
-    stride_dqs,
     D_QK: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
@@ -55,8 +41,6 @@ def _bwd_dkdv_inner(
     MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
-    ACCUM_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -97,29 +81,10 @@ def _bwd_dkdv_inner(
             pt = tl.where(valid_t, pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv)
         dpt = tl.dot(v, tl.trans(do))
-        dst = (pt * (dpt - delta[None, :])).to(qt.dtype)
-        dk = tl.dot(dst, tl.trans(qt), dk)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
         if BLOCK_DQK1 > 0:
-            dk1 = tl.dot(dst, tl.trans(qt1), dk1)
-        if ACCUM_DQ:
-            ds = tl.trans(dst)
-            dq = tl.dot(ds, k) * sm_scale
-            if DQ_TMA:
-                dq_desc.atomic_add([dq_row0 + m, h, 0], dq.reshape(BLOCK_M, 1, BLOCK_DQK))
-            else:
-                dq_ptrs = dq_base + rows[:, None] * stride_dqs + offs_dqk[None, :]
-                dq_mask = offs_dqk[None, :] < D_QK
-                if MASKED:
-                    dq_mask = dq_mask & (rows[:, None] < len_q)
-                tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
-            if BLOCK_DQK1 > 0:
-                dq1 = tl.dot(ds, k1) * sm_scale
-                offs_d1 = BLOCK_DQK + tl.arange(0, BLOCK_DQK1)
-                dq1_ptrs = dq_base + rows[:, None] * stride_dqs + offs_d1[None, :]
-                if MASKED:
-                    tl.atomic_add(dq1_ptrs, dq1, mask=rows[:, None] < len_q, sem="relaxed")
-                else:
-                    tl.atomic_add(dq1_ptrs, dq1, sem="relaxed")
+            dk1 = tl.dot(dst.to(qt1.dtype), tl.trans(qt1), dk1)
     return dk, dk1, dv
 
 
@@ -133,8 +98,6 @@ def attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
-    DQ_ACC,
-    DQ_DESC,
     CU_Q,
     CU_K,
     stride_qb,
@@ -157,9 +120,6 @@ def attn_bwd_dkdv_kernel(
     stride_dvh,
     stride_lb,
     stride_lh,
-    stride_dqb,
-    stride_dqs,
-    stride_dqh,
     seqlen_q,
     seqlen_k,
     num_heads_k,
@@ -178,12 +138,8 @@ def attn_bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
-    ACCUM_DQ: tl.constexpr = False,
-    DQ_TMA: tl.constexpr = False,
 ):
-    """Grid (cdiv(max_seqlen_k, BLOCK_N), batch * Hk): one key block, all q heads of its group.
-    DQ_ACC: the fp32 dQ accumulator (contiguous, q's shape) when ACCUM_DQ, DQ_DESC its [tokens, Hq, D]
-    descriptor when DQ_TMA (else any tensor)."""
+    """Grid (cdiv(max_seqlen_k, BLOCK_N), batch * Hk): one key block, all q heads of its group."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_k
@@ -241,9 +197,6 @@ def attn_bwd_dkdv_kernel(
             do_base = DO + b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dos + h * stride_doh
             l_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
             d_base = DELTA + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
-            dq_base = DQ_ACC + b.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqs
-            dq_base += h * stride_dqh
-            dq_row0 = q_start if IS_VARLEN else b * seqlen_q  # the accumulator's token row
             dk, dk1, dv = _bwd_dkdv_inner(
                 dk,
                 dk1,
@@ -266,12 +219,6 @@ def attn_bwd_dkdv_kernel(
                 window_left,
                 window_right,
                 qk_scale,
-                sm_scale,
-                dq_base,
-                DQ_DESC,
-                dq_row0,
-                h,
-                stride_dqs,
                 D_QK,
                 D_V,
                 BLOCK_DQK,
@@ -281,8 +228,6 @@ def attn_bwd_dkdv_kernel(
                 True,
                 HAS_LEFT,
                 HAS_RIGHT,
-                ACCUM_DQ,
-                DQ_TMA,
             )
             dk, dk1, dv = _bwd_dkdv_inner(
                 dk,
@@ -306,12 +251,6 @@ def attn_bwd_dkdv_kernel(
                 window_left,
                 window_right,
                 qk_scale,
-                sm_scale,
-                dq_base,
-                DQ_DESC,
-                dq_row0,
-                h,
-                stride_dqs,
                 D_QK,
                 D_V,
                 BLOCK_DQK,
@@ -321,8 +260,6 @@ def attn_bwd_dkdv_kernel(
                 False,
                 HAS_LEFT,
                 HAS_RIGHT,
-                ACCUM_DQ,
-                DQ_TMA,
             )
             dk, dk1, dv = _bwd_dkdv_inner(
                 dk,
@@ -346,12 +283,6 @@ def attn_bwd_dkdv_kernel(
                 window_left,
                 window_right,
                 qk_scale,
-                sm_scale,
-                dq_base,
-                DQ_DESC,
-                dq_row0,
-                h,
-                stride_dqs,
                 D_QK,
                 D_V,
                 BLOCK_DQK,
@@ -361,8 +292,6 @@ def attn_bwd_dkdv_kernel(
                 True,
                 HAS_LEFT,
                 HAS_RIGHT,
-                ACCUM_DQ,
-                DQ_TMA,
             )
         dk = dk * sm_scale
         dk_base = DK + b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dks + hk * stride_dkh

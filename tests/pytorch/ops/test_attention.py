@@ -33,12 +33,10 @@ def _grads(out, inputs, dout):
     return torch.autograd.grad(out, [t for t in inputs if t is not None], dout)
 
 
-def _check_against_ref(backend, b, sq, sk, hq, hk, d, dv, dtype, device, causal, window, sink, tol_dtype,
-                       deterministic=False):  # fmt: skip
+def _check_against_ref(backend, b, sq, sk, hq, hk, d, dv, dtype, device, causal, window, sink, tol_dtype):
     GlobalBackendManager.set_attention_backend(backend)
     q, k, v, s = _inputs(b, sq, sk, hq, hk, d, dv, dtype, device, sink)
-    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, sink=s, return_lse=True,
-                               deterministic=deterministic)  # fmt: skip
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, sink=s, return_lse=True)
     assert AttentionDispatcher.last_backend is BackendType[backend]
     dout = torch.randn_like(out)
     grads = _grads(out, (q, k, v, s), dout)
@@ -80,14 +78,11 @@ def test_torch_backend_matches_ref(case):
                        torch.float32)  # fmt: skip
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["dq_atomics", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_triton_matches_ref(case, deterministic, device):
-    """Both backwards: dQ added with atomics inside the dK/dV kernel, and the separate dQ kernel."""
+def test_triton_matches_ref(case, device):
     b, sq, sk, hq, hk, d, dv, causal, window, sink = CASES[case]
     dtype = SMALL_DTYPE
-    _check_against_ref("TRITON", b, sq, sk, hq, hk, d, dv, dtype, device, causal, window, sink, dtype,
-                       deterministic)  # fmt: skip
+    _check_against_ref("TRITON", b, sq, sk, hq, hk, d, dv, dtype, device, causal, window, sink, dtype)
 
 
 def test_triton_fp16_interpreter(device):
@@ -333,39 +328,6 @@ def test_gpu_deterministic_grads(shape, device):
         assert torch.equal(a, b_)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dq_tma", [False, True], ids=["red", "tma"])
-@pytest.mark.parametrize("varlen", [False, True])
-def test_gpu_dq_atomics_match_deterministic(dq_tma, varlen, device):
-    """The atomic dQ (element-wise and TMA bulk reductions) against the deterministic dQ kernel, with a
-    partial last query block (1000 rows) and, varlen, tiles overhanging into the next sequence."""
-    from primus_turbo.pytorch.kernels.attention.attention_triton_impl import (
-        _dq_tma_usable,
-        triton_attn_bwd,
-        triton_attn_fwd,
-    )
-
-    if dq_tma and not _dq_tma_usable(128):
-        pytest.skip("this Triton build has no TMA descriptor reductions")
-    hq, hk, d = 8, 2, 128
-    lens = [1, 700, 1000, 3, 300] if varlen else [1000, 1000]
-    if varlen:
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
-        shape_q, shape_k = (sum(lens), hq, d), (sum(lens), hk, d)
-    else:
-        cu = None
-        shape_q, shape_k = (len(lens), lens[0], hq, d), (len(lens), lens[0], hk, d)
-    q = torch.randn(shape_q, dtype=torch.bfloat16, device=device)
-    k, v = (torch.randn(shape_k, dtype=torch.bfloat16, device=device) for _ in range(2))
-    geo = (cu, cu, max(lens), max(lens), None, d**-0.5, -1, 0)
-    out, lse = triton_attn_fwd(q, k, v, *geo)
-    dout = torch.randn_like(out)
-    want = triton_attn_bwd(dout, q, k, v, out, lse, *geo, deterministic=True)
-    got = triton_attn_bwd(dout, q, k, v, out, lse, *geo, deterministic=False, dq_tma=dq_tma)
-    for name, g, r in zip(("dq", "dk", "dv"), got[:3], want[:3]):
-        assert_snr(g, r.float(), 45.0, f"{name} tma={dq_tma} varlen={varlen}")
-
-
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter-only check; on a GPU every TRITON test autotunes for real")
 def test_triton_autotune_launch_path(monkeypatch):
     """The GPU launch path (triton.autotune over the config table, grid from META) in the interpreter;
@@ -373,13 +335,12 @@ def test_triton_autotune_launch_path(monkeypatch):
     from primus_turbo.pytorch.kernels.attention import attention_triton_impl as impl
 
     monkeypatch.setattr(impl, "_autotune_enabled", lambda: True)
-    for table in (impl.FWD_CONFIGS, impl.DKDV_CONFIGS, impl.DQ_CONFIGS, impl.DKDV_DQ_CONFIGS):
+    for table in (impl.FWD_CONFIGS, impl.DKDV_CONFIGS, impl.DQ_CONFIGS):
         monkeypatch.setitem(table, 64, [(32, 16, 4, 1), (16, 16, 4, 1)])
     impl._tuned_kernel.cache_clear()
     try:
-        for deterministic in (False, True):
-            _check_against_ref("TRITON", 1, 40, 40, 2, 1, 32, 32, torch.float32, "cpu", True, (-1, -1), False,
-                               torch.float32, deterministic)  # fmt: skip
+        _check_against_ref("TRITON", 1, 40, 40, 2, 1, 32, 32, torch.float32, "cpu", True, (-1, -1), False,
+                           torch.float32)  # fmt: skip
     finally:
         impl._tuned_kernel.cache_clear()
 

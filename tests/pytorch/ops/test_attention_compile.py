@@ -12,7 +12,6 @@ from triton_compile_utils import compile_for_sm90, run_compile_check
 from primus_turbo.pytorch.kernels.attention.attention_triton_impl import (
     block_dim,
     bwd_dkdv_config,
-    bwd_dkdv_dq_config,
     bwd_dq_config,
     fwd_config,
     qk_dim_split,
@@ -27,7 +26,7 @@ def _kernel(name: str):
 
 
 _FLOAT_ARGS = {"qk_scale", "sm_scale"}
-_FP32_PTRS = {"LSE", "SINK", "DELTA", "DQ_ACC", "DQ_DESC"}
+_FP32_PTRS = {"LSE", "SINK", "DELTA"}
 _I32_PTRS = {"CU_Q", "CU_K"}
 
 
@@ -85,18 +84,6 @@ def _compile_bwd(cfg):
         _kernel("attn_bwd_dkdv_kernel"), sig, dict(dims, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages
     )
     print(f"dkdv {cfg}: {compiled.metadata.shared} B shared, wgmma {'wgmma' in compiled.asm['ptx']}")
-    # the non-deterministic backward: dQ atomics in the dK/dV kernel; element-wise, and as TMA bulk
-    # reductions where the head dim is a power of two
-    block_m, block_n, warps, stages = bwd_dkdv_dq_config(d_qk, d_v, interpret=False)
-    for tma in (False, True) if qk_dim_split(d_qk) == (d_qk, 0) else (False,):
-        if tma:
-            sig = dict(sig, DQ_DESC=f"tensordesc<fp32[{block_m}, 1, {d_qk}]>")
-        const = dict(dims, BLOCK_M=block_m, BLOCK_N=block_n, ACCUM_DQ=True, DQ_TMA=tma)
-        compiled = compile_for_sm90(_kernel("attn_bwd_dkdv_kernel"), sig, const, warps, stages)
-        ptx = compiled.asm["ptx"]
-        wanted = "cp.reduce.async.bulk" if tma else "red.global"
-        assert wanted in ptx, f"dkdv+dq {cfg} tma={tma}: no {wanted} in the PTX"
-        print(f"dkdv+dq {cfg} tma={tma}: {compiled.metadata.shared} B shared")
     block_m, block_n, warps, stages = bwd_dq_config(d_qk, d_v, interpret=False)
     sig = _signature("attn_bwd_dq_kernel", "bf16")
     compiled = compile_for_sm90(

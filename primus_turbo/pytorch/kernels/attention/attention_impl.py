@@ -3,9 +3,8 @@
 Backends (all take the same keyword arguments, see ``AttentionDispatcher``):
 
 * ``TRITON``: our flash-attention-2 kernels. Fixed length and varlen, GQA/MQA, head dims up to 256
-  and d_v != d_qk (MLA 192/128), sliding window, attention sink, LSE output. No dropout. The
-  backward adds dQ with fp32 atomics (flash-attention's scheme); ``deterministic=True`` runs a
-  separate dQ kernel instead (no atomics, bitwise reproducible, slower).
+  and d_v != d_qk (MLA 192/128), sliding window, attention sink, LSE output. Deterministic (no
+  atomics). No dropout.
 * ``CUDNN`` / ``FLASH``: ``F.scaled_dot_product_attention`` with that SDPA backend forced. They take
   only what SDPA serves: fixed length, no sink/window, causal only when Sq == Sk (SDPA's causal
   mask is top-left aligned), no LSE output, not deterministic mode; torch's own
@@ -97,14 +96,12 @@ def attention_bwd(
     dropout_p: float,
     dropout_seed: int,
     backend: str,
-    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsink); dsink is an empty tensor when there is no sink. ``deterministic``: TRITON's
-    bitwise-reproducible two-kernel backward instead of the one with dQ atomics (TORCH is always)."""
+    """(dq, dk, dv, dsink); dsink is an empty tensor when there is no sink."""
     if backend == BackendType.TRITON.value:
         dq, dk, dv, dsink = triton_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                             max_seqlen_q, max_seqlen_k, sink, softmax_scale,
-                                            window_left, window_right, deterministic)  # fmt: skip
+                                            window_left, window_right)  # fmt: skip
     elif backend == BackendType.TORCH.value:
         dq, dk, dv, dsink = torch_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sink,
                                            softmax_scale, window_left, window_right, dropout_p,
@@ -118,7 +115,7 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink, softmax_scale,
-      window_left, window_right, dropout_p, dropout_seed, backend, deterministic=False):  # fmt: skip
+      window_left, window_right, dropout_p, dropout_seed, backend):  # fmt: skip
     dsink = torch.empty_like(sink) if sink is not None else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 

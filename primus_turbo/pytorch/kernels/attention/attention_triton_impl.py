@@ -61,14 +61,6 @@ DKDV_CONFIGS = {
     192: [(32, 128, 8, 2), (32, 64, 8, 3), (64, 64, 8, 2), (16, 128, 8, 2)],
     256: [(32, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
 }
-# dK/dV with the dQ atomics (the non-deterministic backward): one more [BLOCK_M, D] fp32 tile live per
-# step, so smaller BLOCK_M first
-DKDV_DQ_CONFIGS = {
-    64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
-    128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
-    192: [(32, 128, 8, 2), (32, 64, 8, 3), (64, 64, 8, 2)],
-    256: [(32, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
-}
 DQ_CONFIGS = {
     64: [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
     128: [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
@@ -103,10 +95,6 @@ def bwd_dkdv_config(d_qk: int, d_v: int, interpret: bool | None = None) -> tuple
     return _default(DKDV_CONFIGS, d_qk, d_v, interpret)
 
 
-def bwd_dkdv_dq_config(d_qk: int, d_v: int, interpret: bool | None = None) -> tuple[int, int, int, int]:
-    return _default(DKDV_DQ_CONFIGS, d_qk, d_v, interpret)
-
-
 def bwd_dq_config(d_qk: int, d_v: int, interpret: bool | None = None) -> tuple[int, int, int, int]:
     return _default(DQ_CONFIGS, d_qk, d_v, interpret)
 
@@ -122,26 +110,15 @@ def _autotune_enabled() -> bool:
 
 
 _KERNELS = {"fwd": (attn_fwd_kernel, FWD_CONFIGS), "dkdv": (attn_bwd_dkdv_kernel, DKDV_CONFIGS),
-            "dq": (attn_bwd_dq_kernel, DQ_CONFIGS),
-            "dkdv_dq": (attn_bwd_dkdv_kernel, DKDV_DQ_CONFIGS)}  # fmt: skip
-
-
-def _dq_desc_pre_hook(nargs: dict) -> None:
-    """The dQ accumulator's TMA block is one query block of one head: [BLOCK_M, 1, D]."""
-    desc = nargs["DQ_DESC"]
-    if not isinstance(desc, torch.Tensor):
-        desc.block_shape = [nargs["BLOCK_M"], 1, desc.shape[-1]]
+            "dq": (attn_bwd_dq_kernel, DQ_CONFIGS)}  # fmt: skip
 
 
 @functools.cache
 def _tuned_kernel(which: str, dim_class: int):
     kernel, table = _KERNELS[which]
-    hook = _dq_desc_pre_hook if which == "dkdv_dq" else None
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st, pre_hook=hook)
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
                for bm, bn, w, st in table[dim_class]]  # fmt: skip
-    # the dQ atomics accumulate: every timed run starts from a zeroed accumulator
-    reset = ["DQ_ACC"] if which == "dkdv_dq" else None
-    return triton.autotune(configs=configs, key=[*_TUNE_KEY, "DQ_TMA"], reset_to_zero=reset)(kernel)
+    return triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
 
 
 def _launch(which: str, d_qk: int, d_v: int, grid_fn, args: tuple, consts: dict) -> None:
@@ -152,8 +129,6 @@ def _launch(which: str, d_qk: int, d_v: int, grid_fn, args: tuple, consts: dict)
         tuned[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
         return
     bm, bn, warps, stages = _default(table, d_qk, d_v, None)
-    if which == "dkdv_dq":
-        _dq_desc_pre_hook({"DQ_DESC": args[_DQ_DESC_ARG], "BLOCK_M": bm})
     kernel[grid_fn(bm, bn)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
@@ -238,15 +213,8 @@ def triton_attn_bwd(
     softmax_scale,
     window_left,
     window_right,
-    deterministic=True,
-    dq_tma=None,
 ):
-    """Returns (dq, dk, dv, dsink or None).
-
-    deterministic: a dK/dV kernel and a dQ kernel, no atomics (bitwise reproducible; 7 matmuls per
-    (query block, key block)). Otherwise one dK/dV kernel also adds dQ into an fp32 accumulator with
-    atomics (5 matmuls), the flash-attention default. ``dq_tma``: those adds as TMA bulk reductions
-    (None: ``DQ_TMA_DEFAULT`` where the head dim is a power of two and the build has them)."""
+    """Returns (dq, dk, dv, dsink or None). Deterministic: no atomics anywhere."""
     varlen, batch, seqlen_q, seqlen_k = _geometry(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     hq, hk = q.shape[-2], k.shape[-2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -286,31 +254,13 @@ def triton_attn_bwd(
         HAS_RIGHT=has_right,
     )
     qk_scale = softmax_scale * LOG2E
-    accum = not deterministic
-    dq_acc = dq_desc = dq  # placeholders (not read) on the deterministic path
-    use_tma = False
-    if accum:
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        use_tma = _dq_tma_usable(d_qk) and (DQ_TMA_DEFAULT if dq_tma is None else dq_tma)
-        if dq_tma and not use_tma:
-            raise ValueError(f"triton_attn_bwd: dq_tma=True needs TMA, a power-of-two head dim; got {d_qk}")
-        if use_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            rows = dq_acc.view(-1, hq, d_qk)
-            dq_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [16, 1, d_qk])
     args = (
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, dq_desc, cu_q, cu_k,
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(dout, varlen), *_seq_strides(dk, varlen), *_seq_strides(dv, varlen), *lse_strides,
-        *_seq_strides(dq_acc, varlen), seqlen_q, seqlen_k, hk, hq // hk, qk_scale, softmax_scale, left, right,
+        seqlen_q, seqlen_k, hk, hq // hk, qk_scale, softmax_scale, left, right,
     )  # fmt: skip
-    grid_kv = lambda bm, bn: (triton.cdiv(seqlen_k, bn), batch * hk)  # noqa: E731
-    _launch("dkdv_dq" if accum else "dkdv", d_qk, d_v, grid_kv, args,
-            {**common, "ACCUM_DQ": accum, "DQ_TMA": use_tma})  # fmt: skip
-    dsink = sink_grad(sink, lse, delta, varlen) if sink is not None else None
-    if accum:
-        return dq.copy_(dq_acc), dk, dv, dsink
+    _launch("dkdv", d_qk, d_v, lambda bm, bn: (triton.cdiv(seqlen_k, bn), batch * hk), args, common)
     args = (
         q, k, v, dout, lse, delta, dq, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
@@ -318,23 +268,8 @@ def triton_attn_bwd(
         seqlen_q, seqlen_k, hq, hq // hk, qk_scale, softmax_scale, left, right,
     )  # fmt: skip
     _launch("dq", d_qk, d_v, lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * hq), args, common)
+    dsink = sink_grad(sink, lse, delta, varlen) if sink is not None else None
     return dq, dk, dv, dsink
-
-
-# TMA bulk reductions for the dQ atomics: off until measured faster than element-wise atomics on H200
-DQ_TMA_DEFAULT = False
-_DQ_DESC_ARG = 9  # DQ_DESC's position in attn_bwd_dkdv_kernel's arguments
-
-
-def _dq_tma_usable(d_qk: int) -> bool:
-    if triton_interpret_enabled() or qk_dim_split(d_qk) != (d_qk, 0):
-        return False
-    try:
-        import triton.language as tl
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(tl.tensor_descriptor_base, "atomic_add") and torch.cuda.get_device_capability()[0] >= 9
 
 
 def sink_grad(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, varlen: bool) -> torch.Tensor:

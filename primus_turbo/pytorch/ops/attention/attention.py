@@ -16,8 +16,7 @@ Semantics follow flash-attn 2:
 * ``dropout_p > 0`` runs only on backends that implement it (TORCH; SDPA backends); pinning a
   backend that cannot, raises ``ValueError``.
 * ``deterministic=True`` restricts the choice to backends with bitwise-reproducible gradients
-  (TRITON with its atomic-free backward: a separate dQ kernel; TORCH). Without it TRITON's backward
-  adds dQ with fp32 atomics (fewer matmuls; the summation order varies run to run).
+  (TRITON: no atomics; TORCH).
 """
 
 from __future__ import annotations
@@ -115,22 +114,21 @@ def _window(causal: bool, window_size) -> tuple[int, int]:
 
 class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sink, cu_q, cu_k, max_q, max_k, scale, left, right, dropout_p, seed, backend,
-                deterministic):  # fmt: skip
+    def forward(ctx, q, k, v, sink, cu_q, cu_k, max_q, max_k, scale, left, right, dropout_p, seed, backend):
         out, lse = attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, sink, scale, left, right, dropout_p, seed,
                                  backend.value)  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, sink, cu_q, cu_k)
-        ctx.args = (max_q, max_k, scale, left, right, dropout_p, seed, backend, deterministic)
+        ctx.args = (max_q, max_k, scale, left, right, dropout_p, seed, backend)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, sink, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, scale, left, right, dropout_p, seed, backend, deterministic = ctx.args
+        max_q, max_k, scale, left, right, dropout_p, seed, backend = ctx.args
         args = (cu_q, cu_k, max_q, max_k, sink, scale, left, right, dropout_p, seed, backend.value)
-        dq, dk, dv, dsink = attention_bwd(dout.contiguous(), q, k, v, out, lse, *args, deterministic)
-        return dq, dk, dv, (dsink if sink is not None else None), *([None] * 11)
+        dq, dk, dv, dsink = attention_bwd(dout.contiguous(), q, k, v, out, lse, *args)
+        return dq, dk, dv, (dsink if sink is not None else None), *([None] * 10)
 
 
 def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, deterministic,
@@ -151,7 +149,7 @@ def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, wi
     else:
         seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
         out, lse = _FlashAttnFunction.apply(q, k, v, sink, cu_q, cu_k, max_q, max_k, scale, left, right,
-                                            float(dropout_p), seed, backend, bool(deterministic))  # fmt: skip
+                                            float(dropout_p), seed, backend)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
