@@ -144,9 +144,6 @@ def _fwd_inner(
         if MASKED:
             kt = tl.load(kt_ptrs, mask=(cols[None, :] < len_k) & (offs_dqk[:, None] < D_QK), other=0.0)
             v = tl.load(v_ptrs, mask=(cols[:, None] < len_k) & (offs_dv[None, :] < D_V), other=0.0)
-        elif D_QK == BLOCK_DQK and D_V == BLOCK_DV:  # the bulk of the blocks: no predicates at all
-            kt = tl.load(kt_ptrs)
-            v = tl.load(v_ptrs)
         else:
             kt = tl.load(kt_ptrs, mask=offs_dqk[:, None] < D_QK, other=0.0)
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
@@ -163,10 +160,7 @@ def _fwd_inner(
             valid = _valid_mask(rows, cols, len_k, off, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             qk = tl.where(valid, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if MASKED:  # a row may see no key yet (all -inf); unmasked blocks give every row a finite max
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_safe = m_new
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -219,12 +213,8 @@ def attn_fwd_kernel(
     HAS_RIGHT: tl.constexpr,
     HAS_SINK: tl.constexpr,
 ):
-    """Grid (cdiv(max_seqlen_q, BLOCK_M), batch * Hq). ``qk_scale`` = softmax_scale * log2(e).
-    With a causal / right window the last query blocks see the most keys: they are launched first
-    (reversed block order), so that the short blocks fill the tail of the grid."""
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), batch * Hq). ``qk_scale`` = softmax_scale * log2(e)."""
     pid_m = tl.program_id(0)
-    if HAS_RIGHT:
-        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
