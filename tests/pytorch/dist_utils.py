@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import subprocess
 import traceback
 
 import torch
@@ -22,6 +23,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_on_free_port(make_cmd, attempts: int = 3, **run_kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(make_cmd(port), **run_kwargs)`` on a fresh free port. A port is free when picked, but
+    another process of a parallel suite can take it before the launcher binds it (EADDRINUSE at the
+    rendezvous, seen once in CI): that launch is retried on a new port, up to ``attempts`` times."""
+    for _ in range(attempts):
+        proc = subprocess.run(make_cmd(free_port()), **run_kwargs)
+        out = f"{proc.stdout or ''}{proc.stderr or ''}"
+        if proc.returncode == 0 or "EADDRINUSE" not in out:
+            return proc
+    return proc
 
 
 def _worker(rank, world_size, backend, port, fn, args, errors, timeout_s):

@@ -11,13 +11,12 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from dist_utils import free_port
+from dist_utils import run_on_free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 pytest.importorskip("torchtitan")
@@ -25,13 +24,15 @@ pytest.importorskip("hydra")
 
 
 def torchrun(*overrides, nproc=2, timeout=240, gpu=False, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "train.py", "framework=torchtitan", *overrides]  # fmt: skip
+    def cmd(port):
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                f"--master_port={port}", "train.py", "framework=torchtitan", *overrides]  # fmt: skip
+
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also when the suite runs on a GPU machine
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_on_free_port(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
 
 

@@ -10,12 +10,11 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 
 import pytest
-from dist_utils import free_port
+from dist_utils import run_on_free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 pytest.importorskip("megatron.core")
@@ -23,14 +22,16 @@ pytest.importorskip("hydra")
 
 
 def torchrun(*overrides, nproc=2, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "train.py", *overrides]  # fmt: skip
+    def cmd(port):
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                f"--master_port={port}", "train.py", *overrides]  # fmt: skip
+
     start = time.perf_counter()
     # conftest sets TRITON_INTERPRET=1 for kernel tests; a training run uses the ops' torch CPU backends.
     # CUDA_VISIBLE_DEVICES="": these are the CPU main-job checks, also when the suite runs on a GPU machine.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_on_free_port(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
 
 

@@ -6,12 +6,11 @@ prints both step times so the speedup is visible in the test log (-s).
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from dist_utils import free_port
+from dist_utils import run_on_free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 pytest.importorskip("megatron.core")
@@ -19,11 +18,14 @@ pytest.importorskip("megatron.core")
 
 def _run(tmp_path, name, nproc, *overrides):
     metrics = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "train.py", "train.steps=6", f"train.metrics_file={metrics}",
-           *overrides]  # fmt: skip
+
+    def cmd(port):
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                f"--master_port={port}", "train.py", "train.steps=6", f"train.metrics_file={metrics}",
+                *overrides]  # fmt: skip
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_on_free_port(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
