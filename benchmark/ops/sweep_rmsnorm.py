@@ -3,7 +3,7 @@
     python benchmark/ops/sweep_rmsnorm.py [--out DIR]
 
 ``triton.testing.do_bench_cudagraph`` medians (no host overhead) of: the TURBO (csrc) forward and
-backward, the TRITON one-pass forward over (BLOCK_M, num_warps) and the rows kernel (4096-8192 columns)
+backward, the TRITON one-pass forward over (BLOCK_M, num_warps) and the rows kernel (2049-8192 columns)
 over (CHUNK, num_warps), torch.compile of the same fp32 math (forward alone under no_grad; its backward
 through autograd, timed by do_bench when the graph capture declines), and the device-to-device copy of x.
 Every Triton variant's y is checked against the one-pass default's (bf16 tolerance). Candidates measured

@@ -2,10 +2,11 @@
 
 Layout: x, residual, y, dy, dx, dsum are contiguous [rows, hidden]; weight [hidden]; rstd fp32 [rows].
 A program owns BLOCK_M full rows (BLOCK_N = next_pow2(hidden) columns, so one HBM read per pass),
-math in fp32; forward rows of 4096-8192 columns run ``rmsnorm_fwd_rows_kernel`` instead (one row per
-program, two passes, the second served by L2: torch.compile's scheme). The backward runs a persistent
-grid (<= SMs x 4 programs) that strides over row blocks and keeps the dweight partial sums in
-registers; partials [programs, hidden] are summed by torch (fixed order, deterministic).
+math in fp32; forward rows of 2049-8192 columns (a 4096- or 8192-wide chunk) run
+``rmsnorm_fwd_rows_kernel`` instead (one row per program, two passes, the second served by L2:
+torch.compile's scheme). The backward runs a persistent grid (<= SMs x 4 programs) that strides over
+row blocks and keeps the dweight partial sums in registers; partials [programs, hidden] are summed by
+torch (fixed order, deterministic).
 """
 
 from __future__ import annotations
@@ -72,12 +73,13 @@ def rmsnorm_fwd_rows_kernel(
     ZERO_CENTERED: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """The forward for rows of 4096-8192 columns, torch.compile's scheme: one row per program, the row
-    length a compile-time constant (with CHUNK = next_pow2(N_COLS) each pass is straight-line code), two
-    passes: the sum of squares from loads that keep the row in L2 (evict_last), then the normalised row
-    from a second read that L2 serves (evict_first; HBM reads x once). Few registers per row, so many rows
-    are in flight per SM: 1.00x torch.compile's forward in GPU time at 7168 / 8192 columns where the
-    one-pass kernel reaches 0.97-0.98x (benchmark/ops/sweep_rmsnorm.py, H200)."""
+    """The forward for rows of 2049-8192 columns (CHUNK 4096 or 8192; measured at 4096, 7168 and 8192),
+    torch.compile's scheme: one row per program, the row length a compile-time constant (with CHUNK =
+    next_pow2(N_COLS) each pass is straight-line code), two passes: the sum of squares from loads that
+    keep the row in L2 (evict_last), then the normalised row from a second read that L2 serves
+    (evict_first; HBM reads x once). Few registers per row, so many rows are in flight per SM: 1.00x
+    torch.compile's forward in GPU time at 7168 / 8192 columns where the one-pass kernel reaches 0.97-0.98x
+    (benchmark/ops/sweep_rmsnorm.py, H200)."""
     row = tl.program_id(0).to(tl.int64)
     base = row * N_COLS
     acc = tl.zeros([CHUNK], dtype=tl.float32)
@@ -185,8 +187,9 @@ def rmsnorm_fwd_triton(
     rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
     block_m, block_n, num_warps = tile_config(hidden, rows)
     if 4096 <= block_n <= 8192:
-        # 4096-8192 columns: the row-per-program two-pass kernel (sweep_rmsnorm.py, H200 GPU time vs the
-        # one-pass kernel: 4096 columns 65.4 vs 67.2 us, 7168 57.3 vs 58.8 us, 8192 127.2 vs 131.3 us)
+        # 2049-8192 columns (chunk 4096 / 8192): the row-per-program two-pass kernel (sweep_rmsnorm.py, H200
+        # GPU time vs the one-pass kernel: 4096 columns 65.4 vs 67.2 us, 7168 57.3 vs 58.8 us, 8192 127.2
+        # vs 131.3 us; 2049-4095 columns unmeasured)
         res = residual if residual is not None else x
         rmsnorm_fwd_rows_kernel[(rows,)](
             x, res, weight, y, sum_out if residual is not None else y, rstd, eps, N_COLS=hidden,

@@ -109,7 +109,7 @@ def test_rmsnorm_many_rows_and_eps(backend, device):
 
 @pytest.mark.parametrize("hidden", [4096, 4100, 7168])
 def test_triton_forward_wide_rows(hidden, device):
-    # 4096-8192 columns: the TRITON forward runs the row-per-program two-pass kernel (the row length a
+    # 2049-8192 columns: the TRITON forward runs the row-per-program two-pass kernel (the row length a
     # compile-time constant; 4100 and 7168: a masked tail in its one 8192-column chunk)
     _check_plain((3, hidden), torch.float32, device, "TRITON", zero_centered_gamma=True)
     _check_residual((2, hidden), torch.float32, device, "TRITON", use_sum_grad=True)
