@@ -115,15 +115,32 @@ void fwd_row_variant(int64_t rows, int hidden, T* x, T* w, T* y, T* y_ref, float
                 ms * 1e3, 100 * gbps / copy_gbps, ok ? "ok" : "MISMATCH");
 }
 
-void bwd_variant(int64_t rows, int hidden, int rpc, double scale, T* dy, T* x, T* w, float* rstd, T* dx, T* dx_ref,
-                 T* dw, float* ws, double copy_gbps) {
-    auto kernel = primus_turbo::rmsnorm_bwd_vpt2_kernel<T, kVec>;
+// The backward body under other launch shapes: VPT vectors per thread, PF = prefetch of the next row,
+// registers capped by __launch_bounds__(MAXT, MINB) (the shipped VPT 2 kernel uses __maxnreg__(80)).
+template <int VPT, bool PF, int MAXT, int MINB>
+__global__ void __launch_bounds__(MAXT, MINB) bwd_lb_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                            const T* w, const float* __restrict__ rstd,
+                                                            const T* __restrict__ dsum, T* __restrict__ dx,
+                                                            float* __restrict__ ws, int64_t rows, int hidden,
+                                                            bool zcg) {
+    primus_turbo::rmsnorm_bwd_body<T, kVec, VPT, PF>(dy, x, w, rstd, dsum, dx, ws, rows, hidden, zcg);
+}
+
+using BwdK = void (*)(const T*, const T*, const T*, const float*, const T*, T*, float*, int64_t, int, bool);
+
+// One backward launch shape: tpr threads per row group (the plan's rule for VPT), rpc row groups per CTA,
+// a persistent grid of `scale` x the resident CTAs.
+void bwd_run(const char* name, BwdK kernel, int vpt, int max_threads, int64_t rows, int hidden, int rpc,
+             double scale, T* dy, T* x, T* w, float* rstd, T* dx, T* dx_ref, T* dw, float* ws, double copy_gbps) {
     const int n_vec = hidden / kVec;
-    const int tpr = std::max(32, ((n_vec + 1) / 2 + 31) / 32 * 32);
-    if (tpr > 512 || tpr * rpc > 512) return;
+    const int tpr = std::max(32, ((n_vec + vpt - 1) / vpt + 31) / 32 * 32);
+    if (tpr * rpc > max_threads || (rpc > 1 && tpr > 128)) return;
     const size_t smem = rpc > 1 ? sizeof(float) * rpc * hidden : 0;
     if (smem > 48 * 1024) return;
     const int grid = grid_for(kernel, tpr * rpc, smem, rows, rpc, scale);
+    if (grid > 4096) return;  // the workspace holds 4096 partial rows
+    cudaFuncAttributes attr;
+    CK(cudaFuncGetAttributes(&attr, kernel));
     auto go = [&] {
         kernel<<<grid, dim3(tpr, rpc), smem>>>(dy, x, w, rstd, nullptr, dx, ws, rows, hidden, false);
         primus_turbo::dweight_reduce_kernel<T><<<(hidden + 31) / 32, dim3(32, 32)>>>(ws, dw, grid, hidden);
@@ -133,8 +150,45 @@ void bwd_variant(int64_t rows, int hidden, int rpc, double scale, T* dy, T* x, T
     const bool ok = dx_ref == nullptr || same(dx, dx_ref, size_t(rows) * hidden);
     const float ms = median_ms(go);
     const double gbps = (3.0 * rows * hidden * 2 + rows * 4) / ms / 1e6;
-    std::printf("| bwd tpr%d rpc%d grid%d (x%.2f) | %.1f | %.0f | %s |\n", tpr, rpc, grid, scale, ms * 1e3,
-                100 * gbps / copy_gbps, ok ? "ok" : "MISMATCH");
+    std::printf("| bwd %s VPT%d tpr%d rpc%d grid%d (x%.2f, %d regs, %d B spill) | %.1f | %.0f | %s |\n", name, vpt,
+                tpr, rpc, grid, scale, attr.numRegs, int(attr.localSizeBytes), ms * 1e3, 100 * gbps / copy_gbps,
+                ok ? "ok" : "MISMATCH");
+}
+
+// The backward variants of one shape (session 22): the shipped VPT 2 kernel (80 registers) with one or
+// more row groups per CTA and grids past the resident CTAs; VPT 2 and 4, with and without the prefetch,
+// under register caps for 1-4 CTAs.
+void bwd_variants(int64_t rows, int hidden, T* dy, T* x, T* w, float* rstd, T* dx, T* dx_ref, T* dw, float* ws,
+                  double copy_gbps) {
+#define BWD(name, K, VPT, MAXT, RPC, SCALE) \
+    bwd_run(name, K, VPT, MAXT, rows, hidden, RPC, SCALE, dy, x, w, rstd, dx, dx_ref, dw, ws, copy_gbps)
+    const BwdK shipped = primus_turbo::rmsnorm_bwd_vpt2_kernel<T, kVec>;
+    for (int rpc : {1, 2, 4})
+        for (double scale : {1.0, 2.0}) BWD("vpt2 maxnreg80", shipped, 2, 512, rpc, scale);
+    const int n_vec = hidden / kVec;
+    if (n_vec / 2 <= 128) {  // VPT 2 rows of 128 threads: caps for 3-8 CTAs of 128
+        BWD("vpt2 PF lb(128,4)", (bwd_lb_kernel<2, true, 128, 4>), 2, 128, 1, 1.0);
+        BWD("vpt2 PF lb(128,6)", (bwd_lb_kernel<2, true, 128, 6>), 2, 128, 1, 1.0);
+        BWD("vpt2 PF lb(128,8)", (bwd_lb_kernel<2, true, 128, 8>), 2, 128, 1, 1.0);
+        BWD("vpt4 PF lb(128,4)", (bwd_lb_kernel<4, true, 128, 4>), 4, 128, 2, 1.0);
+        BWD("vpt1 PF lb(256,4)", (bwd_lb_kernel<1, true, 256, 4>), 1, 256, 1, 1.0);
+    } else if (n_vec / 2 <= 256) {
+        BWD("vpt2 PF lb(256,2)", (bwd_lb_kernel<2, true, 256, 2>), 2, 256, 1, 1.0);
+        BWD("vpt2 PF lb(256,3)", (bwd_lb_kernel<2, true, 256, 3>), 2, 256, 1, 1.0);
+        BWD("vpt2 PF lb(256,4)", (bwd_lb_kernel<2, true, 256, 4>), 2, 256, 1, 1.0);
+        BWD("vpt4 PF lb(128,4)", (bwd_lb_kernel<4, true, 128, 4>), 4, 128, 1, 1.0);
+        BWD("vpt4 PF lb(128,6)", (bwd_lb_kernel<4, true, 128, 6>), 4, 128, 1, 1.0);
+        BWD("vpt4 PF lb(128,6)", (bwd_lb_kernel<4, true, 128, 6>), 4, 128, 1, 2.0);
+    } else {  // 7168 / 8192 columns: VPT 2 fits 1 CTA of 448-512 threads at 80 registers
+        BWD("vpt2 PF lb(512,1)", (bwd_lb_kernel<2, true, 512, 1>), 2, 512, 1, 1.0);
+        BWD("vpt2 PF lb(512,2)", (bwd_lb_kernel<2, true, 512, 2>), 2, 512, 1, 1.0);
+        BWD("vpt2 noPF lb(512,2)", (bwd_lb_kernel<2, false, 512, 2>), 2, 512, 1, 1.0);
+        BWD("vpt4 PF lb(256,2)", (bwd_lb_kernel<4, true, 256, 2>), 4, 256, 1, 1.0);
+        BWD("vpt4 PF lb(256,3)", (bwd_lb_kernel<4, true, 256, 3>), 4, 256, 1, 1.0);
+        BWD("vpt4 PF lb(256,4)", (bwd_lb_kernel<4, true, 256, 4>), 4, 256, 1, 1.0);
+        BWD("vpt4 noPF lb(256,3)", (bwd_lb_kernel<4, false, 256, 3>), 4, 256, 1, 1.0);
+    }
+#undef BWD
 }
 
 int main(int argc, char** argv) {
@@ -208,9 +262,7 @@ int main(int argc, char** argv) {
         });
         std::printf("| bwd shipped plan (grid %lld) | %.1f | %.0f | ok |\n", (long long)ws_rows, bship_ms * 1e3,
                     100 * (3.0 * n * 2 + rows * 4) / bship_ms / 1e6 / copy_gbps);
-        for (int rpc : {1, 4})
-            for (double scale : {1.0}) bwd_variant(rows, hidden, rpc, scale, dy, x, w, rstd, dx, dx_ref, dw,
-                                                             ws, copy_gbps);
+        bwd_variants(rows, hidden, dy, x, w, rstd, dx, dx_ref, dw, ws, copy_gbps);
         for (void* p : {(void*)x, (void*)y, (void*)y_ref, (void*)dy, (void*)dx, (void*)dx_ref, (void*)buf, (void*)w,
                         (void*)dw, (void*)rstd, (void*)ws})
             CK(cudaFree(p));
