@@ -7,7 +7,7 @@
 // Work split: a "row group" of `tpr` threads owns one row at a time. tpr = 32 (one warp per row,
 // 4 rows per 128-thread CTA, shuffle-only reduction) for short rows; otherwise one CTA per row
 // (tpr <= 512 threads, shuffle + shared-memory reduction); the backward packs 256 / tpr row groups
-// per CTA (>= 256 threads). Each thread holds <= VPT vectors of the
+// per CTA for rows of < 128 threads. Each thread holds <= VPT vectors of the
 // row in registers, so x is read from HBM exactly once per pass. VEC elements = 16 bytes per access
 // (LDG.128) when hidden % VEC == 0 and every pointer is 16-byte aligned, else scalar accesses with
 // 8 elements per thread. CTAs loop over rows (grid = SMs x occupancy): in the backward this keeps
@@ -19,12 +19,10 @@
 // registers, 60-128 regs/thread; __launch_bounds__(512) caps it at 128 (ptxas -v, nvcc 13.0: no
 // spills except 8 B in the bf16 vectorized backward). The forward needs 40-64 (weight re-read from L1).
 //
-// Prefetch (measured on H200, bf16 16384 rows, benchmark/NOTES.md): on the vectorized path a row group
-// loads its NEXT row into a second register buffer before reducing and storing the current one, so
-// the loads of one row overlap the barriers and stores of the previous (bwd 72-74% -> 80-83% of copy
-// bandwidth, fwd 82-87% -> 84-90%). Rows that fit use VPT 2 (twice the threads per row); the VPT 2
-// backward is capped at 80 registers (3 CTAs of 256 threads per SM at hidden 4096). Also measured
-// and not kept: dweight partials in shared memory instead of registers (VPT 4 + prefetch), 76-78%.
+// Prefetch (H200, benchmark/NOTES.md): on the vectorized path a row group loads its NEXT row into a
+// second register buffer before reducing and storing the current one (bwd 72-74% -> 80-83% of copy,
+// fwd 82-87% -> 84-90%). Rows that fit use VPT 2; the VPT 2 backward is capped at 80 registers (3 CTAs
+// of 256 per SM at hidden 4096). Not kept: dweight partials in shared memory (VPT 4 + prefetch), 76-78%.
 
 #include <algorithm>
 #include <type_traits>
@@ -42,6 +40,8 @@ constexpr int kBwdCtaThreads = 256;
 constexpr int kVecVpt = 4;          // 16-byte vectors per thread (vectorized path)
 constexpr int kScalarVpt = 8;       // elements per thread (scalar path)
 constexpr int kRowKernelCtas = 2;   // rmsnorm_fwd_row_kernel: register cap for >= 2 CTAs of 512 per SM
+// Backward rows of 819-1023 vectors (bf16 6552-8184 columns): VPT 2 at 80 registers fits one CTA per SM
+constexpr int kBwdVpt4MinVec = 819, kBwdVpt4EndVec = 1024;
 
 struct Plan {
     bool vectorized;
@@ -51,6 +51,7 @@ struct Plan {
     int rpc;  // rows (row groups) per CTA
     size_t smem;  // dynamic shared memory (backward: dweight partials of the CTA's row groups)
     bool row_kernel;  // forward: rmsnorm_fwd_row_kernel (one row per CTA, exactly vpt vectors per thread)
+    bool bwd_vpt4_prefetch;  // backward: rmsnorm_bwd_vpt4_kernel
 };
 
 int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
@@ -81,7 +82,15 @@ Plan make_plan(int64_t hidden, DType dtype, bool aligned, bool backward = false)
         }
     }
     if (backward) {
-        p.rpc = std::max(1, std::min(kMaxRowsPerCta, kBwdCtaThreads / p.tpr));
+        // Plan sweep on H200 (sweep_rmsnorm_csrc_2edde60.txt, L2 flushed): at bf16 7168 columns VPT 4 with
+        // the prefetch moved 82-88% of copy to 89-94% (8192: 86-94% -> 82-93%, kept at VPT 2); at 2048
+        // columns one 128-thread row group per CTA (grid 792) moved 79-86% to 84-91% against two per CTA.
+        if (p.vectorized && n_vec >= kBwdVpt4MinVec && n_vec < kBwdVpt4EndVec) {
+            p.vpt = 4;
+            p.tpr = static_cast<int>((n_vec + 4 * 32 - 1) / (4 * 32) * 32);
+            p.bwd_vpt4_prefetch = true;
+        }
+        p.rpc = p.tpr >= 128 ? 1 : std::max(1, std::min(kMaxRowsPerCta, kBwdCtaThreads / p.tpr));
         // rpc > 1 only when tpr <= 128, so rpc * hidden <= 256 * 32 floats: <= 32 KB, under the 48 KB default.
         p.smem = p.rpc > 1 ? sizeof(float) * p.rpc * hidden : 0;
     }
@@ -430,6 +439,12 @@ __global__ void __maxnreg__(80) rmsnorm_bwd_vpt2_kernel(PT_BWD_PARAMS) {
     rmsnorm_bwd_body<T, VEC, 2, true>(PT_BWD_ARGS);
 }
 
+// VPT 4 + prefetch for rows of kBwdVpt4MinVec..kBwdVpt4EndVec vectors: 128 registers, two CTAs per SM.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(256, 2) rmsnorm_bwd_vpt4_kernel(PT_BWD_PARAMS) {
+    rmsnorm_bwd_body<T, VEC, 4, true>(PT_BWD_ARGS);
+}
+
 // dweight[c] = sum_g partial[g, c]: a 32x32 CTA, coalesced over columns, fixed summation order,
 // summed in fp64 (the buffer is small: grid x hidden floats; fp64 adds cost nothing here).
 template <typename T>
@@ -489,6 +504,7 @@ BwdKernel<T> bwd_kernel_for(const Plan& p) {
     constexpr int kVec = 16 / sizeof(T);
     if (!p.vectorized) return rmsnorm_bwd_kernel<T, 1, kScalarVpt>;
     if (p.vpt == 2) return rmsnorm_bwd_vpt2_kernel<T, kVec>;
+    if (p.bwd_vpt4_prefetch) return rmsnorm_bwd_vpt4_kernel<T, kVec>;
     return rmsnorm_bwd_kernel<T, kVec, kVecVpt>;  // rows > 2 x 512 vectors: no room for the prefetch
 }
 
