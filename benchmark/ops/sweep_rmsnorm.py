@@ -6,6 +6,8 @@
 backward, the TRITON one-pass forward over (BLOCK_M, num_warps) and the rows kernel (2049-8192 columns)
 over (CHUNK, num_warps), torch.compile of the same fp32 math (forward alone under no_grad; its backward
 through autograd, timed by do_bench when the graph capture declines), and the device-to-device copy of x.
+A second table times the forwards with L2 flushed before every call (a graph of a 256 MB memset and the
+kernel, less the memset's graph): graph replays without a flush keep part of x in L2 from call to call.
 Every Triton variant's y is checked against the one-pass default's (bf16 tolerance). Candidates measured
 and dropped (eviction hints on the one-pass kernel, two passes with a runtime row length): results in
 benchmark/results/h200/sweep_rmsnorm_*.txt.
@@ -38,6 +40,17 @@ SHAPES = [(8192, 2048), (16384, 4096), (8192, 7168), (32768, 7168), (16384, 8192
 
 def _us(fn) -> float:
     return tt.do_bench_cudagraph(fn, return_mode="median") * 1e3
+
+
+_FLUSH = []
+
+
+def _us_flushed(fn) -> float:
+    """GPU time of fn with L2 flushed before each call: a graph of (256 MB memset, fn) minus the memset's."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.int8, device="cuda"))
+    cache = _FLUSH[0]
+    return _us(lambda: (cache.zero_(), fn())) - _us(cache.zero_)
 
 
 def _math(x, w):
@@ -92,6 +105,39 @@ def sweep_shape(rows: int, hidden: int, report: io.StringIO) -> None:
             f"| TURBO (csrc) | {t_fwd:.1f} | {pct(fwd_bytes, t_fwd):.0f} | {c_fwd / t_fwd:.2f} | "
             f"{t_bwd:.1f} | {pct(bwd_bytes, t_bwd):.0f} | {c_bwd / t_bwd:.2f} |\n"
         )
+
+    # Back-to-back graph replays keep part of x in L2 across calls (compile's first pass loads it with
+    # evict_last); with L2 flushed before every call, as in training where x comes from another op:
+    flushed = {"copy": _us_flushed(lambda: buf.copy_(x))}
+    with torch.no_grad():
+        flushed["torch.compile"] = _us_flushed(lambda: compiled(x, w))
+    if HAS_CPP_EXTENSION:
+        flushed["TURBO (csrc)"] = _us_flushed(lambda: ops.rmsnorm_fwd(x, w, EPS, False))
+    if 2048 < hidden <= 8192:
+        chunk = triton.next_power_of_2(hidden)
+        warps = 16 if hidden > 4096 else 8
+
+        def rows_fwd():
+            rmsnorm_fwd_rows_kernel[(rows,)](
+                x, x, w, y, y, rstd, EPS, N_COLS=hidden, HAS_RESIDUAL=False, ZERO_CENTERED=False, CHUNK=chunk,
+                num_warps=warps, num_stages=1,
+            )  # fmt: skip
+
+        flushed[f"TRITON rows {chunk} w{warps}"] = _us_flushed(rows_fwd)
+    report.write(
+        "\nForward with L2 flushed before each call (graph time minus the flush's):\n\n"
+        "| kernel | fwd us | fwd %copy (flushed copy) | vs compile |\n|---|---|---|---|\n"
+    )
+    for name, us in flushed.items():
+        nbytes = 2 * x.numel() * 2 if name == "copy" else fwd_bytes
+        report.write(
+            f"| {name} | {us:.1f} | {100 * nbytes / us / (2 * x.numel() * 2 / flushed['copy']):.0f} | "
+            f"{flushed['torch.compile'] / us:.2f} |\n"
+        )
+    report.write(
+        "\n| kernel (graph replays, no flush) | fwd us | fwd %copy | fwd vs compile | bwd us | bwd %copy "
+        "| bwd vs compile |\n|---|---|---|---|---|---|---|\n"
+    )
 
     def launch(kind, block, warps):
         if kind == "rows":
