@@ -260,7 +260,7 @@ void bwd_variants(int64_t rows, int hidden, T* dy, T* x, T* w, float* rstd, T* d
 #define BWD(name, K, VPT, MAXT, RPC, SCALE) \
     bwd_run(name, K, VPT, MAXT, rows, hidden, RPC, SCALE, dy, x, w, rstd, dx, dx_ref, dw, ws, copy_gbps)
     const BwdK shipped = primus_turbo::rmsnorm_bwd_vpt2_kernel<T, kVec>;
-    for (int rpc : {1, 2, 4})
+    for (int rpc : {1, 2, 4, 8})
         for (double scale : {1.0, 2.0}) BWD("vpt2 maxnreg80", shipped, 2, 512, rpc, scale);
     const int n_vec = hidden / kVec;
     if (n_vec / 2 <= 128) {  // VPT 2 rows of 128 threads: caps for 3-8 CTAs of 128
