@@ -1,13 +1,13 @@
 // RMSNorm forward / backward for Hopper (sm_90), memory-bound: the goal is copy bandwidth.
 //
-// Forward of rows of 256-1024 16-byte vectors that split evenly over the threads (bf16 2048-8192
+// Forward of rows of 192-1024 16-byte vectors that split evenly over the threads (bf16 1536-8192
 // columns): rmsnorm_fwd_row_kernel, one row per CTA and a grid of one CTA per row. Other rows, and the
 // backward, as follows.
 //
 // Work split: a "row group" of `tpr` threads owns one row at a time. tpr = 32 (one warp per row,
 // 4 rows per 128-thread CTA, shuffle-only reduction) for short rows; otherwise one CTA per row
 // (tpr <= 512 threads, shuffle + shared-memory reduction); the backward packs 256 / tpr row groups
-// per CTA for rows of < 128 threads. Each thread holds <= VPT vectors of the
+// per CTA for rows of <= 64 threads. Each thread holds <= VPT vectors of the
 // row in registers, so x is read from HBM exactly once per pass. VEC elements = 16 bytes per access
 // (LDG.128) when hidden % VEC == 0 and every pointer is 16-byte aligned, else scalar accesses with
 // 8 elements per thread. CTAs loop over rows (grid = SMs x occupancy): in the backward this keeps
@@ -73,11 +73,12 @@ Plan make_plan(int64_t hidden, DType dtype, bool aligned, bool backward = false)
     p.tpr = static_cast<int>(std::min<int64_t>(threads, 1 << 20));
     p.rpc = p.tpr == 32 ? kWarpRowsPerCta : 1;
     p.smem = 0;
-    // Rows of 256-1024 vectors (bf16 2048-8192 columns) that split exactly into 2 vectors per thread:
+    // Rows of 192-1024 vectors (bf16 1536-8192 columns) that split exactly into 2 vectors per thread:
     // one row per CTA, rmsnorm_fwd_row_kernel (two passes above 512 vectors). Its plan sweeps on H200
     // (benchmark/results/h200/sweep_rmsnorm_csrc_*.txt): 96-102% of the same-size copy, against 90-96%
-    // for the persistent prefetching kernel; 1 vector a thread, or registers capped for more CTAs, slower.
-    if (!backward && p.vectorized && n_vec >= 256 && n_vec <= 1024 && n_vec % 64 == 0) {
+    // for the persistent prefetching kernel (1536: 98-99% vs 93-94%; 1024 columns: a tie, 512: 76-82% vs
+    // 93-96%, left to it); 1 vector a thread, or registers capped for more CTAs, slower.
+    if (!backward && p.vectorized && n_vec >= 192 && n_vec <= 1024 && n_vec % 64 == 0) {
         p.row_kernel = true;
         p.vpt = 2;
         p.tpr = static_cast<int>(n_vec / 2);
@@ -85,14 +86,15 @@ Plan make_plan(int64_t hidden, DType dtype, bool aligned, bool backward = false)
     if (backward) {
         // Plan sweep on H200 (sweep_rmsnorm_csrc_2edde60.txt, L2 flushed): at bf16 7168 columns VPT 4 with
         // the prefetch moved 82-88% of copy to 89-94% (8192: 86-94% -> 82-93%, kept at VPT 2); at 2048
-        // columns one 128-thread row group per CTA (grid 792) moved 79-86% to 84-91% against two per CTA.
+        // columns one 128-thread row group per CTA (grid 792) moved 79-86% to 84-91% against two per CTA,
+        // at 1536 one of 96 threads 76-79% to 82-87% (sweep_rmsnorm_csrc_9fd4943.txt; 512 / 1024: packed).
         if (p.vectorized && n_vec >= kBwdVpt4MinVec && n_vec < kBwdVpt4EndVec) {
             p.vpt = 4;
             p.tpr = static_cast<int>((n_vec + 4 * 32 - 1) / (4 * 32) * 32);
             p.bwd_vpt4_prefetch = true;
         }
-        p.rpc = p.tpr >= 128 ? 1 : std::max(1, std::min(kMaxRowsPerCta, kBwdCtaThreads / p.tpr));
-        // rpc > 1 only when tpr <= 128, so rpc * hidden <= 256 * 32 floats: <= 32 KB, under the 48 KB default.
+        p.rpc = p.tpr > 64 ? 1 : std::max(1, std::min(kMaxRowsPerCta, kBwdCtaThreads / p.tpr));
+        // rpc > 1 only when tpr <= 64, so rpc * hidden <= 256 * 16 floats: <= 16 KB, under the 48 KB default.
         p.smem = p.rpc > 1 ? sizeof(float) * p.rpc * hidden : 0;
     }
     return p;

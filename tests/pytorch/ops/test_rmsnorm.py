@@ -300,11 +300,12 @@ def test_triton_kernels_compile_sm90():
 # -- GPU: TURBO (csrc) and TRITON at training shapes -----------------------------------------------
 # TURBO backward plans: (16384, 1024) bf16: 64-thread row groups, 4 per CTA; (8192, 1000) bf16: scalar
 # path (1000 % 8 != 0); bf16 7168 / 7680 and fp32 4000 columns: 4 vectors a thread with the prefetch
-# (rmsnorm_bwd_vpt4_kernel); the rest: one row group per CTA. Forward of bf16 2048-8192 / fp32 1024-4096
-# columns in multiples of 1024 bytes: rmsnorm_fwd_row_kernel, one pass up to 4096 bf16 columns, two above.
+# (rmsnorm_bwd_vpt4_kernel); the rest (1536 included): one row group per CTA. Forward of bf16 1536-8192 /
+# fp32 768-4096 columns in multiples of 1024 bytes: rmsnorm_fwd_row_kernel, one pass up to 4096 bf16
+# columns, two above.
 GPU_SHAPES = [
     (8192, 2048), (16384, 4096), (32768, 7168), (8192, 7168), (16384, 1024), (8192, 1000), (4096, 5120),
-    (2048, 6144), (1000, 8192), (1000, 7680), (3000, 4000),
+    (2048, 6144), (1000, 8192), (1000, 7680), (3000, 4000), (3000, 1536),
 ]  # fmt: skip
 
 
