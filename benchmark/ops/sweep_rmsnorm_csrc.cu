@@ -212,6 +212,52 @@ void fwd_hint_variants(int64_t rows, int hidden, T* x, T* w, T* y, T* y_ref, flo
     }
 }
 
+// dweight_reduce_kernel with UNROLL independent accumulators per thread (UNROLL loads in flight instead of
+// one), summed in a fixed order: still deterministic (session 22).
+template <int UNROLL>
+__global__ void __launch_bounds__(1024) reduce_unrolled_kernel(const float* __restrict__ partial,
+                                                               T* __restrict__ dweight, int64_t groups,
+                                                               int hidden) {
+    __shared__ double tile[32][33];
+    const int col = blockIdx.x * 32 + threadIdx.x;
+    double acc[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) acc[u] = 0.0;
+    if (col < hidden) {
+        int64_t g = threadIdx.y;
+        for (; g + 32 * (UNROLL - 1) < groups; g += 32 * UNROLL) {
+            float v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) v[u] = partial[(g + 32 * u) * hidden + col];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) acc[u] += static_cast<double>(v[u]);
+        }
+        for (; g < groups; g += 32) acc[0] += static_cast<double>(partial[g * hidden + col]);
+    }
+    double mine = 0.0;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) mine += acc[u];
+    tile[threadIdx.y][threadIdx.x] = mine;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < hidden) {
+        double total = 0.0;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) total += tile[k][threadIdx.x];
+        dweight[col] = primus_turbo::from_float<T>(static_cast<float>(total));
+    }
+}
+
+// The dweight reduction alone (shipped and unrolled) over the shipped plan's partial rows.
+void reduce_rows(int64_t groups, int hidden, T* dw, float* ws) {
+    const dim3 grid((hidden + 31) / 32), block(32, 32);
+    const float ship =
+        median_ms([&] { primus_turbo::dweight_reduce_kernel<T><<<grid, block>>>(ws, dw, groups, hidden); });
+    const float u4 = median_ms([&] { reduce_unrolled_kernel<4><<<grid, block>>>(ws, dw, groups, hidden); });
+    const float u8 = median_ms([&] { reduce_unrolled_kernel<8><<<grid, block>>>(ws, dw, groups, hidden); });
+    std::printf("| bwd dweight reduction alone (%lld partial rows): shipped / unroll 4 / unroll 8 | %.1f / %.1f / "
+                "%.1f | | |\n", (long long)groups, ship * 1e3, u4 * 1e3, u8 * 1e3);
+}
+
 // The backward body under other launch shapes: VPT vectors per thread, PF = prefetch of the next row,
 // registers capped by __launch_bounds__(MAXT, MINB) (the shipped VPT 2 kernel uses __maxnreg__(80)).
 template <int VPT, bool PF, int MAXT, int MINB>
@@ -365,6 +411,7 @@ int main(int argc, char** argv) {
         });
         std::printf("| bwd shipped plan (grid %lld) | %.1f | %.0f | ok |\n", (long long)ws_rows, bship_ms * 1e3,
                     100 * (3.0 * n * 2 + rows * 4) / bship_ms / 1e6 / copy_gbps);
+        reduce_rows(ws_rows, hidden, dw, ws);
         bwd_variants(rows, hidden, dy, x, w, rstd, dx, dx_ref, dw, ws, copy_gbps);
         free_all();
     }
