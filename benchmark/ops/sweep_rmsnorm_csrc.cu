@@ -31,6 +31,7 @@ constexpr int kVec = 8;
     } while (0)
 
 static void* g_flush = nullptr;
+static double g_copy_gbps = 1.0;
 
 template <typename F>
 float median_ms(F launch) {
@@ -214,10 +215,13 @@ void fwd_hint_variants(int64_t rows, int hidden, T* x, T* w, T* y, T* y_ref, flo
 
 // dweight_reduce_kernel with UNROLL independent accumulators per thread (UNROLL loads in flight instead of
 // one), summed in a fixed order: still deterministic (session 22).
-template <int UNROLL>
+// PDL: launched as a programmatic dependent of the backward kernel (griddepcontrol.wait before any read of
+// the partials), so its launch overlaps that kernel's tail.
+template <int UNROLL, bool PDL = false>
 __global__ void __launch_bounds__(1024) reduce_unrolled_kernel(const float* __restrict__ partial,
                                                                T* __restrict__ dweight, int64_t groups,
                                                                int hidden) {
+    if constexpr (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
     __shared__ double tile[32][33];
     const int col = blockIdx.x * 32 + threadIdx.x;
     double acc[UNROLL];
@@ -247,15 +251,49 @@ __global__ void __launch_bounds__(1024) reduce_unrolled_kernel(const float* __re
     }
 }
 
-// The dweight reduction alone (shipped and unrolled) over the shipped plan's partial rows.
-void reduce_rows(int64_t groups, int hidden, T* dw, float* ws) {
+// The dweight reduction alone (shipped and unrolled) over the shipped plan's partial rows; then the whole
+// backward (shipped kernel) with the reduction launched plainly or as a programmatic dependent (PDL).
+void reduce_rows(int64_t rows, int hidden, T* dy, T* x, T* w, float* rstd, T* dx, T* dw, float* ws) {
+    const primus_turbo::Plan p = primus_turbo::make_plan(hidden, primus_turbo::DType::kBFloat16, true, true);
+    auto main_kernel = primus_turbo::bwd_kernel_for<T>(p);
+    const int groups = primus_turbo::persistent_grid(main_kernel, p, rows);
     const dim3 grid((hidden + 31) / 32), block(32, 32);
     const float ship =
         median_ms([&] { primus_turbo::dweight_reduce_kernel<T><<<grid, block>>>(ws, dw, groups, hidden); });
     const float u4 = median_ms([&] { reduce_unrolled_kernel<4><<<grid, block>>>(ws, dw, groups, hidden); });
     const float u8 = median_ms([&] { reduce_unrolled_kernel<8><<<grid, block>>>(ws, dw, groups, hidden); });
-    std::printf("| bwd dweight reduction alone (%lld partial rows): shipped / unroll 4 / unroll 8 | %.1f / %.1f / "
-                "%.1f | | |\n", (long long)groups, ship * 1e3, u4 * 1e3, u8 * 1e3);
+    std::printf("| bwd dweight reduction alone (%d partial rows): shipped / unroll 4 / unroll 8 | %.1f / %.1f / "
+                "%.1f | | |\n", groups, ship * 1e3, u4 * 1e3, u8 * 1e3);
+    auto launch_main = [&] {
+        main_kernel<<<groups, dim3(p.tpr, p.rpc), p.smem>>>(dy, x, w, rstd, nullptr, dx, ws, rows, hidden, false);
+    };
+    const float plain = median_ms([&] {
+        launch_main();
+        reduce_unrolled_kernel<4><<<grid, block>>>(ws, dw, groups, hidden);
+    });
+    const float pdl = median_ms([&] {
+        launch_main();
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = grid;
+        cfg.blockDim = block;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        CK(cudaLaunchKernelEx(&cfg, reduce_unrolled_kernel<4, true>, static_cast<const float*>(ws), dw,
+                              static_cast<int64_t>(groups), hidden));
+    });
+    // check: the PDL reduction's dweight equals the shipped reduction's over the same partials
+    T* dw_ref = nullptr;
+    CK(cudaMalloc(&dw_ref, hidden * 2));
+    primus_turbo::dweight_reduce_kernel<T><<<grid, block>>>(ws, dw_ref, groups, hidden);
+    const bool ok = same(dw, dw_ref, hidden);
+    CK(cudaFree(dw_ref));
+    const double bytes = 3.0 * rows * hidden * 2 + rows * 4;
+    std::printf("| bwd shipped kernel + reduction (unroll 4): plain / PDL | %.1f / %.1f | %.0f / %.0f | %s |\n",
+                plain * 1e3, pdl * 1e3, 100 * bytes / plain / 1e6 / g_copy_gbps, 100 * bytes / pdl / 1e6 / g_copy_gbps,
+                ok ? "ok" : "MISMATCH");
 }
 
 // The backward body under other launch shapes: VPT vectors per thread, PF = prefetch of the next row,
@@ -411,7 +449,8 @@ int main(int argc, char** argv) {
         });
         std::printf("| bwd shipped plan (grid %lld) | %.1f | %.0f | ok |\n", (long long)ws_rows, bship_ms * 1e3,
                     100 * (3.0 * n * 2 + rows * 4) / bship_ms / 1e6 / copy_gbps);
-        reduce_rows(ws_rows, hidden, dw, ws);
+        g_copy_gbps = copy_gbps;
+        reduce_rows(rows, hidden, dy, x, w, rstd, dx, dw, ws);
         bwd_variants(rows, hidden, dy, x, w, rstd, dx, dx_ref, dw, ws, copy_gbps);
         free_all();
     }
