@@ -323,10 +323,11 @@ def test_gpu_training_shapes(backend, dtype, tokens, hidden, device):
 
 @pytest.mark.gpu
 @needs_turbo
-@pytest.mark.parametrize("hidden", [1, 7, 100, 4100, 8192, 16384])
+@pytest.mark.parametrize("hidden", [1, 7, 100, 1536, 4100, 7168, 8192, 16384])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_turbo_edge_hidden(dtype, hidden, device):
     # 4100 bf16: not a multiple of 8 -> scalar path up to 4096 -> TURBO refuses, TRITON serves it.
+    # 1536 / 7168: the row-kernel forward (one pass / two) and those widths' backward plans, fp16 included.
     x = torch.empty(37, hidden, dtype=dtype, device=device)
     if hidden <= turbo_max_hidden(hidden, dtype, [x]):
         _check_plain((37, hidden), dtype, device, "TURBO", zero_centered_gamma=True)
