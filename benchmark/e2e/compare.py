@@ -142,12 +142,10 @@ def _version(package: str) -> str:
 def run_metadata(opts: dict, overrides: list[str], device: str | None) -> dict:
     import torch
 
-    commit = os.environ.get("PRIMUS_TURBO_COMMIT", "")  # copies of the tree without (or with a stale) .git
-    try:
-        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                          cwd=REPO, timeout=10).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        pass
+    sys.path.insert(0, str(REPO / "benchmark" / "ops"))
+    from bench_utils import git_commit  # torch is imported here anyway
+
+    commit = git_commit(REPO)  # PRIMUS_TURBO_COMMIT, else HEAD (+dirty)
     return {
         "recipe": opts["recipe"],
         "device": f"{opts['nproc']}x {device}" if device else f"cpu ({opts['nproc']} ranks)",

@@ -58,17 +58,27 @@ def gpu_slug() -> str:
     return name.replace(" ", "_")
 
 
-def run_metadata() -> dict:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--verify", "-q", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=10,
+def git_commit(repo: Path) -> str:
+    """The commit a result belongs to: PRIMUS_TURBO_COMMIT when set, else HEAD, with "+dirty" when tracked
+    files differ from it, else "unknown". The device tool's copy of the tree may carry a stale .git: its
+    HEAD is an older commit while the files are newer, which reads as "<old>+dirty", never as <old>."""
+    if os.environ.get("PRIMUS_TURBO_COMMIT"):
+        return os.environ["PRIMUS_TURBO_COMMIT"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, cwd=repo, timeout=10
         ).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--verify", "-q", "HEAD")
+        dirty = bool(head) and bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
-        commit = ""
+        return "unknown"
+    return (head + "+dirty" if dirty else head) or "unknown"
+
+
+def run_metadata() -> dict:
     import triton
 
     return {
@@ -77,7 +87,7 @@ def run_metadata() -> dict:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": os.environ.get("PRIMUS_TURBO_COMMIT") or commit or "unknown",
+        "commit": git_commit(Path(__file__).parent),
     }
 
 
