@@ -152,8 +152,12 @@ class RMSNormDispatcher(AutoKernelDispatcher):
         time of a 64-128M-element forward (on the slower host, 16384 x 4096: TURBO 3539 GB/s, TRITON
         2154 GB/s end to end). So the
         TURBO forward is the default up to 128M elements (256 MB of bf16 input, ~120 us of GPU time) and
-        TRITON above it. rstd is shared, so a TRITON forward feeds a TURBO backward. A backend that cannot
-        serve the inputs falls through to the order TURBO > TRITON > TORCH. CPU: TORCH (the Triton
+        TRITON above it. Since session 22 the TURBO forward of rows of 1536-8192 bf16 columns in multiples
+        of 512 runs one row per CTA (two passes above 4096 columns) and ties TRITON in GPU time above 128M
+        elements (H200, bench_rmsnorm: 32768 x 7168 221.2 vs 221.0 us, 32768 x 8192 252.8 vs 253.0); TRITON
+        stays the default there for the widths TURBO serves with its persistent or scalar kernels. rstd is
+        shared, so a TRITON forward feeds a TURBO backward. A backend that cannot serve the inputs falls
+        through to the order TURBO > TRITON > TORCH. CPU: TORCH (the Triton
         interpreter is orders of magnitude slower than eager torch)."""
         if not x.is_cuda:
             return BackendType.TORCH
