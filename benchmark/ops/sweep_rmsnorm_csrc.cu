@@ -296,6 +296,54 @@ void reduce_rows(int64_t rows, int hidden, T* dy, T* x, T* w, float* rstd, T* dx
                 ok ? "ok" : "MISMATCH");
 }
 
+// The residual backward (dsum read): the shipped kernel (dsum loaded at the store) against the same body
+// with dsum's loads issued before the row reduction (EARLY_DSUM), VPT 2 (80 registers) or 4 (128).
+template <bool EARLY>
+__global__ void __maxnreg__(80)
+    bwd_dsum2_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* w, const float* __restrict__ rstd,
+                     const T* __restrict__ dsum, T* __restrict__ dx, float* __restrict__ ws, int64_t rows, int hidden,
+                     bool zcg) {
+    primus_turbo::rmsnorm_bwd_body<T, kVec, 2, true, EARLY>(dy, x, w, rstd, dsum, dx, ws, rows, hidden, zcg);
+}
+template <bool EARLY>
+__global__ void __launch_bounds__(256, 2)
+    bwd_dsum4_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* w, const float* __restrict__ rstd,
+                     const T* __restrict__ dsum, T* __restrict__ dx, float* __restrict__ ws, int64_t rows, int hidden,
+                     bool zcg) {
+    primus_turbo::rmsnorm_bwd_body<T, kVec, 4, true, EARLY>(dy, x, w, rstd, dsum, dx, ws, rows, hidden, zcg);
+}
+
+void dsum_rows(int64_t rows, int hidden, T* dy, T* x, T* w, float* rstd, T* dsum, T* dx, T* dx_ref, T* dw,
+               float* ws) {
+    const primus_turbo::Plan p = primus_turbo::make_plan(hidden, primus_turbo::DType::kBFloat16, true, true);
+    if (p.vpt != 2 && !p.bwd_vpt4_prefetch) return;
+    const double bytes = 4.0 * rows * hidden * 2 + rows * 4;
+    CK(primus_turbo::rmsnorm_bwd_launch(dy, x, w, rstd, dsum, dx_ref, dw, ws, rows, hidden, false,
+                                        primus_turbo::DType::kBFloat16, true, 0));
+    const float ship = median_ms([&] {
+        CK(primus_turbo::rmsnorm_bwd_launch(dy, x, w, rstd, dsum, dx, dw, ws, rows, hidden, false,
+                                            primus_turbo::DType::kBFloat16, true, 0));
+    });
+    for (int variant = 0; variant < 2; ++variant) {
+        using K = void (*)(const T*, const T*, const T*, const float*, const T*, T*, float*, int64_t, int, bool);
+        K kernel = p.vpt == 2 ? (variant ? (K)bwd_dsum2_kernel<true> : (K)bwd_dsum2_kernel<false>)
+                              : (variant ? (K)bwd_dsum4_kernel<true> : (K)bwd_dsum4_kernel<false>);
+        const int grid = grid_for(kernel, p.tpr * p.rpc, p.smem, rows, p.rpc, 1.0);
+        auto go = [&] {
+            kernel<<<grid, dim3(p.tpr, p.rpc), p.smem>>>(dy, x, w, rstd, dsum, dx, ws, rows, hidden, false);
+            primus_turbo::dweight_reduce_kernel<T><<<(hidden + 31) / 32, dim3(32, 32)>>>(ws, dw, grid, hidden);
+        };
+        CK(cudaMemset(dx, 0, rows * hidden * 2));
+        go();
+        const bool ok = same(dx, dx_ref, size_t(rows) * hidden);
+        const float ms = median_ms(go);
+        std::printf("| bwd +dsum VPT%d %s (grid %d) vs shipped | %.1f vs %.1f | %.0f vs %.0f | %s |\n", p.vpt,
+                    variant ? "dsum early" : "dsum at store", grid, ms * 1e3, ship * 1e3,
+                    100 * bytes / ms / 1e6 / g_copy_gbps, 100 * bytes / ship / 1e6 / g_copy_gbps,
+                    ok ? "ok" : "MISMATCH");
+    }
+}
+
 // The backward body under other launch shapes: VPT vectors per thread, PF = prefetch of the next row,
 // registers capped by __launch_bounds__(MAXT, MINB) (the shipped VPT 2 kernel uses __maxnreg__(80)).
 template <int VPT, bool PF, int MAXT, int MINB>
@@ -451,6 +499,8 @@ int main(int argc, char** argv) {
                     100 * (3.0 * n * 2 + rows * 4) / bship_ms / 1e6 / copy_gbps);
         g_copy_gbps = copy_gbps;
         reduce_rows(rows, hidden, dy, x, w, rstd, dx, dw, ws);
+        fill_kernel<<<1024, 256>>>(buf, n, 4);  // buf: dsum
+        dsum_rows(rows, hidden, dy, x, w, rstd, buf, dx, dx_ref, dw, ws);
         bwd_variants(rows, hidden, dy, x, w, rstd, dx, dx_ref, dw, ws, copy_gbps);
         free_all();
     }
