@@ -1,5 +1,6 @@
 """Every csrc/ source compiles on this (GPU-less) machine with the flags setup.py uses:
-csrc/kernels/**/*.cu with nvcc for sm_90a, csrc/pytorch/**/*.cpp against torch's headers.
+csrc/kernels/**/*.cu with nvcc for sm_90a, csrc/pytorch/**/*.cpp against torch's headers, and the
+benchmark/ops/*.cu harnesses that include the kernels.
 
 The CPU torch wheel ships ATen/c10 CUDA headers but not the generated
 ``c10/cuda/impl/cuda_cmake_macros.h``; a one-line stub stands in for it. Linking and running need
@@ -126,3 +127,15 @@ def test_module_init_symbol_defined(tmp_path):
     assert [p.name for p in defining] == ["module.cpp"]
     bindings = [p for p in CPP_SOURCES if "TORCH_LIBRARY(" in p.read_text()]
     assert not bindings, f"use TORCH_LIBRARY_FRAGMENT, not TORCH_LIBRARY, in {[p.name for p in bindings]}"
+
+
+def test_benchmark_harnesses_compile(tmp_path):
+    """benchmark/ops/*.cu (nvcc diagnosis harnesses that #include the shipped kernels and call their
+    internals): a kernel refactor that breaks one is caught here, not in a device call."""
+    harnesses = sorted((ROOT / "benchmark" / "ops").glob("*.cu"))
+    assert harnesses, "benchmark/ops has no .cu harness"
+    for src in harnesses:
+        cmd = [NVCC, "-c", str(src), "-o", str(tmp_path / (src.stem + ".o")), f"-I{CSRC / 'include'}", "-O3",
+               "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"--- {src.name} (rc {proc.returncode})\n{proc.stderr[-3000:]}"
