@@ -37,7 +37,6 @@
 namespace primus_turbo {
 namespace {
 
-
 constexpr int kMaxThreadsPerRow = 512;
 constexpr int kWarpRowsPerCta = 4;  // forward rows per CTA when tpr == 32
 constexpr int kMaxRowsPerCta = 8;   // backward: rows per CTA = 256 / tpr (>= 256 threads), <= 8

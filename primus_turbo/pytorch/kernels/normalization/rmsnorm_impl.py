@@ -144,21 +144,18 @@ class RMSNormDispatcher(AutoKernelDispatcher):
     def default_backend(cls, stage, x, **_) -> BackendType | None:
         """Measured rule (bench_rmsnorm and benchmark/ops/sweep_rmsnorm.py, bf16, H100 2026-11-25 and
         H200 2026-11-26): the TURBO backward beats the TRITON one at every shape (H200: 80-92% of copy
-        bandwidth vs 44-73% at 16384+ rows). The TRITON forward is the faster kernel (H200 CUDA-graph timing:
-        its one-pass kernel 2-8% ahead at 2048-8192 columns, e.g. 223 vs 236 us at 32768 x 7168; the rows
-        kernel for 4096-8192 columns end to end 4097 vs 3795 GB/s at 16384 x 7168) but not on the host: a
-        Triton launch costs 30-140 us more than the C++ op on the H200 machines' hosts (bench_rmsnorm
-        "host fwd us": 78 vs 42-47 on one machine, 145-195 vs 50-100 on another), up to the whole GPU
-        time of a 64-128M-element forward (on the slower host, 16384 x 4096: TURBO 3539 GB/s, TRITON
-        2154 GB/s end to end). So the
-        TURBO forward is the default up to 128M elements (256 MB of bf16 input, ~120 us of GPU time) and
-        TRITON above it. Since session 22 the TURBO forward of rows of 1536-8192 bf16 columns in multiples
-        of 512 runs one row per CTA (two passes above 4096 columns) and ties TRITON in GPU time above 128M
-        elements (H200, bench_rmsnorm: 32768 x 7168 221.2 vs 221.0 us, 32768 x 8192 252.8 vs 253.0); TRITON
-        stays the default there for the widths TURBO serves with its persistent or scalar kernels. rstd is
-        shared, so a TRITON forward feeds a TURBO backward. A backend that cannot serve the inputs falls
-        through to the order TURBO > TRITON > TORCH. CPU: TORCH (the Triton
-        interpreter is orders of magnitude slower than eager torch)."""
+        bandwidth vs 44-73% at 16384+ rows). In GPU time the two forwards now tie where TURBO runs its
+        one-row-per-CTA kernel (bf16 1536-8192 columns in multiples of 512; two passes above 4096 columns;
+        bench_rmsnorm, H200 session 22: 32768 x 7168 221.2 vs 221.0 us, 32768 x 8192 252.8 vs 253.0); until
+        session 21 TRITON was 2-8% ahead there. On the host a Triton launch costs 30-140 us more than the
+        C++ op on the H200 machines' hosts (bench_rmsnorm "host fwd us": 78 vs 42-47 on one machine, 145-195
+        vs 50-100 on another), up to the whole GPU time of a 64-128M-element forward (on the slower host,
+        16384 x 4096: TURBO 3539 GB/s, TRITON 2154 GB/s end to end). So the TURBO forward is the default up
+        to 128M elements (256 MB of bf16 input, ~120 us of GPU time) and TRITON above it, where the launch
+        cost is hidden and TRITON is ahead for the widths TURBO serves with its persistent or scalar
+        kernels. rstd is shared, so a TRITON forward feeds a TURBO backward. A backend that cannot serve the
+        inputs falls through to the order TURBO > TRITON > TORCH. CPU: TORCH (the Triton interpreter is
+        orders of magnitude slower than eager torch)."""
         if not x.is_cuda:
             return BackendType.TORCH
         if stage == "fwd" and x.numel() > _TURBO_FWD_MAX_NUMEL:
