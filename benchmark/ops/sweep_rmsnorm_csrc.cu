@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(1024) reduce_unrolled_kernel(const float* __re
 // backward (shipped kernel) with the reduction launched plainly or as a programmatic dependent (PDL).
 void reduce_rows(int64_t rows, int hidden, T* dy, T* x, T* w, float* rstd, T* dx, T* dw, float* ws) {
     const primus_turbo::Plan p = primus_turbo::make_plan(hidden, primus_turbo::DType::kBFloat16, true, true);
-    auto main_kernel = primus_turbo::bwd_kernel_for<T>(p);
+    auto main_kernel = primus_turbo::bwd_kernel_for<T>(p, false);
     const int groups = primus_turbo::persistent_grid(main_kernel, p, rows);
     const dim3 grid((hidden + 31) / 32), block(32, 32);
     const float ship =
@@ -391,7 +391,7 @@ void bwd_variants(int64_t rows, int hidden, T* dy, T* x, T* w, float* rstd, T* d
                   double copy_gbps) {
 #define BWD(name, K, VPT, MAXT, RPC, SCALE) \
     bwd_run(name, K, VPT, MAXT, rows, hidden, RPC, SCALE, dy, x, w, rstd, dx, dx_ref, dw, ws, copy_gbps)
-    const BwdK shipped = primus_turbo::rmsnorm_bwd_vpt2_kernel<T, kVec>;
+    const BwdK shipped = primus_turbo::rmsnorm_bwd_vpt2_kernel<T, kVec, false>;
     for (int rpc : {1, 2, 4, 8})
         for (double scale : {1.0, 2.0}) BWD("vpt2 maxnreg80", shipped, 2, 512, rpc, scale);
     const int n_vec = hidden / kVec;

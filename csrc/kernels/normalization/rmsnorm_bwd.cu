@@ -37,10 +37,10 @@ __device__ __forceinline__ float load_bwd_row(const T* __restrict__ x, const T* 
 // cuts the workspace traffic from ~10% to ~1% of the backward's bytes).
 //
 // PREFETCH: as in the forward (x, dy, rstd of row + block_stride; dsum is still read at the store).
-// EARLY_DSUM: dsum's loads are issued before the row reduction instead of at the store, so they overlap its
-// barriers. Harness A/B on H200 (sweep_rmsnorm_csrc_ca6d49a.txt, residual backward, bitwise the same dx):
-// 16384 x 2048 / 4096 / 7168 82.9 / 150.6 / 295.0 -> 79.7 / 146.3 / 269.3 us. Not shipped yet: the library
-// path with it (EARLY_DSUM kernels when dsum is given) is written (git show 2dc870d) but not GPU-tested.
+// EARLY_DSUM: dsum's loads are issued before the row reduction instead of at the store, so they overlap
+// its barriers. The prefetch kernels run it when dsum is given (the residual backward; harness A/B on H200,
+// sweep_rmsnorm_csrc_ca6d49a.txt: 16384 x 2048 / 4096 / 7168 82.9 / 150.6 / 295.0 -> 79.7 / 146.3 /
+// 269.3 us, bitwise the same dx); without dsum they keep the store-time read (its registers unspent).
 template <typename T, int VEC, int VPT, bool PREFETCH, bool EARLY_DSUM = false>
 __device__ __forceinline__ void rmsnorm_bwd_body(const T* __restrict__ dy, const T* __restrict__ x, const T* weight,
                                                  const float* __restrict__ rstd_in, const T* __restrict__ dsum,
@@ -177,15 +177,15 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow) rmsnorm_bwd_kernel(PT_BWD_P
 
 // VPT 2 + prefetch: the register cap sets the occupancy (80: 3 CTAs of 256 threads per SM at hidden
 // 4096; A/B on H200: caps 64 (no prefetch room) and 72 (spills) measured 67-77% of copy, 80: 80-83%).
-template <typename T, int VEC>
+template <typename T, int VEC, bool EARLY_DSUM>
 __global__ void __maxnreg__(80) rmsnorm_bwd_vpt2_kernel(PT_BWD_PARAMS) {
-    rmsnorm_bwd_body<T, VEC, 2, true>(PT_BWD_ARGS);
+    rmsnorm_bwd_body<T, VEC, 2, true, EARLY_DSUM>(PT_BWD_ARGS);
 }
 
 // VPT 4 + prefetch for rows of kBwdVpt4MinVec..kBwdVpt4EndVec vectors: 128 registers, two CTAs per SM.
-template <typename T, int VEC>
+template <typename T, int VEC, bool EARLY_DSUM>
 __global__ void __launch_bounds__(256, 2) rmsnorm_bwd_vpt4_kernel(PT_BWD_PARAMS) {
-    rmsnorm_bwd_body<T, VEC, 4, true>(PT_BWD_ARGS);
+    rmsnorm_bwd_body<T, VEC, 4, true, EARLY_DSUM>(PT_BWD_ARGS);
 }
 
 // dweight[c] = sum_g partial[g, c]: a 32x32 CTA, coalesced over columns, fixed summation order,
@@ -213,11 +213,13 @@ template <typename T>
 using BwdKernel = void (*)(const T*, const T*, const T*, const float*, const T*, T*, float*, int64_t, int, bool);
 
 template <typename T>
-BwdKernel<T> bwd_kernel_for(const Plan& p) {
+BwdKernel<T> bwd_kernel_for(const Plan& p, bool has_dsum) {
     constexpr int kVec = 16 / sizeof(T);
     if (!p.vectorized) return rmsnorm_bwd_kernel<T, 1, kScalarVpt>;
-    if (p.vpt == 2) return rmsnorm_bwd_vpt2_kernel<T, kVec>;
-    if (p.bwd_vpt4_prefetch) return rmsnorm_bwd_vpt4_kernel<T, kVec>;
+    if (p.vpt == 2)
+        return has_dsum ? rmsnorm_bwd_vpt2_kernel<T, kVec, true> : rmsnorm_bwd_vpt2_kernel<T, kVec, false>;
+    if (p.bwd_vpt4_prefetch)
+        return has_dsum ? rmsnorm_bwd_vpt4_kernel<T, kVec, true> : rmsnorm_bwd_vpt4_kernel<T, kVec, false>;
     return rmsnorm_bwd_kernel<T, kVec, kVecVpt>;  // rows > 2 x 512 vectors: no room for the prefetch
 }
 
@@ -225,7 +227,7 @@ template <typename T>
 cudaError_t bwd_typed(const void* dy, const void* x, const void* weight, const float* rstd, const void* dsum,
                       void* dx, void* dweight, float* workspace, int64_t rows, int64_t hidden, bool zcg,
                       const Plan& p, cudaStream_t stream) {
-    auto kernel = bwd_kernel_for<T>(p);
+    auto kernel = bwd_kernel_for<T>(p, dsum != nullptr);
     const int grid = persistent_grid(kernel, p, rows);
     kernel<<<grid, dim3(p.tpr, p.rpc), p.smem, stream>>>(
         static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(weight), rstd,
@@ -242,13 +244,17 @@ cudaError_t bwd_typed(const void* dy, const void* x, const void* weight, const f
 int64_t rmsnorm_bwd_workspace_rows(int64_t rows, int64_t hidden, DType dtype, bool aligned) {
     if (rows == 0 || hidden == 0) return 0;
     const Plan p = make_plan(hidden, dtype, aligned, /*backward=*/true);
+    // the larger grid of the two variants (their register caps are the same, so their grids are too)
+    auto rows_for = [&](auto kernel_without, auto kernel_with) {
+        return std::max(persistent_grid(kernel_without, p, rows), persistent_grid(kernel_with, p, rows));
+    };
     switch (dtype) {
         case DType::kFloat32:
-            return persistent_grid(bwd_kernel_for<float>(p), p, rows);
+            return rows_for(bwd_kernel_for<float>(p, false), bwd_kernel_for<float>(p, true));
         case DType::kFloat16:
-            return persistent_grid(bwd_kernel_for<__half>(p), p, rows);
+            return rows_for(bwd_kernel_for<__half>(p, false), bwd_kernel_for<__half>(p, true));
         default:
-            return persistent_grid(bwd_kernel_for<__nv_bfloat16>(p), p, rows);
+            return rows_for(bwd_kernel_for<__nv_bfloat16>(p, false), bwd_kernel_for<__nv_bfloat16>(p, true));
     }
 }
 
