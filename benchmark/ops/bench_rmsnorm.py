@@ -5,7 +5,7 @@ plus the measured device-to-device copy bandwidth of this GPU in the same run.
     python benchmark/ops/bench_rmsnorm.py --quick   # 2 shapes, < 60 s on an H200 incl. compiles
     python benchmark/ops/bench_rmsnorm.py           # tokens {8192, 16384, 32768} x hidden
                                                     # {2048, 4096, 7168, 8192} + residual variant
-    python benchmark/ops/bench_rmsnorm.py --shapes 8192x2048,8192x4096   # these only
+    python benchmark/ops/bench_rmsnorm.py --shapes 8192x2048,16384x7168r   # these only (r: + residual)
 
 Bytes moved (each input read once, each output written once): forward x, weight -> y, rstd;
 backward dy, x, weight, rstd -> dx, dweight; the residual variant adds residual (read) and
@@ -157,13 +157,14 @@ def run_shape(tokens: int, hidden: int, residual: bool, dtype=torch.bfloat16) ->
 
 def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="", help="TOKENSxHIDDEN[,...]: only these (no residual variant)")
+    parser.add_argument("--shapes", default="", help="TOKENSxHIDDEN[r],...: only these (r: residual)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_rmsnorm: needs a CUDA device")
     copy_gbps = copy_bandwidth(DEVICE)
     rows = []
-    picked = [(*map(int, s.split("x")), False) for s in args.shapes.split(",") if s] or shapes(args.quick)
+    picked = [(*map(int, s.rstrip("r").split("x")), s.endswith("r")) for s in args.shapes.split(",") if s]
+    picked = picked or shapes(args.quick)
     for tokens, hidden, residual in picked:
         rows += run_shape(tokens, hidden, residual)
     for row in rows:

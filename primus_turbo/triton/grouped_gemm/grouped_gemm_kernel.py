@@ -305,12 +305,15 @@ def _wgrad_config(is_fp8: bool, on_gpu: bool, elem_bytes: int | None = None) -> 
     return fit_smem(cfg, elem_bytes, keys=("BLOCK_P", "BLOCK_Q", "BLOCK_K"))
 
 
-def launch_grouped_gemm(a, b_view, out, group_lens, a_scale=None, b_scale=None, scale_mode=SCALE_NONE):
+def launch_grouped_gemm(
+    a, b_view, out, group_lens, a_scale=None, b_scale=None, scale_mode=SCALE_NONE, config=None
+):  # fmt: skip
     """out[rows_g] = a[rows_g] @ b_view[g] (b_view: [G, K, N], any strides); out is fully written.
 
     a_scale/b_scale strides follow the layouts in the module docstring (b_scale may be a strided
     view, e.g. the transpose used by dgrad). Empty problems launch nothing (M*N == 0: nothing to
-    write; K == 0: out is zero-filled here).
+    write; K == 0: out is zero-filled here). ``config``: tile overrides (BLOCK_M/N/K, GROUP_M,
+    num_warps, num_stages) for benchmarks.
     """
     m, k = a.shape
     g, _, n = b_view.shape
@@ -320,7 +323,8 @@ def launch_grouped_gemm(a, b_view, out, group_lens, a_scale=None, b_scale=None, 
         return out.zero_()
     on_gpu = a.is_cuda
     elem_bytes = max(a.element_size(), b_view.element_size())
-    cfg = _fwd_config(elem_bytes == 1, scale_mode, n, on_gpu, elem_bytes)
+    cfg = {"GROUP_M": 8 if on_gpu else 2, **_fwd_config(elem_bytes == 1, scale_mode, n, on_gpu, elem_bytes)}
+    cfg.update(config or {})
     ieee = a.dtype == b_view.dtype and a.element_size() == 4 and scale_mode == SCALE_NONE
     a_scale = a_scale if a_scale is not None else out
     b_scale = b_scale if b_scale is not None else out
@@ -339,7 +343,7 @@ def launch_grouped_gemm(a, b_view, out, group_lens, a_scale=None, b_scale=None, 
         a.stride(0), a.stride(1), b_view.stride(0), b_view.stride(1), b_view.stride(2),
         out.stride(0), out.stride(1),
         a_s[0], a_s[1], b_s[0], b_s[1], b_s[2],
-        NUM_PROGS=_num_programs(a.device), BLOCK_G=_block_g(g), GROUP_M=8 if on_gpu else 2,
+        NUM_PROGS=_num_programs(a.device), BLOCK_G=_block_g(g),
         SCALE_MODE=scale_mode, UPCAST=not on_gpu, IEEE=ieee, **cfg,
     )  # fmt: skip
     return out
