@@ -1,0 +1,306 @@
+"""FP8 grouped GEMM kernels whose operand tiles move through TMA (host ``TensorDescriptor``s), sm_90.
+
+Same math, schedule and output contract as ``grouped_gemm_kernel`` / ``grouped_gemm_variable_k_kernel``
+(device-side tile schedule over group_lens, no host sync; rows past ``sum(group_lens)`` are zeros). They
+serve the FP8 operands whose reduction axis is contiguous, the layout Hopper FP8 MMAs read: measured
+on H200 (``benchmark/ops/sweep_grouped_gemm_fp8.py``, results/h200/sweep_grouped_gemm_fp8_eb7a9e8.txt)
+at 128x256x128 tiles the forward runs 1.03-1.29x torch._scaled_grouped_mm (CUTLASS) at four of five
+MoE shapes (0.95x at DeepSeek-V3 fc2) and 1.08-1.25x the pointer kernel; the variable-K kernel at
+128x256x64 runs 1.09-1.30x the shipped pointer kernel (0.73-0.92x CUTLASS, which needs groups of a
+multiple of 16 tokens and E4M3).
+
+Forward / dgrad (``grouped_gemm_tma_kernel``): A [M, K] row-major through a [BLOCK_M, BLOCK_K] box
+(rows past a group's end feed only output rows that are never stored); B as a 2-D K-contiguous matrix
+(``b_view[g][k, n]`` at row ``g * B_GROUP_ROWS + n``, column ``g * B_GROUP_COLS + k``) through a
+[BLOCK_N, BLOCK_K] box: the forward's [G*N, K] weight copy shifts groups by rows (columns past N feed
+only masked output columns), the dgrad's K-major [K, G*N] copy shifts them by columns (needs
+K % BLOCK_K == 0 so a K step never reads the next expert). K's tail is the descriptor's zero fill.
+
+Variable-K (``grouped_gemm_variable_k_tma_kernel``): X_t [P, M] and Y_t [Q, M] token-contiguous
+through [BLOCK_P | BLOCK_Q, BLOCK_K] boxes for the group's BLOCK_K-aligned interior token tiles; the
+(at most two) partial tiles at the group's edges are masked pointer loads, as in the pointer kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
+    SCALE_BLOCKWISE,
+    SCALE_NONE,
+    SCALE_ROWWISE,
+    SCALE_TENSORWISE,
+    _block_g,
+    _group_schedule,
+    _num_programs,
+    _pick,
+)
+
+__all__ = [
+    "tma_forward_supported",
+    "tma_variable_k_supported",
+    "launch_grouped_gemm_tma",
+    "launch_grouped_gemm_variable_k_tma",
+]
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# H200 sweep (eb7a9e8), six tiles at five MoE shapes: the forward's best tile at every shape; for the
+# variable-K, 256x128x128 is 3-7% faster at four shapes but 36% slower where 31 of 32 experts hold ~400
+# tokens (DeepSeek-V3 fc1, skewed): BLOCK_K 64 halves the partial token tiles at the group edges
+FWD_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3)
+VK_TILE = dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, num_warps=8, num_stages=4)
+
+
+@triton.jit
+def grouped_gemm_tma_kernel(
+    a_desc, b_desc, c_ptr, group_lens_ptr, a_scale_ptr, b_scale_ptr,
+    G, M, N, K, B_GROUP_ROWS, B_GROUP_COLS, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bsg, stride_bsk, stride_bsn,
+    NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """C[rows_g] = A[rows_g] @ b_view[g] with scales as in grouped_gemm_kernel (BLOCKWISE: BLOCK_K == 128,
+    the weight scale of column n is b_scale[g, k // 128, n // 128])."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    gidx, starts, lens, tiles, cum_tiles = _group_schedule(group_lens_ptr, G, M, BLOCK_G, BLOCK_M, num_n)
+    total_tiles = tl.sum(tiles, axis=0)
+    offs_bm = tl.arange(0, BLOCK_M)
+    offs_bn = tl.arange(0, BLOCK_N)
+    for tile in range(pid, total_tiles, NUM_PROGS):
+        g = tl.sum((cum_tiles <= tile).to(tl.int32), axis=0)
+        local = tile - (_pick(gidx, cum_tiles, g) - _pick(gidx, tiles, g))
+        row_start = _pick(gidx, starts, g)
+        row_end = row_start + _pick(gidx, lens, g)
+        num_m = _pick(gidx, tiles, g) // num_n  # GROUP_M-swizzled order, as grouped_gemm_kernel
+        tiles_per_band = GROUP_M * num_n
+        first_m = (local // tiles_per_band) * GROUP_M
+        band_m = tl.minimum(num_m - first_m, GROUP_M)
+        tile_m = first_m + (local % tiles_per_band) % band_m
+        tile_n = (local % tiles_per_band) // band_m
+        m0 = (row_start + tile_m * BLOCK_M).to(tl.int32)  # TMA offsets are 32-bit
+        rows = m0 + offs_bm
+        cols = tile_n * BLOCK_N + offs_bn
+        row_mask = rows < row_end
+        col_mask = cols < N
+        rows64 = rows.to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if g < G:
+            b_row = (g * B_GROUP_ROWS + tile_n * BLOCK_N).to(tl.int32)
+            b_col = (g * B_GROUP_COLS).to(tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([m0, k0])
+                b = b_desc.load([b_row, b_col + k0])
+                if UPCAST:  # CPU interpreter: no native fp8 dot
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                if SCALE_MODE == 3:
+                    kb = k0 // BLOCK_K
+                    sa = tl.load(
+                        a_scale_ptr + rows64 * stride_asm + kb * stride_ask, mask=row_mask, other=0.0
+                    )
+                    sb = tl.load(
+                        b_scale_ptr + g * stride_bsg + kb * stride_bsk + (cols // 128) * stride_bsn,
+                        mask=col_mask, other=0.0,
+                    )  # fmt: skip
+                    acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+                else:
+                    acc = tl.dot(a, b.T, acc)
+            if SCALE_MODE == 1:
+                acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr + g * stride_bsg))
+            if SCALE_MODE == 2:
+                sa = tl.load(a_scale_ptr + rows64 * stride_asm, mask=row_mask, other=0.0)
+                sb = tl.load(b_scale_ptr + g * stride_bsg + cols * stride_bsn, mask=col_mask, other=0.0)
+                acc = acc * sa[:, None] * sb[None, :]
+        c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _vk_edge(
+    x_ptr, y_ptr, acc, k0, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST: tl.constexpr
+):
+    """acc += X_t[ps, k0:k0+BLOCK_K] @ Y_t[qs, k0:k0+BLOCK_K]^T over the tokens in [row_start, row_end)."""
+    ks = k0 + offs_bk
+    r_mask = (ks >= row_start) & (ks < row_end)
+    x_ptrs = x_ptr + ps.to(tl.int64)[:, None] * M + ks[None, :]
+    y_ptrs = y_ptr + qs.to(tl.int64)[None, :] * M + ks[:, None]
+    x = tl.load(x_ptrs, mask=p_mask[:, None] & r_mask[None, :], other=0.0)
+    y = tl.load(y_ptrs, mask=r_mask[:, None] & q_mask[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+        y = y.to(tl.float32)
+    return tl.dot(x, y, acc)
+
+
+@triton.jit
+def grouped_gemm_variable_k_tma_kernel(
+    x_desc, y_desc, x_ptr, y_ptr, c_ptr, group_lens_ptr, x_scale_ptr, y_scale_ptr,
+    G, M, P, Q, stride_cg, stride_cp, stride_cq,
+    NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """C[g] = X_t[:, rows_g] @ Y_t[:, rows_g]^T, scaled per group (1) or per column (2); X_t [P, M] and
+    Y_t [Q, M] contiguous (x_ptr / y_ptr: the same storage for the edge tiles); empty groups: zeros."""
+    pid = tl.program_id(0)
+    gidx, starts, lens, _, _ = _group_schedule(group_lens_ptr, G, M, BLOCK_G, 1, 1)
+    num_p = tl.cdiv(P, BLOCK_P)
+    num_q = tl.cdiv(Q, BLOCK_Q)
+    per_group = num_p * num_q
+    offs_bp = tl.arange(0, BLOCK_P)
+    offs_bq = tl.arange(0, BLOCK_Q)
+    offs_bk = tl.arange(0, BLOCK_K)
+    for tile in range(pid, G * per_group, NUM_PROGS):
+        g = tile // per_group
+        local = tile % per_group
+        p0 = (local // num_q) * BLOCK_P
+        q0 = (local % num_q) * BLOCK_Q
+        row_start = _pick(gidx, starts, g)
+        row_end = row_start + _pick(gidx, lens, g)
+        ps = p0 + offs_bp
+        qs = q0 + offs_bq
+        p_mask = ps < P
+        q_mask = qs < Q
+        acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+        first_full = (tl.cdiv(row_start, BLOCK_K) * BLOCK_K).to(tl.int32)
+        last_full = ((row_end // BLOCK_K) * BLOCK_K).to(tl.int32)
+        if (row_start < first_full) & (row_start < row_end):  # head: a partial token tile
+            head = first_full - BLOCK_K
+            acc = _vk_edge(
+                x_ptr, y_ptr, acc, head, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
+            )
+        for k0 in range(first_full, last_full, BLOCK_K):
+            x = x_desc.load([p0, k0])
+            y = y_desc.load([q0, k0])
+            if UPCAST:
+                x = x.to(tl.float32)
+                y = y.to(tl.float32)
+            acc = tl.dot(x, y.T, acc)
+        if (last_full < row_end) & (last_full >= first_full):  # tail: a partial token tile
+            tail = last_full
+            acc = _vk_edge(
+                x_ptr, y_ptr, acc, tail, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
+            )
+        if SCALE_MODE == 1:
+            acc = acc * (tl.load(x_scale_ptr + g) * tl.load(y_scale_ptr + g))
+        if SCALE_MODE == 2:
+            sx = tl.load(x_scale_ptr + ps, mask=p_mask, other=0.0)
+            sy = tl.load(y_scale_ptr + qs, mask=q_mask, other=0.0)
+            acc = acc * sx[:, None] * sy[None, :]
+        c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+
+
+# -- eligibility and launchers ---------------------------------------------------------------------
+
+
+def _tma_device(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+def _b_layout(b_view: torch.Tensor, block_k: int):
+    """b_view [G, K, N] (K contiguous) as (rows, cols, row stride, group row shift, group col shift) of
+    the 2-D K-contiguous matrix it lives in, or None."""
+    g, k, n = b_view.shape
+    sg, sk, sn = b_view.stride()
+    if sk != 1 or sn % 16 or b_view.data_ptr() % 16 or n == 0 or k == 0:
+        return None
+    if g == 1 or (sg % sn == 0 and k <= sn):  # groups shifted by rows (the forward's [G*N, K] copy)
+        shift = 0 if g == 1 else sg // sn
+        return (g - 1) * shift + n, k, sn, shift, 0
+    if sg >= k and (g - 1) * sg + k <= sn and (k % block_k == 0):  # by columns (the dgrad's [K, G*N] copy)
+        return n, (g - 1) * sg + k, sn, 0, sg
+    return None
+
+
+def tma_forward_supported(a: torch.Tensor, b_view: torch.Tensor, scale_mode: int, interpret: bool = False):
+    """a [M, K] row-major fp8 and b_view [G, K, N] with K contiguous, 16-byte aligned, on sm_90+ (or the
+    CPU interpreter when ``interpret``), FP8 scale modes."""
+    if scale_mode == SCALE_NONE or a.dtype not in _FP8 or b_view.dtype not in _FP8:
+        return False
+    if not (interpret or _tma_device(a)):
+        return False
+    m, k = a.shape
+    return (
+        m > 0 and k % 16 == 0 and a.stride(1) == 1 and a.stride(0) % 16 == 0 and a.data_ptr() % 16 == 0
+        and _b_layout(b_view, FWD_TILE["BLOCK_K"]) is not None
+    )  # fmt: skip
+
+
+def tma_variable_k_supported(x: torch.Tensor, y: torch.Tensor, interpret: bool = False) -> bool:
+    """x [M, P], y [M, Q] fp8 views of contiguous [P, M] / [Q, M] copies, M % 16 == 0, 16-byte aligned."""
+    if x.dtype not in _FP8 or y.dtype not in _FP8 or not (interpret or _tma_device(x)):
+        return False
+    m = x.shape[0]
+    return (
+        m > 0 and m % 16 == 0 and x.stride() == (1, m) and y.stride() == (1, m)
+        and x.data_ptr() % 16 == 0 and y.data_ptr() % 16 == 0
+    )  # fmt: skip
+
+
+def launch_grouped_gemm_tma(a, b_view, out, group_lens, a_scale, b_scale, scale_mode, config=None):
+    """As ``launch_grouped_gemm`` for operands ``tma_forward_supported`` accepts; out is fully written."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a.shape
+    g, _, n = b_view.shape
+    if out.numel() == 0:
+        return out
+    cfg = {**FWD_TILE, "GROUP_M": 8, **(config or {})}
+    if scale_mode == SCALE_BLOCKWISE:
+        cfg["BLOCK_K"] = 128  # one activation / weight scale per K step
+    on_gpu = a.is_cuda
+    if not on_gpu:  # CPU interpreter (tests): small tiles
+        cfg.update(BLOCK_M=32, BLOCK_N=64, num_stages=1, num_warps=4)
+        cfg["BLOCK_K"] = cfg["BLOCK_K"] if scale_mode == SCALE_BLOCKWISE else 32
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    rows, cols, row_stride, group_rows, group_cols = _b_layout(b_view, bk)
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
+    b_desc = TensorDescriptor(b_view, [rows, cols], [row_stride, 1], [bn, bk])
+    a_s = list(a_scale.stride()) + [0, 0] if scale_mode >= SCALE_ROWWISE else [0, 0]
+    if scale_mode == SCALE_BLOCKWISE:
+        b_s = list(b_scale.stride())
+    elif scale_mode == SCALE_ROWWISE:
+        b_s = [b_scale.stride(0), 0, b_scale.stride(1)]
+    else:
+        b_s = [b_scale.stride(0), 0, 0]
+    progs = _num_programs(a.device)
+    grouped_gemm_tma_kernel[(progs,)](
+        a_desc, b_desc, out, group_lens, a_scale, b_scale,
+        g, m, n, k, group_rows, group_cols, out.stride(0), out.stride(1),
+        a_s[0], a_s[1], b_s[0], b_s[1], b_s[2],
+        NUM_PROGS=progs, BLOCK_G=_block_g(g), SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
+    )  # fmt: skip
+    return out
+
+
+def launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, x_scale, y_scale, scale_mode, config=None):
+    """As ``launch_grouped_gemm_variable_k`` (no accumulate) for operands ``tma_variable_k_supported``
+    accepts: out[g] = x[rows_g]^T @ y[rows_g] scaled, empty groups zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, p = x.shape
+    q, g = y.shape[1], out.shape[0]
+    if out.numel() == 0:
+        return out
+    cfg = {**VK_TILE, **(config or {})}
+    on_gpu = x.is_cuda
+    if not on_gpu:
+        cfg.update(BLOCK_P=32, BLOCK_Q=64, BLOCK_K=32, num_stages=1, num_warps=4)
+    x_t, y_t = x.t(), y.t()  # [P, M], [Q, M] contiguous
+    x_desc = TensorDescriptor(x_t, [p, m], [m, 1], [cfg["BLOCK_P"], cfg["BLOCK_K"]])
+    y_desc = TensorDescriptor(y_t, [q, m], [m, 1], [cfg["BLOCK_Q"], cfg["BLOCK_K"]])
+    progs = _num_programs(x.device)
+    grouped_gemm_variable_k_tma_kernel[(progs,)](
+        x_desc, y_desc, x_t, y_t, out, group_lens, x_scale, y_scale,
+        g, m, p, q, out.stride(0), out.stride(1), out.stride(2),
+        NUM_PROGS=progs, BLOCK_G=_block_g(g), SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
+    )  # fmt: skip
+    return out
+
+
+__all__ += ["SCALE_TENSORWISE", "FWD_TILE", "VK_TILE"]
