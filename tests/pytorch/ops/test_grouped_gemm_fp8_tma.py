@@ -31,7 +31,7 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_tma_kernel import (
 )
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
-MODES = {"tensorwise": SCALE_TENSORWISE, "rowwise": SCALE_ROWWISE, "blockwise": SCALE_BLOCKWISE}
+MODES = {"tensorwise": SCALE_TENSORWISE, "rowwise": SCALE_ROWWISE}
 SNR_DB = 40.0  # same quantized operands: only accumulation order and the bf16 output rounding differ
 
 
@@ -146,6 +146,9 @@ def test_tma_eligibility_refusals(device):
     a = torch.randn(64, 128, device=device).to(E4)
     w = torch.randn(2, 96, 128, device=device).to(E4)
     assert not tma_forward_supported(a, w.transpose(1, 2), SCALE_NONE, interpret=True)
+    assert not tma_forward_supported(a, w.transpose(1, 2), SCALE_BLOCKWISE, interpret=True)  # pointer: faster
+    with pytest.raises(ValueError, match="does not take"):
+        launch_grouped_gemm_tma(a, w.transpose(1, 2), torch.empty(64, 96), torch.tensor([64]), None, None, 3)
     assert not tma_forward_supported(a.to(torch.bfloat16), w.transpose(1, 2), SCALE_ROWWISE, interpret=True)
     assert not tma_forward_supported(a[:, :120], w[..., :120].transpose(1, 2), SCALE_ROWWISE, interpret=True)
     assert _b_layout(w.transpose(1, 2).contiguous(), 128) is None  # N contiguous: not K-major
