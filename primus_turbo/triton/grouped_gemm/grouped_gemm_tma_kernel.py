@@ -2,12 +2,13 @@
 
 Same math, schedule and output contract as ``grouped_gemm_kernel`` / ``grouped_gemm_variable_k_kernel``
 (device-side tile schedule over group_lens, no host sync; rows past ``sum(group_lens)`` are zeros). They
-serve the FP8 operands whose reduction axis is contiguous, the layout Hopper FP8 MMAs read: measured
-on H200 (``benchmark/ops/sweep_grouped_gemm_fp8.py``, results/h200/sweep_grouped_gemm_fp8_eb7a9e8.txt)
-at 128x256x128 tiles the forward runs 1.03-1.29x torch._scaled_grouped_mm (CUTLASS) at four of five
-MoE shapes (0.95x at DeepSeek-V3 fc2) and 1.08-1.25x the pointer kernel; the variable-K kernel at
-128x256x64 runs 1.09-1.30x the shipped pointer kernel (0.73-0.92x CUTLASS, which needs groups of a
-multiple of 16 tokens and E4M3).
+serve the FP8 operands whose reduction axis is contiguous, the layout Hopper FP8 MMAs read. Measured on
+H200 in GPU time (``benchmark/ops/sweep_grouped_gemm_fp8.py``, five MoE shapes,
+results/h200/sweep_grouped_gemm_fp8_adb78e3.txt): the forward at 128x256x128 runs 1.00-1.28x
+torch._scaled_grouped_mm (CUTLASS; 0.97x at DeepSeek-V3 fc2) and 1.06-1.11x the pointer kernel at the
+same tile; the variable-K at 128x256x64 runs
+1.28-1.43x the pointer kernel's former 128x128x128 tile and 0.63-0.98x CUTLASS (which needs E4M3 and
+groups of a multiple of 16 tokens).
 
 Forward / dgrad (``grouped_gemm_tma_kernel``): A [M, K] row-major through a [BLOCK_M, BLOCK_K] box
 (rows past a group's end feed only output rows that are never stored); B as a 2-D K-contiguous matrix
@@ -44,7 +45,8 @@ __all__ = [
 ]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# H200 sweep (eb7a9e8), six tiles at five MoE shapes: the forward's best tile at every shape; for the
+# H200 sweep (eb7a9e8, results/h200/sweep_grouped_gemm_fp8_eb7a9e8.txt), six tiles at five MoE shapes:
+# the forward's best tile at every shape; for the
 # variable-K, 256x128x128 is 3-7% faster at four shapes but 36% slower where 31 of 32 experts hold ~400
 # tokens (DeepSeek-V3 fc1, skewed): BLOCK_K 64 halves the partial token tiles at the group edges
 FWD_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3)

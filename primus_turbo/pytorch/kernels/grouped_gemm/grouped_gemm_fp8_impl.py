@@ -161,9 +161,9 @@ class GroupedGemmFP8Dispatcher(AutoKernelDispatcher):
     def default_backend(cls, a, **kw):
         if a.device.type == "cpu":
             return BackendType.TORCH
-        # The TMA Triton kernel where it applies: 1.03-1.29x CUTLASS at four of five MoE shapes on H200
-        # (0.95x at DeepSeek-V3 fc2; sweep_grouped_gemm_fp8_eb7a9e8.txt); else CUTLASS for ROWWISE /
-        # TENSORWISE E4M3 -> bf16, Triton's pointer kernel for the rest
+        # The TMA Triton kernel where it applies: 1.00-1.28x CUTLASS at four of five MoE shapes on H200
+        # (0.97x at DeepSeek-V3 fc2; results/h200/sweep_grouped_gemm_fp8_adb78e3.txt); else CUTLASS for
+        # ROWWISE / TENSORWISE E4M3 -> bf16, Triton's pointer kernel for the rest
         if tma_forward_supported(a, kw["b_view"], kw["scale_mode"]):
             return BackendType.TRITON
         return BackendType.CUTLASS if FP8CutlassBackend.can_handle(a=a, **kw) else BackendType.TRITON
