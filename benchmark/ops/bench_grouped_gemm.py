@@ -238,7 +238,7 @@ def run_shape(shape, dist, quick, device):
     if not quick:
         grans.insert(0, ScalingGranularity.TENSORWISE)
     for g in grans:
-        backend = "TRITON" if g is ScalingGranularity.BLOCKWISE else None  # auto: CUTLASS fwd
+        backend = "TRITON" if g is ScalingGranularity.BLOCKWISE else None  # auto: TMA Triton fwd/dgrad
         impls.append((f"turbo fp8 {g.name.lower()}", backend, Float8QuantConfig(granularity=g)))
     # the deepseek_moe_fp8 recipe's experts: HYBRID rowwise, with the FP8 or the bf16 wgrad (fp8.wgrad=bf16)
     for hp in (False, True):

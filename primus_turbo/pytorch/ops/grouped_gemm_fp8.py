@@ -339,7 +339,8 @@ def grouped_gemm_fp8(
     Backends (PRIMUS_TURBO_GROUPED_GEMM_BACKEND, precision key ``fp8``): CUTLASS
     (torch._scaled_grouped_mm, ROWWISE/TENSORWISE E4M3 with bf16 output, sm_90; the wgrad only when
     ``GroupedGemmFP8VariableKDispatcher.group_lens_multiple_of_16`` promises every expert a
-    multiple of 16 tokens), TRITON (all), TORCH (reference).
+    multiple of 16 tokens), TRITON (all; TMA kernels where the reduction axis is contiguous and the
+    scales TENSORWISE / ROWWISE, the default forward and dgrad on sm_90), TORCH (reference).
     """
     config = _check_config(config)
     b_fp8 = b if isinstance(b, GroupedFloat8Weight) else None

@@ -140,7 +140,7 @@ def test_grouped_gemm_fp8_gpu_training_shapes(granularity, G, K, N, device):
 @pytest.mark.parametrize("kind", ["balanced", "empty"])
 @pytest.mark.parametrize("granularity", [ScalingGranularity.ROWWISE, ScalingGranularity.TENSORWISE])
 def test_grouped_gemm_fp8_cutlass_forward(G, K, N, kind, granularity, device):
-    """torch._scaled_grouped_mm serves the E4M3 forward: ROWWISE, and TENSORWISE as broadcast rowwise."""
+    """Pinned, torch._scaled_grouped_mm serves the E4M3 forward: ROWWISE, TENSORWISE as broadcast rowwise."""
     GlobalBackendManager.set_grouped_gemm_backend("CUTLASS")
     lens = make_group_lens(8192, G, kind, device)
     a = torch.randn(8192, K, dtype=torch.bfloat16, device=device)
@@ -154,7 +154,8 @@ def test_grouped_gemm_fp8_cutlass_forward(G, K, N, kind, granularity, device):
 @pytest.mark.parametrize("backend", ["TRITON", "default"])
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_grouped_gemm_fp8_cuda_graph_capture(backend, granularity, device):
-    """default: ROWWISE runs fwd/dgrad on torch._scaled_grouped_mm, wgrad on Triton."""
+    """default: fwd/dgrad on the TMA Triton kernel where it applies (CUTLASS / pointer Triton otherwise),
+    wgrad on Triton."""
     if backend == "TRITON":
         GlobalBackendManager.set_grouped_gemm_backend("TRITON")
     config = Float8QuantConfig(granularity=granularity)

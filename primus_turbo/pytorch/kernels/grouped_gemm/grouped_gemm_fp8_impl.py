@@ -14,8 +14,9 @@ per-group scalars ``x_scale`` [G], ``y_scale`` [G]; or 2: per-column ``x_scale``
 
 Backends: CUTLASS (torch._scaled_grouped_mm: ROWWISE, and TENSORWISE expressed as rowwise with
 broadcast scales; E4M3 x E4M3, bf16 out, sm_90; forward/dgrad: column-major per-expert b; wgrad:
-the 2d-2d form over token-contiguous x and y, M % 16 == 0), TRITON (every mode), TORCH (dequantize
-+ per-group loop in fp32: the reference and CPU default; it syncs).
+the 2d-2d form over token-contiguous x and y, M % 16 == 0), TRITON (every mode; on sm_90 the TMA
+kernels of ``grouped_gemm_tma_kernel`` where the operands allow, else the pointer kernels), TORCH
+(dequantize + per-group loop in fp32: the reference and CPU default; it syncs).
 
 The CUTLASS wgrad also needs every group to hold a multiple of 16 tokens: torch checks all but the
 last with a device-side assert (GroupMMCommon.cuh, ``prepare_grouped_gemm_data``: TMA needs 16-byte
