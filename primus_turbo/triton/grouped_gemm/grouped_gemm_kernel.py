@@ -62,6 +62,40 @@ def _pick(gidx, values, g):
 
 
 @triton.jit
+def _tile_coords(tile, gidx, starts, lens, tiles, cum_tiles, num_n, GROUP_M: tl.constexpr):
+    """(group, its row range, the tile's row / column block) of a forward tile id."""
+    g = tl.sum((cum_tiles <= tile).to(tl.int32), axis=0)
+    local = tile - (_pick(gidx, cum_tiles, g) - _pick(gidx, tiles, g))
+    row_start = _pick(gidx, starts, g)
+    row_end = row_start + _pick(gidx, lens, g)
+    # GROUP_M-swizzled order inside the expert: a wave of NUM_PROGS tiles touches GROUP_M
+    # row blocks of A and ~NUM_PROGS / GROUP_M column blocks of B[g], so both stay in L2
+    # (row-major order re-reads B[g] from HBM once per row block: memory-bound at N >= 8K).
+    num_m = _pick(gidx, tiles, g) // num_n
+    tiles_per_band = GROUP_M * num_n
+    first_m = (local // tiles_per_band) * GROUP_M
+    band_m = tl.minimum(num_m - first_m, GROUP_M)
+    tile_m = first_m + (local % tiles_per_band) % band_m
+    tile_n = (local % tiles_per_band) // band_m
+    return g, row_start, row_end, tile_m, tile_n
+
+
+@triton.jit
+def _scale_epilogue(
+    acc, g, rows64, cols, row_mask, col_mask, a_scale_ptr, b_scale_ptr,
+    stride_asm, stride_bsg, stride_bsn, SCALE_MODE: tl.constexpr,
+):  # fmt: skip
+    """TENSORWISE (1) / ROWWISE (2) scales of a real group's forward tile (BLOCKWISE scales per K step)."""
+    if SCALE_MODE == 1:
+        acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr + g * stride_bsg))
+    if SCALE_MODE == 2:
+        sa = tl.load(a_scale_ptr + rows64 * stride_asm, mask=row_mask, other=0.0)
+        sb = tl.load(b_scale_ptr + g * stride_bsg + cols * stride_bsn, mask=col_mask, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    return acc
+
+
+@triton.jit
 def grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, group_lens_ptr, a_scale_ptr, b_scale_ptr,
     G, M, N, K,
@@ -79,19 +113,9 @@ def grouped_gemm_kernel(
     offs_bn = tl.arange(0, BLOCK_N)
     offs_bk = tl.arange(0, BLOCK_K)
     for tile in range(pid, total_tiles, NUM_PROGS):
-        g = tl.sum((cum_tiles <= tile).to(tl.int32), axis=0)
-        local = tile - (_pick(gidx, cum_tiles, g) - _pick(gidx, tiles, g))
-        row_start = _pick(gidx, starts, g)
-        row_end = row_start + _pick(gidx, lens, g)
-        # GROUP_M-swizzled order inside the expert: a wave of NUM_PROGS tiles touches GROUP_M
-        # row blocks of A and ~NUM_PROGS / GROUP_M column blocks of B[g], so both stay in L2
-        # (row-major order re-reads B[g] from HBM once per row block: memory-bound at N >= 8K).
-        num_m = _pick(gidx, tiles, g) // num_n
-        tiles_per_band = GROUP_M * num_n
-        first_m = (local // tiles_per_band) * GROUP_M
-        band_m = tl.minimum(num_m - first_m, GROUP_M)
-        tile_m = first_m + (local % tiles_per_band) % band_m
-        tile_n = (local % tiles_per_band) // band_m
+        g, row_start, row_end, tile_m, tile_n = _tile_coords(
+            tile, gidx, starts, lens, tiles, cum_tiles, num_n, GROUP_M
+        )
         rows = row_start + tile_m * BLOCK_M + offs_bm
         cols = tile_n * BLOCK_N + offs_bn
         row_mask = rows < row_end
@@ -123,12 +147,10 @@ def grouped_gemm_kernel(
                     acc = tl.dot(a, b, acc)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
-            if SCALE_MODE == 1:
-                acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr + g * stride_bsg))
-            if SCALE_MODE == 2:
-                sa = tl.load(a_scale_ptr + rows64 * stride_asm, mask=row_mask, other=0.0)
-                sb = tl.load(b_scale_ptr + g * stride_bsg + cols * stride_bsn, mask=col_mask, other=0.0)
-                acc = acc * sa[:, None] * sb[None, :]
+            acc = _scale_epilogue(
+                acc, g, rows64, cols, row_mask, col_mask, a_scale_ptr, b_scale_ptr,
+                stride_asm, stride_bsg, stride_bsn, SCALE_MODE,
+            )  # fmt: skip
         c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 

@@ -35,6 +35,8 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     _group_schedule,
     _num_programs,
     _pick,
+    _scale_epilogue,
+    _tile_coords,
 )
 
 __all__ = [
@@ -70,16 +72,9 @@ def grouped_gemm_tma_kernel(
     offs_bm = tl.arange(0, BLOCK_M)
     offs_bn = tl.arange(0, BLOCK_N)
     for tile in range(pid, total_tiles, NUM_PROGS):
-        g = tl.sum((cum_tiles <= tile).to(tl.int32), axis=0)
-        local = tile - (_pick(gidx, cum_tiles, g) - _pick(gidx, tiles, g))
-        row_start = _pick(gidx, starts, g)
-        row_end = row_start + _pick(gidx, lens, g)
-        num_m = _pick(gidx, tiles, g) // num_n  # GROUP_M-swizzled order, as grouped_gemm_kernel
-        tiles_per_band = GROUP_M * num_n
-        first_m = (local // tiles_per_band) * GROUP_M
-        band_m = tl.minimum(num_m - first_m, GROUP_M)
-        tile_m = first_m + (local % tiles_per_band) % band_m
-        tile_n = (local % tiles_per_band) // band_m
+        g, row_start, row_end, tile_m, tile_n = _tile_coords(
+            tile, gidx, starts, lens, tiles, cum_tiles, num_n, GROUP_M
+        )
         m0 = (row_start + tile_m * BLOCK_M).to(tl.int32)  # TMA offsets are 32-bit
         rows = m0 + offs_bm
         cols = tile_n * BLOCK_N + offs_bn
@@ -97,12 +92,10 @@ def grouped_gemm_tma_kernel(
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
                 acc = tl.dot(a, b.T, acc)
-            if SCALE_MODE == 1:
-                acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr + g * stride_bsg))
-            if SCALE_MODE == 2:
-                sa = tl.load(a_scale_ptr + rows64 * stride_asm, mask=row_mask, other=0.0)
-                sb = tl.load(b_scale_ptr + g * stride_bsg + cols * stride_bsn, mask=col_mask, other=0.0)
-                acc = acc * sa[:, None] * sb[None, :]
+            acc = _scale_epilogue(
+                acc, g, rows64, cols, row_mask, col_mask, a_scale_ptr, b_scale_ptr,
+                stride_asm, stride_bsg, stride_bsn, SCALE_MODE,
+            )  # fmt: skip
         c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
