@@ -184,6 +184,16 @@ def _vk_step(
 
 
 @triton.jit
+def _vk_tile_coords(tile, per_group, num_q, gidx, starts, lens, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """(group, its token range, the tile's first P / Q index) of a variable-K tile id (groups in order)."""
+    g = tile // per_group
+    local = tile % per_group
+    row_start = _pick(gidx, starts, g)
+    row_end = row_start + _pick(gidx, lens, g)
+    return g, row_start, row_end, (local // num_q) * BLOCK_P, (local % num_q) * BLOCK_Q
+
+
+@triton.jit
 def grouped_gemm_variable_k_kernel(
     x_ptr, y_ptr, c_ptr, group_lens_ptr, x_scale_ptr, y_scale_ptr,
     G, M, P, Q,
@@ -206,14 +216,11 @@ def grouped_gemm_variable_k_kernel(
     offs_bq = tl.arange(0, BLOCK_Q)
     offs_bk = tl.arange(0, BLOCK_K)
     for tile in range(pid, G * tiles_per_group, NUM_PROGS):
-        g = tile // tiles_per_group
-        local = tile % tiles_per_group
-        tile_p = local // num_q
-        tile_q = local % num_q
-        row_start = _pick(gidx, starts, g)
-        row_end = row_start + _pick(gidx, lens, g)
-        ps = tile_p * BLOCK_P + offs_bp
-        qs = tile_q * BLOCK_Q + offs_bq
+        g, row_start, row_end, p0, q0 = _vk_tile_coords(
+            tile, tiles_per_group, num_q, gidx, starts, lens, BLOCK_P, BLOCK_Q
+        )
+        ps = p0 + offs_bp
+        qs = q0 + offs_bq
         p_mask = ps < P
         q_mask = qs < Q
         c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq

@@ -34,9 +34,9 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     _block_g,
     _group_schedule,
     _num_programs,
-    _pick,
     _scale_epilogue,
     _tile_coords,
+    _vk_tile_coords,
 )
 
 __all__ = [
@@ -136,12 +136,9 @@ def grouped_gemm_variable_k_tma_kernel(
     offs_bq = tl.arange(0, BLOCK_Q)
     offs_bk = tl.arange(0, BLOCK_K)
     for tile in range(pid, G * per_group, NUM_PROGS):
-        g = tile // per_group
-        local = tile % per_group
-        p0 = (local // num_q) * BLOCK_P
-        q0 = (local % num_q) * BLOCK_Q
-        row_start = _pick(gidx, starts, g)
-        row_end = row_start + _pick(gidx, lens, g)
+        g, row_start, row_end, p0, q0 = _vk_tile_coords(
+            tile, per_group, num_q, gidx, starts, lens, BLOCK_P, BLOCK_Q
+        )
         ps = p0 + offs_bp
         qs = q0 + offs_bq
         p_mask = ps < P
