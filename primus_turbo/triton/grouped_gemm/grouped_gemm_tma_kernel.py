@@ -118,15 +118,35 @@ def _vk_edge(
 
 
 @triton.jit
+def _vk_all_tma(
+    x_desc, y_desc, acc, p0, q0, row_start, row_end, offs_bk, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr
+):
+    """EDGE_TMA: every token tile of [row_start, row_end) through TMA, X's out-of-group tokens zeroed."""
+    for k0 in range(((row_start // BLOCK_K) * BLOCK_K).to(tl.int32), row_end.to(tl.int32), BLOCK_K):
+        x = x_desc.load([p0, k0])
+        y = y_desc.load([q0, k0])
+        if UPCAST:
+            x = x.to(tl.float32)
+            y = y.to(tl.float32)
+        ks = k0 + offs_bk
+        x = tl.where(((ks >= row_start) & (ks < row_end))[None, :], x, tl.zeros_like(x))
+        acc = tl.dot(x, y.T, acc)
+    return acc
+
+
+@triton.jit
 def grouped_gemm_variable_k_tma_kernel(
     x_desc, y_desc, x_ptr, y_ptr, c_ptr, group_lens_ptr, x_scale_ptr, y_scale_ptr,
     G, M, P, Q, stride_cg, stride_cp, stride_cq,
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
+    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr, EDGE_TMA: tl.constexpr = False,
 ):  # fmt: skip
     """C[g] = X_t[:, rows_g] @ Y_t[:, rows_g]^T, scaled per group (1) or per column (2); X_t [P, M] and
-    Y_t [Q, M] contiguous (x_ptr / y_ptr: the same storage for the edge tiles); empty groups: zeros."""
+    Y_t [Q, M] contiguous (x_ptr / y_ptr: the same storage for the edge tiles); empty groups: zeros.
+    EDGE_TMA (experimental): one loop over every token tile the group touches, all through TMA, the
+    tokens outside the group zeroed in X's registers (Y's products with them then vanish), so the
+    pipeliner sees a single loop instead of a masked head, the loop and a masked tail."""
     pid = tl.program_id(0)
     gidx, starts, lens, _, _ = _group_schedule(group_lens_ptr, G, M, BLOCK_G, 1, 1)
     num_p = tl.cdiv(P, BLOCK_P)
@@ -144,25 +164,28 @@ def grouped_gemm_variable_k_tma_kernel(
         p_mask = ps < P
         q_mask = qs < Q
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-        first_full = (tl.cdiv(row_start, BLOCK_K) * BLOCK_K).to(tl.int32)
-        last_full = ((row_end // BLOCK_K) * BLOCK_K).to(tl.int32)
-        if (row_start < first_full) & (row_start < row_end):  # head: a partial token tile
-            head = first_full - BLOCK_K
-            acc = _vk_edge(
-                x_ptr, y_ptr, acc, head, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
-            )
-        for k0 in range(first_full, last_full, BLOCK_K):
-            x = x_desc.load([p0, k0])
-            y = y_desc.load([q0, k0])
-            if UPCAST:
-                x = x.to(tl.float32)
-                y = y.to(tl.float32)
-            acc = tl.dot(x, y.T, acc)
-        if (last_full < row_end) & (last_full >= first_full):  # tail: a partial token tile
-            tail = last_full
-            acc = _vk_edge(
-                x_ptr, y_ptr, acc, tail, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
-            )
+        if EDGE_TMA:
+            acc = _vk_all_tma(x_desc, y_desc, acc, p0, q0, row_start, row_end, offs_bk, BLOCK_K, UPCAST)
+        else:
+            first_full = (tl.cdiv(row_start, BLOCK_K) * BLOCK_K).to(tl.int32)
+            last_full = ((row_end // BLOCK_K) * BLOCK_K).to(tl.int32)
+            if (row_start < first_full) & (row_start < row_end):  # head: a partial token tile
+                head = first_full - BLOCK_K
+                acc = _vk_edge(
+                    x_ptr, y_ptr, acc, head, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
+                )
+            for k0 in range(first_full, last_full, BLOCK_K):
+                x = x_desc.load([p0, k0])
+                y = y_desc.load([q0, k0])
+                if UPCAST:
+                    x = x.to(tl.float32)
+                    y = y.to(tl.float32)
+                acc = tl.dot(x, y.T, acc)
+            if (last_full < row_end) & (last_full >= first_full):  # tail: a partial token tile
+                tail = last_full
+                acc = _vk_edge(
+                    x_ptr, y_ptr, acc, tail, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
+                )
         if SCALE_MODE == 1:
             acc = acc * (tl.load(x_scale_ptr + g) * tl.load(y_scale_ptr + g))
         if SCALE_MODE == 2:
@@ -241,7 +264,7 @@ def launch_grouped_gemm_tma(a, b_view, out, group_lens, a_scale, b_scale, scale_
     b_desc = TensorDescriptor(b_view, [rows, cols], [row_stride, 1], [bn, bk])
     a_stride = a_scale.stride(0) if scale_mode == SCALE_ROWWISE else 0
     b_strides = (b_scale.stride(0), b_scale.stride(1) if scale_mode == SCALE_ROWWISE else 0)
-    progs = _num_programs(a.device)
+    progs = _num_programs(a.device) * cfg.pop("PROGS_PER_SM", 1)
     grouped_gemm_tma_kernel[(progs,)](
         a_desc, b_desc, out, group_lens, a_scale, b_scale,
         g, m, n, k, group_rows, group_cols, out.stride(0), out.stride(1),
@@ -267,7 +290,7 @@ def launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, x_scale, y_scale, 
     x_t, y_t = x.t(), y.t()  # [P, M], [Q, M] contiguous
     x_desc = TensorDescriptor(x_t, [p, m], [m, 1], [cfg["BLOCK_P"], cfg["BLOCK_K"]])
     y_desc = TensorDescriptor(y_t, [q, m], [m, 1], [cfg["BLOCK_Q"], cfg["BLOCK_K"]])
-    progs = _num_programs(x.device)
+    progs = _num_programs(x.device) * cfg.pop("PROGS_PER_SM", 1)
     grouped_gemm_variable_k_tma_kernel[(progs,)](
         x_desc, y_desc, x_t, y_t, out, group_lens, x_scale, y_scale,
         g, m, p, q, out.stride(0), out.stride(1), out.stride(2),

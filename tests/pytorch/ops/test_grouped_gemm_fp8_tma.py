@@ -106,8 +106,9 @@ def test_tma_dgrad_layout(mode, dev):
     _check_forward(grad, b_view, lens, mode, f"dgrad {mode}")
 
 
+@pytest.mark.parametrize("edge_tma", [False, True], ids=["edges_masked_loads", "edges_tma"])
 @pytest.mark.parametrize("mode", [SCALE_TENSORWISE, SCALE_ROWWISE], ids=["tensorwise", "rowwise"])
-def test_tma_variable_k(mode, dev):
+def test_tma_variable_k(mode, edge_tma, dev):
     """Groups that start and end inside token tiles, one inside a single tile, an empty one, one
     with only full tiles; tokens past sum(group_lens) never counted."""
     torch.manual_seed(2)
@@ -124,7 +125,7 @@ def test_tma_variable_k(mode, dev):
         sx, sy = torch.rand(p, device=dev) + 0.5, torch.rand(q, device=dev) + 0.5
     assert tma_variable_k_supported(x, y, interpret=True)
     out = torch.full((g, p, q), 7.0, dtype=torch.bfloat16, device=dev)
-    launch_grouped_gemm_variable_k_tma(x, y, out, lens, sx, sy, mode)
+    launch_grouped_gemm_variable_k_tma(x, y, out, lens, sx, sy, mode, config={"EDGE_TMA": edge_tma})
     xf, yf = x.double().cpu(), y.double().cpu()
     start = 0
     for i, n in enumerate(lens.tolist()):
