@@ -53,18 +53,16 @@ SHAPES = [  # most telling first (a device call may cut the sweep short)
 # (BLOCK_M|P, BLOCK_N|Q, BLOCK_K, num_warps, num_stages): None is the launcher's default tile
 OLD_TILE = (128, 128, 128, 8, 4)  # the pointer kernels' FP8 tile before eb7a9e8's sweep
 FWD_TILES = [None, (128, 128, 128, 8, 4), (256, 128, 128, 8, 3), (128, 256, 64, 8, 4)]
-# + (PROGS_PER_SM, EDGE_TMA): several CTAs per SM overlap one tile's epilogue with another's loads (small
-# tiles only: a 128x256 fp32 accumulator over 8 warps leaves registers for one); EDGE_TMA: the group's
-# edge token tiles through TMA with a register mask instead of masked pointer loads
+# + PROGS_PER_SM: several CTAs per SM overlap one tile's epilogue with another's loads (small tiles only: a
+# 128x256 fp32 accumulator over 8 warps leaves registers for one). None: the launcher's shape-dependent
+# default (VK_TILE, or VK_TILE_SMALL for small per-expert outputs). EDGE_TMA (all token tiles through TMA,
+# X masked in registers) was measured at 48acb0c: slower everywhere and wrong at some tiles; removed.
 VK_TILES = [
     None,
     (256, 128, 128, 8, 3),
-    (128, 256, 64, 8, 4, 1, True),
-    (128, 128, 64, 4, 4, 2, False),
-    (128, 128, 64, 4, 4, 2, True),
-    (128, 128, 64, 4, 3, 3, True),
-    (128, 128, 128, 4, 3, 2, True),
-    (64, 256, 64, 4, 4, 2, True),
+    (128, 256, 64, 8, 4, 1),
+    (128, 128, 64, 4, 4, 2),
+    (128, 128, 64, 4, 3, 3),
 ]
 
 
@@ -74,7 +72,7 @@ def _fwd_cfg(tile):
 
 
 def _vk_cfg(tile):
-    keys = ("BLOCK_P", "BLOCK_Q", "BLOCK_K", "num_warps", "num_stages", "PROGS_PER_SM", "EDGE_TMA")
+    keys = ("BLOCK_P", "BLOCK_Q", "BLOCK_K", "num_warps", "num_stages", "PROGS_PER_SM")
     return None if tile is None else dict(zip(keys, tile))
 
 
@@ -210,7 +208,7 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
         vcut_ms,
     )
     _row(report, "Triton ptr default", flop, _try(vk(launch_grouped_gemm_variable_k), vref), vcut_ms)
-    for tile in VK_TILES:  # the pointer kernel has no PROGS_PER_SM / EDGE_TMA: TMA rows only
+    for tile in VK_TILES:  # the pointer kernel has no PROGS_PER_SM: TMA rows only
         run = vk(launch_grouped_gemm_variable_k_tma, tile)
         _row(report, f"Triton TMA {tile or 'default'}", flop, _try(run, vref), vcut_ms)
     # unaligned groups (what only the Triton wgrad serves)
@@ -220,7 +218,7 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
         ("ptr", launch_grouped_gemm_variable_k, None),
         ("TMA", launch_grouped_gemm_variable_k_tma, None),
     ]
-    unaligned += [("TMA", launch_grouped_gemm_variable_k_tma, t) for t in VK_TILES[3:5]]
+    unaligned += [("TMA", launch_grouped_gemm_variable_k_tma, t) for t in VK_TILES[2:4]]
     for label, launch, tile in unaligned:
         run = vk(launch, tile, ulens)
         _row(report, f"unaligned groups: Triton {label} {tile or 'default'}", flop, _try(run, uref), vcut_ms)

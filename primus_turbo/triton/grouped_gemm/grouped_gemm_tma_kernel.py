@@ -53,6 +53,12 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # tokens (DeepSeek-V3 fc1, skewed): BLOCK_K 64 halves the partial token tiles at the group edges
 FWD_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3)
 VK_TILE = dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, num_warps=8, num_stages=4)
+# Small per-expert outputs (P x Q <= VK_SMALL_OUTPUT): short token loops per tile, so two CTAs per SM of a
+# 128x128 / 4-warp tile overlap one tile's epilogue with the other's loads. H200 sweep at 48acb0c
+# (results/h200/sweep_grouped_gemm_fp8_48acb0c.txt): +10% DSv2-Lite fc1 (2816 x 2048), +14% fc2 (2048 x
+# 1408); -6% DeepSeek-V3 fc1 (4096 x 7168), -1% Mixtral / DeepSeek-V3 fc2, where VK_TILE stays.
+VK_TILE_SMALL = dict(BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, num_warps=4, num_stages=4, PROGS_PER_SM=2)
+VK_SMALL_OUTPUT = 8 << 20
 
 
 @triton.jit
@@ -118,35 +124,15 @@ def _vk_edge(
 
 
 @triton.jit
-def _vk_all_tma(
-    x_desc, y_desc, acc, p0, q0, row_start, row_end, offs_bk, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr
-):
-    """EDGE_TMA: every token tile of [row_start, row_end) through TMA, X's out-of-group tokens zeroed."""
-    for k0 in range(((row_start // BLOCK_K) * BLOCK_K).to(tl.int32), row_end.to(tl.int32), BLOCK_K):
-        x = x_desc.load([p0, k0])
-        y = y_desc.load([q0, k0])
-        if UPCAST:
-            x = x.to(tl.float32)
-            y = y.to(tl.float32)
-        ks = k0 + offs_bk
-        x = tl.where(((ks >= row_start) & (ks < row_end))[None, :], x, tl.zeros_like(x))
-        acc = tl.dot(x, y.T, acc)
-    return acc
-
-
-@triton.jit
 def grouped_gemm_variable_k_tma_kernel(
     x_desc, y_desc, x_ptr, y_ptr, c_ptr, group_lens_ptr, x_scale_ptr, y_scale_ptr,
     G, M, P, Q, stride_cg, stride_cp, stride_cq,
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr, EDGE_TMA: tl.constexpr = False,
+    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """C[g] = X_t[:, rows_g] @ Y_t[:, rows_g]^T, scaled per group (1) or per column (2); X_t [P, M] and
-    Y_t [Q, M] contiguous (x_ptr / y_ptr: the same storage for the edge tiles); empty groups: zeros.
-    EDGE_TMA (experimental): one loop over every token tile the group touches, all through TMA, the
-    tokens outside the group zeroed in X's registers (Y's products with them then vanish), so the
-    pipeliner sees a single loop instead of a masked head, the loop and a masked tail."""
+    Y_t [Q, M] contiguous (x_ptr / y_ptr: the same storage for the edge tiles); empty groups: zeros."""
     pid = tl.program_id(0)
     gidx, starts, lens, _, _ = _group_schedule(group_lens_ptr, G, M, BLOCK_G, 1, 1)
     num_p = tl.cdiv(P, BLOCK_P)
@@ -164,28 +150,25 @@ def grouped_gemm_variable_k_tma_kernel(
         p_mask = ps < P
         q_mask = qs < Q
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-        if EDGE_TMA:
-            acc = _vk_all_tma(x_desc, y_desc, acc, p0, q0, row_start, row_end, offs_bk, BLOCK_K, UPCAST)
-        else:
-            first_full = (tl.cdiv(row_start, BLOCK_K) * BLOCK_K).to(tl.int32)
-            last_full = ((row_end // BLOCK_K) * BLOCK_K).to(tl.int32)
-            if (row_start < first_full) & (row_start < row_end):  # head: a partial token tile
-                head = first_full - BLOCK_K
-                acc = _vk_edge(
-                    x_ptr, y_ptr, acc, head, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
-                )
-            for k0 in range(first_full, last_full, BLOCK_K):
-                x = x_desc.load([p0, k0])
-                y = y_desc.load([q0, k0])
-                if UPCAST:
-                    x = x.to(tl.float32)
-                    y = y.to(tl.float32)
-                acc = tl.dot(x, y.T, acc)
-            if (last_full < row_end) & (last_full >= first_full):  # tail: a partial token tile
-                tail = last_full
-                acc = _vk_edge(
-                    x_ptr, y_ptr, acc, tail, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
-                )
+        first_full = (tl.cdiv(row_start, BLOCK_K) * BLOCK_K).to(tl.int32)
+        last_full = ((row_end // BLOCK_K) * BLOCK_K).to(tl.int32)
+        if (row_start < first_full) & (row_start < row_end):  # head: a partial token tile
+            head = first_full - BLOCK_K
+            acc = _vk_edge(
+                x_ptr, y_ptr, acc, head, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
+            )
+        for k0 in range(first_full, last_full, BLOCK_K):
+            x = x_desc.load([p0, k0])
+            y = y_desc.load([q0, k0])
+            if UPCAST:
+                x = x.to(tl.float32)
+                y = y.to(tl.float32)
+            acc = tl.dot(x, y.T, acc)
+        if (last_full < row_end) & (last_full >= first_full):  # tail: a partial token tile
+            tail = last_full
+            acc = _vk_edge(
+                x_ptr, y_ptr, acc, tail, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
+            )
         if SCALE_MODE == 1:
             acc = acc * (tl.load(x_scale_ptr + g) * tl.load(y_scale_ptr + g))
         if SCALE_MODE == 2:
@@ -283,7 +266,7 @@ def launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, x_scale, y_scale, 
     q, g = y.shape[1], out.shape[0]
     if out.numel() == 0:
         return out
-    cfg = {**VK_TILE, **(config or {})}
+    cfg = {**(VK_TILE_SMALL if p * q <= VK_SMALL_OUTPUT else VK_TILE), **(config or {})}
     on_gpu = x.is_cuda
     if not on_gpu:
         cfg.update(BLOCK_P=32, BLOCK_Q=64, BLOCK_K=32, num_stages=1, num_warps=4)
@@ -299,4 +282,4 @@ def launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, x_scale, y_scale, 
     return out
 
 
-__all__ += ["SCALE_TENSORWISE", "FWD_TILE", "VK_TILE"]
+__all__ += ["SCALE_TENSORWISE", "FWD_TILE", "VK_TILE", "VK_TILE_SMALL", "VK_SMALL_OUTPUT"]
