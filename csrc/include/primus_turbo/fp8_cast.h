@@ -29,6 +29,17 @@ __device__ __forceinline__ uint8_t to_fp8(float x, float scale, float fp8_max) {
     return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3));
 }
 
+// Four floats scaled and rounded to FP8 in two paired conversions, packed in memory order (element 0 in
+// the low byte). SATFINITE saturates +-inf and finite overflow to +-max and keeps NaN: the same bytes as
+// to_fp8's explicit clamp.
+template <bool E5M2>
+__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
+    constexpr __nv_fp8_interpretation_t kFmt = E5M2 ? __NV_E5M2 : __NV_E4M3;
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFmt);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
+    return lo | (hi << 16);
+}
+
 template <bool E5M2>
 __host__ __device__ constexpr float fp8_max_of() {
     return E5M2 ? 57344.0f : 448.0f;

@@ -4,9 +4,12 @@
 //  1. amax: each block reduces a (kAmaxRows x 32*VEC) tile to per-row and per-column maxima and folds
 //     them into the workspace with integer atomicMax (non-negative floats order like their bit
 //     patterns, and max is order independent: the result is deterministic).
-//  2. cast: each block turns a (kTile x kTile) tile into q (row scales, vector stores) and, through
-//     shared memory, into qt = the transposed tile with column scales (16-byte stores when the row
-//     count allows), and writes the scale_inv entries its first row/column of tiles owns.
+//  2. cast: each block turns a tile into q (row scales, vector stores) and, through shared memory,
+//     into qt = the transposed tile with column scales, and writes the scale_inv entries its first
+//     row/column of tiles owns. 2-byte inputs with cols % 8 == 0, rows % 16 == 0 and 16-byte aligned
+//     tensors (every MoE / Linear activation and weight) take rowcol_cast_tile_kernel: 128 x 128 tiles,
+//     8 x 8 elements per thread, paired FP8 conversions, 8-byte swizzled shared stores and 128-byte
+//     segments of q and qt; anything else the generic 64 x 64 byte-wise kernel.
 // The point over the Triton version is the host: one C++ op call instead of four Python kernel
 // launches (~0.2 ms of host time per call on the H100 hosts, benchmark/NOTES.md session 8).
 #include "primus_turbo/common.h"
@@ -130,6 +133,74 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+constexpr int kBig = 128;             // rowcol_cast_tile_kernel's tile: kBig x kBig elements
+constexpr int kSlots = kBig / 8;      // 8-row slots per column of the transposed tile
+static_assert(kThreads == kSlots * kSlots, "one thread per 8 x 8 sub-tile");
+
+// Thread (ty, tx) owns rows ty*8.. and columns tx*8.. of the tile. Its q rows go straight to global
+// memory (a warp writes two 128-byte row segments); its eight 8-row column pieces of qt go to shared
+// memory as 8-byte words, slot ty of column c stored at slot ty ^ (c / 8) so that a half-warp's
+// stores hit 16 distinct 8-byte bank pairs; then each column leaves as eight 16-byte chunks.
+template <typename T, bool E5M2>
+__global__ void __launch_bounds__(kThreads, 4)  // <= 64 registers: 4 blocks, 128 KB of loads in flight per SM
+    rowcol_cast_tile_kernel(const T* __restrict__ x, const unsigned* __restrict__ row_amax,
+                            const unsigned* __restrict__ col_amax, uint8_t* __restrict__ q,
+                            uint8_t* __restrict__ qt, float* __restrict__ scale_inv,
+                            float* __restrict__ scale_inv_t, int64_t rows, int64_t cols, bool pow2) {
+    constexpr float kMax = fp8_max_of<E5M2>();
+    __shared__ float rscale[kBig], cscale[kBig];
+    __shared__ uint2 tile_t[kBig * kSlots];  // [column][swizzled 8-row slot]
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kBig, c0 = static_cast<int64_t>(blockIdx.y) * kBig;
+    const int t = threadIdx.x;
+    if (t < kBig) {
+        const int64_t r = r0 + t;
+        const float s = fp8_scale_from_amax(r < rows ? __uint_as_float(row_amax[r]) : 0.0f, kMax, pow2);
+        rscale[t] = s;
+        if (blockIdx.y == 0 && r < rows) scale_inv[r] = __fdiv_rn(1.0f, s);
+    } else {
+        const int i = t - kBig;
+        const int64_t c = c0 + i;
+        const float s = fp8_scale_from_amax(c < cols ? __uint_as_float(col_amax[c]) : 0.0f, kMax, pow2);
+        cscale[i] = s;
+        if (blockIdx.x == 0 && c < cols) scale_inv_t[c] = __fdiv_rn(1.0f, s);
+    }
+    __syncthreads();
+    const int tx = t % kSlots, ty = t / kSlots;
+    const int64_t rb = r0 + ty * 8, cb = c0 + tx * 8;
+    if (rb < rows && cb < cols) {  // rows % 16 == 0 and cols % 8 == 0: the whole 8 x 8 piece is in range
+        Vec<T, 8> v[8];  // 64 inputs in 32 registers, widened to float where used
+#pragma unroll
+        for (int r = 0; r < 8; ++r) v[r] = *reinterpret_cast<const Vec<T, 8>*>(x + (rb + r) * cols + cb);
+        auto f = [&](int r, int j, float s) { return to_float(v[r].v[j]) * s; };
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            const float s = rscale[ty * 8 + r];
+            const uint32_t lo = fp8x4<E5M2>(f(r, 0, s), f(r, 1, s), f(r, 2, s), f(r, 3, s));
+            const uint32_t hi = fp8x4<E5M2>(f(r, 4, s), f(r, 5, s), f(r, 6, s), f(r, 7, s));
+            *reinterpret_cast<uint2*>(q + (rb + r) * cols + cb) = make_uint2(lo, hi);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float s = cscale[tx * 8 + j];
+            const uint32_t lo = fp8x4<E5M2>(f(0, j, s), f(1, j, s), f(2, j, s), f(3, j, s));
+            const uint32_t hi = fp8x4<E5M2>(f(4, j, s), f(5, j, s), f(6, j, s), f(7, j, s));
+            tile_t[(tx * 8 + j) * kSlots + (ty ^ tx)] = make_uint2(lo, hi);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int it = 0; it < kBig * kSlots / 2 / kThreads; ++it) {  // 16-byte chunks: 16 rows of one column
+        const int id = it * kThreads + t, c = id / (kSlots / 2), h = id % (kSlots / 2);
+        const int64_t col = c0 + c, row = r0 + 16 * h;
+        if (col < cols && row < rows) {
+            const int sw = c / 8;  // the storing thread's tx: logical slots 2h, 2h+1 sit at 2h ^ sw, 2h+1 ^ sw
+            uint4 v = *reinterpret_cast<const uint4*>(&tile_t[c * kSlots + ((2 * h) ^ (sw & ~1))]);
+            if (sw & 1) v = make_uint4(v.z, v.w, v.x, v.y);
+            *reinterpret_cast<uint4*>(qt + col * rows + row) = v;
+        }
+    }
+}
+
 template <typename T, int VEC, bool E5M2>
 cudaError_t launch_cast(const T* x, const unsigned* ws, uint8_t* q, uint8_t* qt, float* sinv, float* sinv_t,
                         int64_t rows, int64_t cols, bool pow2, bool vec_t, cudaStream_t stream) {
@@ -154,6 +225,18 @@ cudaError_t launch_vec(const void* xp, void* qp, void* qtp, float* sinv, float* 
     if (err != cudaSuccess) return err;
     auto* q = static_cast<uint8_t*>(qp);
     auto* qt = static_cast<uint8_t*>(qtp);
+    if constexpr (sizeof(T) == 2 && VEC == 8) {  // cols % 8 == 0, 16-byte aligned
+        if (vec_t) {                               // rows % 16 == 0
+            const dim3 tiles(ceil_div_int(rows, kBig), ceil_div_int(cols, kBig));
+            if (e5m2)
+                rowcol_cast_tile_kernel<T, true>
+                    <<<tiles, kThreads, 0, stream>>>(x, ws, ws + rows, q, qt, sinv, sinv_t, rows, cols, pow2);
+            else
+                rowcol_cast_tile_kernel<T, false>
+                    <<<tiles, kThreads, 0, stream>>>(x, ws, ws + rows, q, qt, sinv, sinv_t, rows, cols, pow2);
+            return cudaGetLastError();
+        }
+    }
     if (e5m2) return launch_cast<T, VEC, true>(x, ws, q, qt, sinv, sinv_t, rows, cols, pow2, vec_t, stream);
     return launch_cast<T, VEC, false>(x, ws, q, qt, sinv, sinv_t, rows, cols, pow2, vec_t, stream);
 }

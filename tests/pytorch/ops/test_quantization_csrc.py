@@ -134,10 +134,11 @@ def test_pinned_turbo_without_the_extension_or_off_cuda_is_an_error(quantize):
 @pytest.mark.parametrize(
     # (8192, 4096): the vector paths; (4097, 1000) and (130, 520): rows % 16 != 0 (byte stores of qt) and
     # partial tiles; (256, 136): 16-byte qt stores with a partial column tile; (3, 7), (7, 3000): the
-    # scalar path (cols % 8 != 0); (24576, 2048): a DeepSeek-V2-Lite expert activation
+    # scalar path (cols % 8 != 0); (24576, 2048): a DeepSeek-V2-Lite expert activation; (1040, 1032),
+    # (48, 200), (16, 65536): 2-byte inputs on the 128 x 128 tile kernel with partial row and column tiles
     "shape",
     [(8192, 4096), (4097, 1000), (130, 520), (256, 136), (3, 7), (1, 1), (7, 3000), (24576, 2048)]
-    + [(16, 65536)],
+    + [(16, 65536), (1040, 1032), (48, 200)],
 )
 def test_turbo_transpose_matches_the_torch_reference_bit_for_bit(shape, in_dtype, out_dtype, pow2):
     # rows and columns of different magnitudes: row scales and column scales both differ
@@ -158,6 +159,9 @@ def test_turbo_transpose_unaligned_input_and_inf_nan():
     y[4] = 0.0  # a zero row: scale 1
     y[:, 9] = 0.0  # a zero column: scale 1
     _assert_same_transpose(y, E5M2, False)
+    for dtype in (torch.bfloat16, torch.float16):  # the 128 x 128 tile kernel's paired conversions
+        for out_dtype in (E4M3, E5M2):
+            _assert_same_transpose(y.to(dtype), out_dtype, False)
     q, s, qt, st = _rowwise_t(y, E5M2, False, "turbo")
     assert s[4].item() == 1.0 and st[9].item() == 1.0
     assert torch.isnan(q.float()).sum() == 1 and torch.isnan(qt.float()).sum() == 1
