@@ -7,7 +7,8 @@ token-contiguous copy unless ``high_precision_wgrad``) and the expert weight (th
 dgrad's K-major copy in one fused pass); the backward quantizes grad_out the same way. The op-level
 bench only shows these by difference (op time - GEMM time). Here each pass is timed alone, GPU time
 with the L2 flushed (``do_bench``), against a device copy of the same bytes read + written, per MoE
-shape of ``bench_grouped_gemm --quick``. Writes DIR/sweep_grouped_fp8_quant.txt.
+shape of ``bench_grouped_gemm --quick``, and each fused pass split into its kernels (torch.profiler,
+mean GPU time per call over 10 calls). Writes DIR/sweep_grouped_fp8_quant.txt.
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ def _ms(fn) -> float:
     return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def _kernels(fn, calls: int = 10) -> list[tuple[str, float]]:
+    """(kernel name, mean us per call) of fn's GPU kernels, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.self_device_time_total / calls) for e in prof.key_averages()]
+    return sorted([r for r in rows if r[1] > 0], key=lambda r: -r[1])
+
+
 def _row(report, label, ms, moved, copy_gbps) -> None:
     gbps = moved / ms / 1e6
     pct = 100 * gbps / copy_gbps
@@ -65,6 +80,13 @@ def sweep_shape(name, experts, rows, n, k, report) -> None:
     wq = _ms(lambda: _quant_weight_with_dgrad_copy(w, E4M3, SCALE_ROWWISE))
     _row(report, "weight: forward + dgrad copies (fused)", wq, wb * 2, copy_gbps)
     report.write(f"\nforward quantization total (act both + weight): {(both + wq) * 1e3:.0f} us\n")
+    report.write("\n| fused pass: kernel | us per call |\n|---|---|\n")
+    for label, fn in (
+        ("act", lambda: _quant_act_and_wgrad(x, E4M3, SCALE_ROWWISE)),
+        ("weight", lambda: _quant_weight_with_dgrad_copy(w, E4M3, SCALE_ROWWISE)),
+    ):
+        for name, us in _kernels(fn):
+            report.write(f"| {label}: {name[:90]} | {us:.0f} |\n")
 
 
 def main() -> None:

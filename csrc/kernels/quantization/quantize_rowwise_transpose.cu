@@ -26,10 +26,11 @@ constexpr int kUnroll = 4;  // rows a warp loads before reducing them (loads in 
 constexpr int kTile = 64;
 constexpr int kPitch = kTile + 4;  // bytes per shared row of the transposed tile: 2-way bank conflicts at most
 
+// (kThreads, 4): at most 64 registers, four blocks per SM (71 registers and three blocks without the bound)
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kThreads) rowcol_amax_kernel(const T* __restrict__ x, unsigned* __restrict__ row_amax,
-                                                               unsigned* __restrict__ col_amax, int64_t rows,
-                                                               int64_t cols) {
+__global__ void __launch_bounds__(kThreads, 4)
+    rowcol_amax_kernel(const T* __restrict__ x, unsigned* __restrict__ row_amax, unsigned* __restrict__ col_amax,
+                       int64_t rows, int64_t cols) {
     constexpr int kCols = 32 * VEC;
     __shared__ float col_part[kWarps][kCols];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
