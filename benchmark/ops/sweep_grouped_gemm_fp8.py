@@ -57,12 +57,15 @@ FWD_TILES = [None, (128, 128, 128, 8, 4), (256, 128, 128, 8, 3), (128, 256, 64, 
 # 128x256 fp32 accumulator over 8 warps leaves registers for one). None: the launcher's shape-dependent
 # default (VK_TILE, or VK_TILE_SMALL for small per-expert outputs). EDGE_TMA (all token tiles through TMA,
 # X masked in registers) was measured at 48acb0c: slower everywhere and wrong at some tiles; removed.
+# + TMA_STORE: the output tile through a [G, P, Q] descriptor instead of masked pointer stores.
 VK_TILES = [
     None,
     (256, 128, 128, 8, 3),
     (128, 256, 64, 8, 4, 1),
     (128, 128, 64, 4, 4, 2),
-    (128, 128, 64, 4, 3, 3),
+    (128, 256, 64, 8, 4, 1, True),
+    (128, 128, 64, 4, 4, 2, True),
+    (128, 256, 64, 8, 3, 1, True),
 ]
 
 
@@ -72,7 +75,7 @@ def _fwd_cfg(tile):
 
 
 def _vk_cfg(tile):
-    keys = ("BLOCK_P", "BLOCK_Q", "BLOCK_K", "num_warps", "num_stages", "PROGS_PER_SM")
+    keys = ("BLOCK_P", "BLOCK_Q", "BLOCK_K", "num_warps", "num_stages", "PROGS_PER_SM", "TMA_STORE")
     return None if tile is None else dict(zip(keys, tile))
 
 
@@ -218,7 +221,7 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
         ("ptr", launch_grouped_gemm_variable_k, None),
         ("TMA", launch_grouped_gemm_variable_k_tma, None),
     ]
-    unaligned += [("TMA", launch_grouped_gemm_variable_k_tma, t) for t in VK_TILES[2:4]]
+    unaligned += [("TMA", launch_grouped_gemm_variable_k_tma, t) for t in VK_TILES[4:6]]
     for label, launch, tile in unaligned:
         run = vk(launch, tile, ulens)
         _row(report, f"unaligned groups: Triton {label} {tile or 'default'}", flop, _try(run, uref), vcut_ms)

@@ -125,14 +125,16 @@ def _vk_edge(
 
 @triton.jit
 def grouped_gemm_variable_k_tma_kernel(
-    x_desc, y_desc, x_ptr, y_ptr, c_ptr, group_lens_ptr, x_scale_ptr, y_scale_ptr,
+    x_desc, y_desc, x_ptr, y_ptr, c_ptr, c_desc, group_lens_ptr, x_scale_ptr, y_scale_ptr,
     G, M, P, Q, stride_cg, stride_cp, stride_cq,
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
+    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr, TMA_STORE: tl.constexpr = False,
 ):  # fmt: skip
     """C[g] = X_t[:, rows_g] @ Y_t[:, rows_g]^T, scaled per group (1) or per column (2); X_t [P, M] and
-    Y_t [Q, M] contiguous (x_ptr / y_ptr: the same storage for the edge tiles); empty groups: zeros."""
+    Y_t [Q, M] contiguous (x_ptr / y_ptr: the same storage for the edge tiles); empty groups: zeros.
+    TMA_STORE: the tile leaves through c_desc ([G, P, Q], box [1, BLOCK_P, BLOCK_Q], clipped per group)
+    instead of masked pointer stores."""
     pid = tl.program_id(0)
     gidx, starts, lens, _, _ = _group_schedule(group_lens_ptr, G, M, BLOCK_G, 1, 1)
     num_p = tl.cdiv(P, BLOCK_P)
@@ -175,8 +177,11 @@ def grouped_gemm_variable_k_tma_kernel(
             sx = tl.load(x_scale_ptr + ps, mask=p_mask, other=0.0)
             sy = tl.load(y_scale_ptr + qs, mask=q_mask, other=0.0)
             acc = acc * sx[:, None] * sy[None, :]
-        c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+        if TMA_STORE:
+            c_desc.store([g, p0, q0], acc.to(c_ptr.dtype.element_ty).reshape(1, BLOCK_P, BLOCK_Q))
+        else:
+            c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
 
 
 # -- eligibility and launchers ---------------------------------------------------------------------
@@ -274,8 +279,15 @@ def launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, x_scale, y_scale, 
     x_desc = TensorDescriptor(x_t, [p, m], [m, 1], [cfg["BLOCK_P"], cfg["BLOCK_K"]])
     y_desc = TensorDescriptor(y_t, [q, m], [m, 1], [cfg["BLOCK_Q"], cfg["BLOCK_K"]])
     progs = _num_programs(x.device) * cfg.pop("PROGS_PER_SM", 1)
+    c_desc = None
+    if cfg.get("TMA_STORE"):  # needs a [G, P, Q] output with Q contiguous and 16-byte aligned rows
+        es = out.element_size()
+        if out.stride(2) != 1 or any((v * es) % 16 for v in out.stride()[:2]) or out.data_ptr() % 16:
+            raise ValueError("launch_grouped_gemm_variable_k_tma: TMA_STORE needs 16-byte aligned out rows")
+        box = [1, cfg["BLOCK_P"], cfg["BLOCK_Q"]]
+        c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), box)
     grouped_gemm_variable_k_tma_kernel[(progs,)](
-        x_desc, y_desc, x_t, y_t, out, group_lens, x_scale, y_scale,
+        x_desc, y_desc, x_t, y_t, out, c_desc, group_lens, x_scale, y_scale,
         g, m, p, q, out.stride(0), out.stride(1), out.stride(2),
         NUM_PROGS=progs, BLOCK_G=_block_g(g), SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
     )  # fmt: skip

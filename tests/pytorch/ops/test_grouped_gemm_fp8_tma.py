@@ -108,9 +108,13 @@ def test_tma_dgrad_layout(mode, dev):
     _check_forward(grad, b_view, lens, mode, f"dgrad {mode}")
 
 
-@pytest.mark.parametrize("small", [False, True], ids=["vk_tile", "vk_tile_small"])
+@pytest.mark.parametrize(
+    "tile",
+    [VK_TILE, VK_TILE_SMALL, {**VK_TILE, "TMA_STORE": True}],
+    ids=["vk_tile", "vk_tile_small", "vk_tile_tma_store"],
+)
 @pytest.mark.parametrize("mode", [SCALE_TENSORWISE, SCALE_ROWWISE], ids=["tensorwise", "rowwise"])
-def test_tma_variable_k(mode, small, dev):
+def test_tma_variable_k(mode, tile, dev):
     """Groups that start and end inside token tiles, one inside a single tile, an empty one, one
     with only full tiles; tokens past sum(group_lens) never counted."""
     torch.manual_seed(2)
@@ -127,8 +131,7 @@ def test_tma_variable_k(mode, small, dev):
         sx, sy = torch.rand(p, device=dev) + 0.5, torch.rand(q, device=dev) + 0.5
     assert tma_variable_k_supported(x, y, interpret=True)
     out = torch.full((g, p, q), 7.0, dtype=torch.bfloat16, device=dev)
-    # on GPU: VK_TILE_SMALL (two CTAs per SM) or VK_TILE pinned; the CPU launcher shrinks either tile
-    tile = VK_TILE_SMALL if small else VK_TILE
+    # on GPU: the tile pinned (VK_TILE_SMALL: two CTAs per SM); the CPU launcher shrinks every tile
     launch_grouped_gemm_variable_k_tma(x, y, out, lens, sx, sy, mode, config=tile)
     xf, yf = x.double().cpu(), y.double().cpu()
     start = 0
