@@ -3,8 +3,8 @@
 // Two reads of x, two kernels after one memset of the amax workspace:
 //  1. amax: each block reduces a tile to per-row and per-column maxima and folds them into the
 //     workspace with integer atomicMax (non-negative floats order like their bit patterns, and max is
-//     order independent: the result is deterministic). 2-byte inputs with cols % 8 == 0 stage the tile
-//     in shared memory with cp.async (rowcol_amax_async_kernel); others reduce from registers.
+//     order independent: the result is deterministic). (Staging the tile in shared memory with cp.async
+//     instead measured 29% slower on H200: results/h200/sweep_grouped_fp8_quant_88617d7.txt.)
 //  2. cast: each block turns a tile into q (row scales, vector stores) and, through shared memory,
 //     into qt = the transposed tile with column scales, and writes the scale_inv entries its first
 //     row/column of tiles owns. 2-byte inputs with cols % 8 == 0, rows % 16 == 0 and 16-byte aligned
@@ -74,54 +74,6 @@ __global__ void __launch_bounds__(kThreads, 4)
         for (int w = 0; w < kWarps; ++w) m = fmaxf(m, col_part[w][i]);
         const int64_t col = static_cast<int64_t>(blockIdx.y) * kCols + i;
         if (col < cols && m > 0.0f) atomicMax(col_amax + col, __float_as_uint(m));
-    }
-}
-
-// The amax pass for 2-byte inputs with cols % 8 == 0 (16-byte aligned): a block copies its kAsyncRows x
-// 256 tile into shared memory with cp.async (32 KB in flight per block without holding registers, about
-// six blocks per SM), then reduces the rows (a warp per row, 16-byte shared reads) and the columns (a
-// thread per column) from there. Same atomics and result as rowcol_amax_kernel.
-constexpr int kAsyncRows = 64;
-constexpr int kAsyncCols = 256;
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    rowcol_amax_async_kernel(const T* __restrict__ x, unsigned* __restrict__ row_amax,
-                             unsigned* __restrict__ col_amax, int64_t rows, int64_t cols) {
-    constexpr int kChunks = kAsyncCols / 8;  // 16-byte chunks per tile row
-    __shared__ __align__(16) T tile[kAsyncRows][kAsyncCols];
-    const int t = threadIdx.x, warp = t / 32, lane = t % 32;
-    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kAsyncRows;
-    const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kAsyncCols;
-    const int nrows = static_cast<int>(rows - r0 < kAsyncRows ? rows - r0 : kAsyncRows);
-#pragma unroll
-    for (int i = 0; i < kAsyncRows * kChunks / kThreads; ++i) {
-        const int id = i * kThreads + t, r = id / kChunks, ch = id % kChunks;
-        if (r < nrows && c0 + ch * 8 < cols) cp_async_16(&tile[r][ch * 8], x + (r0 + r) * cols + c0 + ch * 8);
-    }
-    asm volatile("cp.async.commit_group;\ncp.async.wait_all;\n" ::: "memory");
-    __syncthreads();
-    const bool lane_ok = c0 + lane * 8 < cols;  // the whole 8-column chunk is in range
-    for (int r = warp; r < nrows; r += kWarps) {
-        float m = 0.0f;
-        if (lane_ok) {
-            const Vec<T, 8> v = *reinterpret_cast<const Vec<T, 8>*>(&tile[r][lane * 8]);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) m = fmaxf(m, finite_abs(to_float(v.v[j])));
-        }
-        m = warp_max(m);
-        if (lane == 0 && m > 0.0f) atomicMax(row_amax + r0 + r, __float_as_uint(m));
-    }
-    if (c0 + t < cols) {
-        float m = 0.0f;
-#pragma unroll 8
-        for (int r = 0; r < nrows; ++r) m = fmaxf(m, finite_abs(to_float(tile[r][t])));
-        if (m > 0.0f) atomicMax(col_amax + c0 + t, __float_as_uint(m));
     }
 }
 
@@ -270,12 +222,7 @@ cudaError_t launch_vec(const void* xp, void* qp, void* qtp, float* sinv, float* 
     const T* x = static_cast<const T*>(xp);
     const dim3 grid(ceil_div_int(rows, kAmaxRows), ceil_div_int(cols, 32 * VEC));
     if (grid.y > 65535 || ceil_div_int(cols, kTile) > 65535) return cudaErrorInvalidConfiguration;
-    if constexpr (sizeof(T) == 2 && VEC == 8) {
-        const dim3 tiles(ceil_div_int(rows, kAsyncRows), ceil_div_int(cols, kAsyncCols));
-        rowcol_amax_async_kernel<T><<<tiles, kThreads, 0, stream>>>(x, ws, ws + rows, rows, cols);
-    } else {
-        rowcol_amax_kernel<T, VEC><<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, rows, cols);
-    }
+    rowcol_amax_kernel<T, VEC><<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, rows, cols);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     auto* q = static_cast<uint8_t*>(qp);

@@ -52,12 +52,17 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # variable-K, 256x128x128 is 3-7% faster at four shapes but 36% slower where 31 of 32 experts hold ~400
 # tokens (DeepSeek-V3 fc1, skewed): BLOCK_K 64 halves the partial token tiles at the group edges
 FWD_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3)
-VK_TILE = dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, num_warps=8, num_stages=4)
+# TMA_STORE: the output tile leaves through a descriptor (where the output rows are 16-byte aligned);
+# H200 sweep at 88617d7 (results/h200/sweep_grouped_gemm_fp8_88617d7.txt): +4-10% over pointer stores
+# at every shape, both tiles.
+VK_TILE = dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA_STORE=True)
 # Small per-expert outputs (P x Q <= VK_SMALL_OUTPUT): short token loops per tile, so two CTAs per SM of a
 # 128x128 / 4-warp tile overlap one tile's epilogue with the other's loads. H200 sweep at 48acb0c
 # (results/h200/sweep_grouped_gemm_fp8_48acb0c.txt): +10% DSv2-Lite fc1 (2816 x 2048), +14% fc2 (2048 x
 # 1408); -6% DeepSeek-V3 fc1 (4096 x 7168), -1% Mixtral / DeepSeek-V3 fc2, where VK_TILE stays.
-VK_TILE_SMALL = dict(BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, num_warps=4, num_stages=4, PROGS_PER_SM=2)
+VK_TILE_SMALL = dict(
+    BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, num_warps=4, num_stages=4, PROGS_PER_SM=2, TMA_STORE=True
+)
 VK_SMALL_OUTPUT = 8 << 20
 
 
@@ -280,12 +285,18 @@ def launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, x_scale, y_scale, 
     y_desc = TensorDescriptor(y_t, [q, m], [m, 1], [cfg["BLOCK_Q"], cfg["BLOCK_K"]])
     progs = _num_programs(x.device) * cfg.pop("PROGS_PER_SM", 1)
     c_desc = None
-    if cfg.get("TMA_STORE"):  # needs a [G, P, Q] output with Q contiguous and 16-byte aligned rows
-        es = out.element_size()
-        if out.stride(2) != 1 or any((v * es) % 16 for v in out.stride()[:2]) or out.data_ptr() % 16:
+    es = out.element_size()  # TMA_STORE needs a [G, P, Q] output with Q contiguous, 16-byte aligned rows
+    store_ok = (
+        out.stride(2) == 1 and not any((v * es) % 16 for v in out.stride()[:2]) and out.data_ptr() % 16 == 0
+    )
+    if cfg.get("TMA_STORE") and not store_ok:
+        if (config or {}).get("TMA_STORE"):  # asked for by the caller: an error, not a silent switch
             raise ValueError("launch_grouped_gemm_variable_k_tma: TMA_STORE needs 16-byte aligned out rows")
-        box = [1, cfg["BLOCK_P"], cfg["BLOCK_Q"]]
-        c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), box)
+        cfg["TMA_STORE"] = False  # the default tile's preference: masked pointer stores instead
+    if cfg.get("TMA_STORE"):
+        c_desc = TensorDescriptor(
+            out, list(out.shape), list(out.stride()), [1, cfg["BLOCK_P"], cfg["BLOCK_Q"]]
+        )
     grouped_gemm_variable_k_tma_kernel[(progs,)](
         x_desc, y_desc, x_t, y_t, out, c_desc, group_lens, x_scale, y_scale,
         g, m, p, q, out.stride(0), out.stride(1), out.stride(2),

@@ -149,6 +149,24 @@ def test_tma_variable_k(mode, tile, dev):
     assert_snr(out.double().cpu(), ptr.double().cpu(), SNR_DB, "variable-K vs the pointer kernel")
 
 
+def test_tma_variable_k_unaligned_output_rows(dev):
+    """Q = 36 bf16 columns: output rows of 72 bytes, which a TMA store cannot address. The default tiles
+    fall back to masked pointer stores (same result as the pointer kernel); TMA_STORE asked for
+    explicitly is an error naming it."""
+    torch.manual_seed(4)
+    lens = torch.tensor([20, 0, 44], device=dev)
+    x = torch.randn(40, 64, device=dev).to(E4).t()
+    y = torch.randn(36, 64, device=dev).to(E4).t()
+    sx, sy = torch.rand(3, device=dev) + 0.5, torch.rand(3, device=dev) + 0.5
+    out = torch.full((3, 40, 36), 7.0, dtype=torch.bfloat16, device=dev)
+    launch_grouped_gemm_variable_k_tma(x, y, out, lens, sx, sy, SCALE_TENSORWISE)
+    ptr = launch_grouped_gemm_variable_k(x, y, torch.empty_like(out), lens, sx, sy, SCALE_TENSORWISE)
+    assert torch.count_nonzero(out[1]) == 0
+    assert_snr(out.double().cpu(), ptr.double().cpu(), SNR_DB, "unaligned rows vs the pointer kernel")
+    with pytest.raises(ValueError, match="TMA_STORE"):
+        launch_grouped_gemm_variable_k_tma(x, y, out, lens, sx, sy, SCALE_TENSORWISE, {"TMA_STORE": True})
+
+
 def test_tma_eligibility_refusals(device):
     """What the TMA kernels do not take goes to the pointer kernel, never to a wrong TMA read."""
     a = torch.randn(64, 128, device=device).to(E4)
