@@ -52,7 +52,8 @@ SHAPES = [  # most telling first (a device call may cut the sweep short)
 ]
 # (BLOCK_M|P, BLOCK_N|Q, BLOCK_K, num_warps, num_stages): None is the launcher's default tile
 OLD_TILE = (128, 128, 128, 8, 4)  # the pointer kernels' FP8 tile before eb7a9e8's sweep
-FWD_TILES = [None, (128, 128, 128, 8, 4), (256, 128, 128, 8, 3), (128, 256, 64, 8, 4)]
+# (+ PROGS_PER_SM, TMA_STORE: full row tiles stored through a descriptor)
+FWD_TILES = [None, (128, 256, 128, 8, 3, 1, True), (128, 128, 128, 8, 4), (128, 256, 64, 8, 4, 1, True)]
 # + PROGS_PER_SM: several CTAs per SM overlap one tile's epilogue with another's loads (small tiles only: a
 # 128x256 fp32 accumulator over 8 warps leaves registers for one). None: the launcher's shape-dependent
 # default (VK_TILE, or VK_TILE_SMALL for small per-expert outputs). EDGE_TMA (all token tiles through TMA,
@@ -70,7 +71,7 @@ VK_TILES = [
 
 
 def _fwd_cfg(tile):
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "PROGS_PER_SM", "TMA_STORE")
     return None if tile is None else dict(zip(keys, tile))
 
 
@@ -168,9 +169,14 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
     sg, sdw = torch.rand(rows, device=dev) + 0.5, torch.rand(experts, k, device=dev) * 0.05 + 0.025
     dout = torch.empty(rows, k, dtype=torch.bfloat16, device=dev)
     dref = launch_grouped_gemm(g8, dview, dout, lens, sg, sdw, SCALE_ROWWISE).clone()
-    for label, fn in (("ptr", launch_grouped_gemm), ("TMA", launch_grouped_gemm_tma)):
-        run = lambda fn=fn: fn(g8, dview, dout, lens, sg, sdw, SCALE_ROWWISE)  # noqa: E731
-        _row(report, f"dgrad (E5M2 x K-major copy) Triton {label} default", flop, _try(run, dref), cut_ms)
+    dgrad_runs = (
+        ("ptr default", launch_grouped_gemm, None),
+        ("TMA default", launch_grouped_gemm_tma, None),
+        ("TMA TMA_STORE", launch_grouped_gemm_tma, {"TMA_STORE": True}),
+    )
+    for label, fn, cfg in dgrad_runs:
+        run = lambda fn=fn, cfg=cfg: fn(g8, dview, dout, lens, sg, sdw, SCALE_ROWWISE, config=cfg)  # noqa: E731
+        _row(report, f"dgrad (E5M2 x K-major copy) Triton {label}", flop, _try(run, dref), cut_ms)
     # BLOCKWISE forward (1x128 activation, 128x128 weight scales): the >= 1000 TFLOP/s target of #5 (the TMA
     # kernel with per-K-step scales measured 0.33-0.82x of the pointer kernel at adb78e3 and was dropped)
     sab = torch.rand(rows, -(-k // 128), device=dev) + 0.5

@@ -68,14 +68,17 @@ VK_SMALL_OUTPUT = 8 << 20
 
 @triton.jit
 def grouped_gemm_tma_kernel(
-    a_desc, b_desc, c_ptr, group_lens_ptr, a_scale_ptr, b_scale_ptr,
+    a_desc, b_desc, c_ptr, c_desc, group_lens_ptr, a_scale_ptr, b_scale_ptr,
     G, M, N, K, B_GROUP_ROWS, B_GROUP_COLS, stride_cm, stride_cn,
     stride_asm, stride_bsg, stride_bsn,
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr,
+    SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr, TMA_STORE: tl.constexpr = False,
 ):  # fmt: skip
-    """C[rows_g] = A[rows_g] @ b_view[g] with TENSORWISE / ROWWISE scales as in grouped_gemm_kernel."""
+    """C[rows_g] = A[rows_g] @ b_view[g] with TENSORWISE / ROWWISE scales as in grouped_gemm_kernel.
+    TMA_STORE: a tile whose rows all belong to its group leaves through c_desc ([M, N], box [BLOCK_M,
+    BLOCK_N]); a group's last, partial tile keeps the masked pointer store (a box would cross into the
+    next group's rows)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     gidx, starts, lens, tiles, cum_tiles = _group_schedule(group_lens_ptr, G, M, BLOCK_G, BLOCK_M, num_n)
@@ -107,8 +110,28 @@ def grouped_gemm_tma_kernel(
                 acc, g, rows64, cols, row_mask, col_mask, a_scale_ptr, b_scale_ptr,
                 stride_asm, stride_bsg, stride_bsn, SCALE_MODE,
             )  # fmt: skip
-        c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        if TMA_STORE and (m0 + BLOCK_M <= row_end):
+            c_desc.store([m0, (tile_n * BLOCK_N).to(tl.int32)], acc.to(c_ptr.dtype.element_ty))
+        else:
+            c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _tma_store_desc(out, box, config, cfg, who):
+    """A TMA descriptor over out for cfg's TMA_STORE, or None: where out's rows are not 16-byte aligned
+    the default tile's TMA_STORE falls back to pointer stores; asked for in ``config`` it raises."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    es = out.element_size()
+    aligned = out.stride(-1) == 1 and out.data_ptr() % 16 == 0
+    aligned = aligned and not any((v * es) % 16 for v in out.stride()[:-1])
+    if cfg.get("TMA_STORE") and not aligned:
+        if (config or {}).get("TMA_STORE"):  # asked for by the caller: an error, not a silent switch
+            raise ValueError(f"{who}: TMA_STORE needs 16-byte aligned output rows")
+        cfg["TMA_STORE"] = False
+    if not cfg.get("TMA_STORE"):
+        return None
+    return TensorDescriptor(out, list(out.shape), list(out.stride()), box)
 
 
 @triton.jit
@@ -258,8 +281,9 @@ def launch_grouped_gemm_tma(a, b_view, out, group_lens, a_scale, b_scale, scale_
     a_stride = a_scale.stride(0) if scale_mode == SCALE_ROWWISE else 0
     b_strides = (b_scale.stride(0), b_scale.stride(1) if scale_mode == SCALE_ROWWISE else 0)
     progs = _num_programs(a.device) * cfg.pop("PROGS_PER_SM", 1)
+    c_desc = _tma_store_desc(out, [bm, bn], config, cfg, "launch_grouped_gemm_tma")
     grouped_gemm_tma_kernel[(progs,)](
-        a_desc, b_desc, out, group_lens, a_scale, b_scale,
+        a_desc, b_desc, out, c_desc, group_lens, a_scale, b_scale,
         g, m, n, k, group_rows, group_cols, out.stride(0), out.stride(1),
         a_stride, *b_strides,
         NUM_PROGS=progs, BLOCK_G=_block_g(g), SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
@@ -284,19 +308,8 @@ def launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, x_scale, y_scale, 
     x_desc = TensorDescriptor(x_t, [p, m], [m, 1], [cfg["BLOCK_P"], cfg["BLOCK_K"]])
     y_desc = TensorDescriptor(y_t, [q, m], [m, 1], [cfg["BLOCK_Q"], cfg["BLOCK_K"]])
     progs = _num_programs(x.device) * cfg.pop("PROGS_PER_SM", 1)
-    c_desc = None
-    es = out.element_size()  # TMA_STORE needs a [G, P, Q] output with Q contiguous, 16-byte aligned rows
-    store_ok = (
-        out.stride(2) == 1 and not any((v * es) % 16 for v in out.stride()[:2]) and out.data_ptr() % 16 == 0
-    )
-    if cfg.get("TMA_STORE") and not store_ok:
-        if (config or {}).get("TMA_STORE"):  # asked for by the caller: an error, not a silent switch
-            raise ValueError("launch_grouped_gemm_variable_k_tma: TMA_STORE needs 16-byte aligned out rows")
-        cfg["TMA_STORE"] = False  # the default tile's preference: masked pointer stores instead
-    if cfg.get("TMA_STORE"):
-        c_desc = TensorDescriptor(
-            out, list(out.shape), list(out.stride()), [1, cfg["BLOCK_P"], cfg["BLOCK_Q"]]
-        )
+    box = [1, cfg["BLOCK_P"], cfg["BLOCK_Q"]]
+    c_desc = _tma_store_desc(out, box, config, cfg, "launch_grouped_gemm_variable_k_tma")
     grouped_gemm_variable_k_tma_kernel[(progs,)](
         x_desc, y_desc, x_t, y_t, out, c_desc, group_lens, x_scale, y_scale,
         g, m, p, q, out.stride(0), out.stride(1), out.stride(2),

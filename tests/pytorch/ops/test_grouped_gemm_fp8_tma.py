@@ -63,13 +63,13 @@ def _ref(a, b_view, sa, sb, lens, mode, m_total):
     return out
 
 
-def _check_forward(a, b_view, lens, mode, tag):
+def _check_forward(a, b_view, lens, mode, tag, config=None):
     m, k = a.shape
     g, _, n = b_view.shape
     sa, sb = _scales(mode, m, k, g, n, a.device)
     assert tma_forward_supported(a, b_view, mode, interpret=True), tag
     out = torch.full((m, n), 7.0, dtype=torch.bfloat16, device=a.device)  # every row must be written
-    launch_grouped_gemm_tma(a, b_view, out, lens, sa, sb, mode)
+    launch_grouped_gemm_tma(a, b_view, out, lens, sa, sb, mode, config=config)
     ref = _ref(a, b_view, sa, sb, lens, mode, m)
     covered = int(lens.sum())
     assert_snr(out[:covered].double().cpu(), ref[:covered], SNR_DB, tag)
@@ -91,6 +91,25 @@ def test_tma_forward_layout(mode, a_dtype, dev):
     a = torch.randn(m, k, device=dev).to(a_dtype)
     w = torch.randn(g, n, k, device=dev).to(E4)
     _check_forward(a, w.transpose(1, 2), lens, mode, f"forward {mode} {a_dtype}")
+
+
+@pytest.mark.parametrize("mode", list(MODES.values()), ids=list(MODES))
+def test_tma_forward_tma_store(mode, dev):
+    """TMA_STORE: full row tiles inside a group leave through the descriptor, each group's last partial
+    tile and the zero rows past sum(group_lens) through masked pointer stores; N with a partial column
+    tile (the descriptor clips it)."""
+    torch.manual_seed(5)
+    big = dev.type == "cuda"
+    g, n, k = (4, 640, 512) if big else (3, 80, 64)
+    lens = torch.tensor([1000, 0, 256, 77] if big else [5, 0, 70], device=dev)
+    m = int(lens.sum()) + 40
+    a = torch.randn(m, k, device=dev).to(E4)
+    w = torch.randn(g, n, k, device=dev).to(E4)
+    _check_forward(a, w.transpose(1, 2), lens, mode, f"forward TMA_STORE {mode}", {"TMA_STORE": True})
+    with pytest.raises(ValueError, match="TMA_STORE"):  # 36 bf16 columns: 72-byte rows
+        out = torch.empty(m, 36, dtype=torch.bfloat16, device=dev)
+        sa, sb = _scales(mode, m, k, g, 36, dev)
+        launch_grouped_gemm_tma(a, w[:, :36].transpose(1, 2), out, lens, sa, sb, mode, {"TMA_STORE": True})
 
 
 @pytest.mark.parametrize("mode", list(MODES.values()), ids=list(MODES))
