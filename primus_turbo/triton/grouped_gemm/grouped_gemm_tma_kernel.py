@@ -51,7 +51,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # the forward's best tile at every shape; for the
 # variable-K, 256x128x128 is 3-7% faster at four shapes but 36% slower where 31 of 32 experts hold ~400
 # tokens (DeepSeek-V3 fc1, skewed): BLOCK_K 64 halves the partial token tiles at the group edges
-FWD_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3)
+# TMA_STORE (row tiles inside their group through a descriptor): +1-4% forward, +1-3% dgrad at all five
+# shapes in the 884b8cd sweep (results/h200/sweep_grouped_gemm_fp8_884b8cd.txt)
+FWD_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, TMA_STORE=True)
 # TMA_STORE: the output tile leaves through a descriptor (where the output rows are 16-byte aligned);
 # H200 sweep at 88617d7 (results/h200/sweep_grouped_gemm_fp8_88617d7.txt): +4-10% over pointer stores
 # at every shape, both tiles.
