@@ -22,26 +22,27 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kAmaxRows = 128;
+constexpr int kAmaxRows = 128;   // rows per amax block, at least; up to 4x that on tall tensors (launch_vec)
+constexpr int kAmaxBlocks = 4224;  // ~8 waves of 4 blocks on 132 SMs: a taller block only while the grid keeps this
 constexpr int kUnroll = 4;  // rows a warp loads before reducing them (loads in flight)
 constexpr int kTile = 64;
 constexpr int kPitch = kTile + 4;  // bytes per shared row of the transposed tile: 2-way bank conflicts at most
 
 // (kThreads, 4): at most 64 registers, four blocks per SM (71 registers and three blocks without the bound)
-template <typename T, int VEC>
+template <typename T, int VEC, int ROWS>
 __global__ void __launch_bounds__(kThreads, 4)
     rowcol_amax_kernel(const T* __restrict__ x, unsigned* __restrict__ row_amax, unsigned* __restrict__ col_amax,
                        int64_t rows, int64_t cols) {
     constexpr int kCols = 32 * VEC;
     __shared__ float col_part[kWarps][kCols];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kAmaxRows;
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * ROWS;
     const int64_t c = static_cast<int64_t>(blockIdx.y) * kCols + lane * VEC;
     const bool col_ok = c < cols;  // VEC > 1 only when cols % VEC == 0: the whole vector is in range
     float cmax[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) cmax[j] = 0.0f;
-    for (int base = 0; base < kAmaxRows; base += kWarps * kUnroll) {
+    for (int base = 0; base < ROWS; base += kWarps * kUnroll) {
         Vec<T, VEC> v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -220,9 +221,20 @@ template <typename T, int VEC>
 cudaError_t launch_vec(const void* xp, void* qp, void* qtp, float* sinv, float* sinv_t, unsigned* ws, int64_t rows,
                        int64_t cols, bool e5m2, bool pow2, bool vec_t, cudaStream_t stream) {
     const T* x = static_cast<const T*>(xp);
-    const dim3 grid(ceil_div_int(rows, kAmaxRows), ceil_div_int(cols, 32 * VEC));
+    // Each block's loads ramp up and drain once: on tall tensors (a grouped weight, 100k+ rows) blocks of
+    // up to 4 x kAmaxRows rows amortize that while the grid still fills ~8 waves
+    const int64_t col_blocks = ceil_div_int(cols, 32 * VEC);
+    int rows_per_block = kAmaxRows;
+    while (rows_per_block < 4 * kAmaxRows && ceil_div_int(rows, 2 * rows_per_block) * col_blocks >= kAmaxBlocks)
+        rows_per_block *= 2;
+    const dim3 grid(ceil_div_int(rows, rows_per_block), col_blocks);
     if (grid.y > 65535 || ceil_div_int(cols, kTile) > 65535) return cudaErrorInvalidConfiguration;
-    rowcol_amax_kernel<T, VEC><<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, rows, cols);
+    if (rows_per_block == 4 * kAmaxRows)
+        rowcol_amax_kernel<T, VEC, 4 * kAmaxRows><<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, rows, cols);
+    else if (rows_per_block == 2 * kAmaxRows)
+        rowcol_amax_kernel<T, VEC, 2 * kAmaxRows><<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, rows, cols);
+    else
+        rowcol_amax_kernel<T, VEC, kAmaxRows><<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, rows, cols);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     auto* q = static_cast<uint8_t*>(qp);

@@ -150,6 +150,18 @@ def test_turbo_transpose_matches_the_torch_reference_bit_for_bit(shape, in_dtype
 
 @pytest.mark.gpu
 @needs_extension
+@pytest.mark.parametrize("shape", [(180272, 2048), (270352, 4096)], ids=["rows256", "rows512"])
+def test_turbo_transpose_tall_tensors(shape):
+    """Grouped expert weights as [G*N, K]: the amax pass takes 256 / 512-row blocks on these (a partial
+    last block here); bit for bit the reference."""
+    rows, cols = shape
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    x[rows - 3, 5] = 300.0  # a row and a column maximum inside the partial last block
+    _assert_same_transpose(x, E4M3, False)
+
+
+@pytest.mark.gpu
+@needs_extension
 def test_turbo_transpose_unaligned_input_and_inf_nan():
     rows, cols = 96, 256
     x = _unaligned_bf16(rows, cols)
