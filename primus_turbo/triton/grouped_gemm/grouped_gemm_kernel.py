@@ -184,6 +184,19 @@ def _vk_step(
 
 
 @triton.jit
+def _vk_scale_epilogue(acc, g, ps, qs, p_mask, q_mask, x_scale_ptr, y_scale_ptr, SCALE_MODE: tl.constexpr):
+    """Variable-K scales: per group (1), or per column of X and of Y (2: along the token axis, they
+    factor out of every group's sum)."""
+    if SCALE_MODE == 1:
+        acc = acc * (tl.load(x_scale_ptr + g) * tl.load(y_scale_ptr + g))
+    if SCALE_MODE == 2:
+        sx = tl.load(x_scale_ptr + ps, mask=p_mask, other=0.0)
+        sy = tl.load(y_scale_ptr + qs, mask=q_mask, other=0.0)
+        acc = acc * sx[:, None] * sy[None, :]
+    return acc
+
+
+@triton.jit
 def _vk_tile_coords(tile, per_group, num_q, gidx, starts, lens, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
     """(group, its token range, the tile's first P / Q index) of a variable-K tile id (groups in order)."""
     g = tile // per_group
@@ -250,12 +263,7 @@ def grouped_gemm_variable_k_kernel(
                 x_ptr, y_ptr, acc, last_full, row_start, row_end, ps, qs, p_mask, q_mask,
                 offs_bk, stride_xm, stride_xp, stride_ym, stride_yq, True, UPCAST, IEEE,
             )  # fmt: skip
-        if SCALE_MODE == 1:
-            acc = acc * (tl.load(x_scale_ptr + g) * tl.load(y_scale_ptr + g))
-        if SCALE_MODE == 2:  # per-column scales (along the token axis): they factor out of the sum
-            sx = tl.load(x_scale_ptr + ps, mask=p_mask, other=0.0)
-            sy = tl.load(y_scale_ptr + qs, mask=q_mask, other=0.0)
-            acc = acc * sx[:, None] * sy[None, :]
+        acc = _vk_scale_epilogue(acc, g, ps, qs, p_mask, q_mask, x_scale_ptr, y_scale_ptr, SCALE_MODE)
         if ACCUMULATE == 1:
             acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)

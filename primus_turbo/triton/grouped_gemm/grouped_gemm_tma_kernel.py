@@ -36,6 +36,8 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     _num_programs,
     _scale_epilogue,
     _tile_coords,
+    _vk_scale_epilogue,
+    _vk_step,
     _vk_tile_coords,
 )
 
@@ -55,7 +57,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # shapes in the 884b8cd sweep (results/h200/sweep_grouped_gemm_fp8_884b8cd.txt)
 FWD_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, TMA_STORE=True)
 # TMA_STORE: the output tile leaves through a descriptor (where the output rows are 16-byte aligned);
-# H200 sweep at 88617d7 (results/h200/sweep_grouped_gemm_fp8_88617d7.txt): +4-10% over pointer stores
+# H200 sweep at 88617d7 (results/h200/sweep_grouped_gemm_fp8_88617d7.txt): +3-10% over pointer stores
 # at every shape, both tiles.
 VK_TILE = dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA_STORE=True)
 # Small per-expert outputs (P x Q <= VK_SMALL_OUTPUT): short token loops per tile, so two CTAs per SM of a
@@ -137,23 +139,6 @@ def _tma_store_desc(out, box, config, cfg, who):
 
 
 @triton.jit
-def _vk_edge(
-    x_ptr, y_ptr, acc, k0, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST: tl.constexpr
-):
-    """acc += X_t[ps, k0:k0+BLOCK_K] @ Y_t[qs, k0:k0+BLOCK_K]^T over the tokens in [row_start, row_end)."""
-    ks = k0 + offs_bk
-    r_mask = (ks >= row_start) & (ks < row_end)
-    x_ptrs = x_ptr + ps.to(tl.int64)[:, None] * M + ks[None, :]
-    y_ptrs = y_ptr + qs.to(tl.int64)[None, :] * M + ks[:, None]
-    x = tl.load(x_ptrs, mask=p_mask[:, None] & r_mask[None, :], other=0.0)
-    y = tl.load(y_ptrs, mask=r_mask[:, None] & q_mask[None, :], other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-        y = y.to(tl.float32)
-    return tl.dot(x, y, acc)
-
-
-@triton.jit
 def grouped_gemm_variable_k_tma_kernel(
     x_desc, y_desc, x_ptr, y_ptr, c_ptr, c_desc, group_lens_ptr, x_scale_ptr, y_scale_ptr,
     G, M, P, Q, stride_cg, stride_cp, stride_cq,
@@ -184,11 +169,14 @@ def grouped_gemm_variable_k_tma_kernel(
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
         first_full = (tl.cdiv(row_start, BLOCK_K) * BLOCK_K).to(tl.int32)
         last_full = ((row_end // BLOCK_K) * BLOCK_K).to(tl.int32)
+        # the (at most two) partial token tiles at the group's edges: masked pointer loads of X_t / Y_t
+        # (token stride 1, row stride M; 64-bit row offsets)
+        ps64, qs64 = ps.to(tl.int64), qs.to(tl.int64)
         if (row_start < first_full) & (row_start < row_end):  # head: a partial token tile
-            head = first_full - BLOCK_K
-            acc = _vk_edge(
-                x_ptr, y_ptr, acc, head, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
-            )
+            acc = _vk_step(
+                x_ptr, y_ptr, acc, first_full - BLOCK_K, row_start, row_end, ps64, qs64, p_mask, q_mask,
+                offs_bk, 1, M, 1, M, True, UPCAST, False,
+            )  # fmt: skip
         for k0 in range(first_full, last_full, BLOCK_K):
             x = x_desc.load([p0, k0])
             y = y_desc.load([q0, k0])
@@ -197,16 +185,11 @@ def grouped_gemm_variable_k_tma_kernel(
                 y = y.to(tl.float32)
             acc = tl.dot(x, y.T, acc)
         if (last_full < row_end) & (last_full >= first_full):  # tail: a partial token tile
-            tail = last_full
-            acc = _vk_edge(
-                x_ptr, y_ptr, acc, tail, row_start, row_end, ps, qs, p_mask, q_mask, offs_bk, M, UPCAST
-            )
-        if SCALE_MODE == 1:
-            acc = acc * (tl.load(x_scale_ptr + g) * tl.load(y_scale_ptr + g))
-        if SCALE_MODE == 2:
-            sx = tl.load(x_scale_ptr + ps, mask=p_mask, other=0.0)
-            sy = tl.load(y_scale_ptr + qs, mask=q_mask, other=0.0)
-            acc = acc * sx[:, None] * sy[None, :]
+            acc = _vk_step(
+                x_ptr, y_ptr, acc, last_full, row_start, row_end, ps64, qs64, p_mask, q_mask,
+                offs_bk, 1, M, 1, M, True, UPCAST, False,
+            )  # fmt: skip
+        acc = _vk_scale_epilogue(acc, g, ps, qs, p_mask, q_mask, x_scale_ptr, y_scale_ptr, SCALE_MODE)
         if TMA_STORE:
             c_desc.store([g, p0, q0], acc.to(c_ptr.dtype.element_ty).reshape(1, BLOCK_P, BLOCK_Q))
         else:
