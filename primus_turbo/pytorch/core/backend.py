@@ -232,7 +232,14 @@ class KernelBackend:
 
     ``can_handle`` returns False (never raises) for inputs it cannot serve; ``execute`` must not
     mutate its inputs (the autotuner runs every candidate on the same inputs).
+
+    ``syncs_host``: True for a backend that reads device values on the host (a reference loop over
+    ``group_lens.tolist()``). The autotuner never times it on CUDA inputs: a sync-free op must not start
+    synchronizing because a loop of cuBLAS calls happened to win a timing (grouped GEMM at skewed
+    DeepSeek-V3 and Mixtral shapes did, session 25). Pinning it still works.
     """
+
+    syncs_host: ClassVar[bool] = False
 
     @staticmethod
     def can_handle(**kwargs: Any) -> bool:  # pragma: no cover - interface
@@ -409,6 +416,8 @@ class AutoKernelDispatcher:
         best, best_ms = None, float("inf")
         for backend in cls.candidates(**kwargs):
             impl = cls.backends[backend]
+            if on_cuda and impl.syncs_host:
+                continue
             try:
                 ms = cls._time(lambda impl=impl: impl.execute(**kwargs), on_cuda)
             except Exception:  # a candidate that fails to compile/run is simply not chosen

@@ -171,6 +171,30 @@ def test_autotune_picks_fastest_and_caches_per_key():
     assert len(_ToyDispatcher._cache) == 2
 
 
+def test_autotune_skips_host_syncing_backends_on_cuda(monkeypatch):
+    """A backend marked syncs_host (a reference loop reading device values on the host) is timed for CPU
+    inputs but never for CUDA ones, however fast; a pin still reaches it."""
+    import primus_turbo.pytorch.core.backend as backend_mod
+
+    class _FastSync(_Fast):
+        syncs_host = True
+
+    class _D(_ToyDispatcher):
+        backends = {BackendType.TORCH: _Ref, BackendType.CUBLAS: _Slow, BackendType.TRITON: _FastSync}
+
+    GlobalBackendManager.set_auto_tune(True)
+    assert _D.resolve(x=_x(32)) is BackendType.TRITON  # CPU inputs: nothing to keep sync-free
+    _D.clear_cache()
+    CALLS.clear()
+    monkeypatch.setattr(backend_mod, "_on_cuda", lambda kwargs: True)
+    cost = {"fast": 1.0, "ref": 2.0, "slow": 3.0}  # CUDA-event timing stand-in: the syncing one is fastest
+    monkeypatch.setattr(_D, "_time", classmethod(lambda cls, fn, on_cuda: (fn(), cost[CALLS[-1]])[1]))
+    assert _D.resolve(x=_x(32)) is BackendType.TORCH
+    assert "fast" not in CALLS and {"ref", "slow"} <= set(CALLS)
+    GlobalBackendManager.set_gemm_backend("TRITON")
+    assert _D.resolve(x=_x(32)) is BackendType.TRITON
+
+
 def test_autotune_cache_is_bounded():
     class _Small(_ToyDispatcher):
         cache_size = 3

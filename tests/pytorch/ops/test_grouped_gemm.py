@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from ref.grouped_gemm_ref import grouped_gemm_grads_ref, grouped_gemm_ref, make_group_lens
-from test_utils import assert_close
+from test_utils import assert_close, assert_snr, fp8_snr_gate
 from triton_compile_utils import compile_for_sm90, run_compile_check
 
 import primus_turbo.pytorch as turbo
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity
+from primus_turbo.pytorch.kernels.grouped_gemm import grouped_gemm_fp8_impl as f8
+from primus_turbo.pytorch.kernels.grouped_gemm import grouped_gemm_impl as bf
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     GroupedGemmDispatcher,
     GroupedGemmVariableKDispatcher,
@@ -399,6 +402,56 @@ def test_grouped_gemm_cuda_graph_capture(backend, device):
         assert_close(a.grad, ref_da, torch.bfloat16, msg=f"graph grad_a {kind}")
         scale = ref_db.abs().max()
         assert_close(b.grad / scale, ref_db / scale, torch.bfloat16, msg=f"graph grad_b {kind}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_autotune_never_times_a_host_syncing_backend(fp8, device, monkeypatch):
+    """With autotune on, the TORCH loops (they read group_lens on the host) are never timed on CUDA, so
+    the op stays sync-free: the loop of cuBLAS calls won the bf16 forward and dgrad at skewed DeepSeek-V3
+    and balanced Mixtral shapes (session 24 bench: "turbo auto (TORCH)") and made every call synchronize."""
+
+    ran = []
+    loops = (bf.GroupedGemmTorchBackend, bf.VariableKTorchBackend)
+    loops += (f8.FP8TorchBackend, f8.FP8VariableKTorchBackend)
+    for cls in loops:
+        assert cls.syncs_host
+
+        def spy(*args, _cls=cls, _orig=cls.execute, **kw):
+            ran.append(_cls.__name__)
+            return _orig(*args, **kw)
+
+        monkeypatch.setattr(cls, "execute", staticmethod(spy))
+    GlobalBackendManager.set_auto_tune(True)
+    G, M, K, N = 8, 4096, 1024, 2048
+    a = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    b = (torch.randn(G, N, K, dtype=torch.bfloat16, device=device) / K**0.5).requires_grad_()
+    lens = make_group_lens(M, G, "skewed", device)
+    grad_out = torch.randn(M, N, dtype=torch.bfloat16, device=device)
+    config = Float8QuantConfig(granularity=ScalingGranularity.ROWWISE)
+
+    def step():
+        a.grad = b.grad = None
+        if fp8:
+            out = turbo.ops.grouped_gemm_fp8(a, b, lens, trans_b=True, config=config)
+        else:
+            out = turbo.ops.grouped_gemm(a, b, lens, trans_b=True)
+        out.backward(grad_out)
+        return out
+
+    step()  # autotunes every dispatcher on the path (fwd, dgrad, wgrad)
+    assert ran == [], f"autotune timed host-syncing backends on CUDA: {sorted(set(ran))}"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = step()  # cached choices: no host sync anywhere
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ref = grouped_gemm_ref(a.detach(), b.detach(), lens, True)
+    if fp8:
+        assert_snr(out, ref, fp8_snr_gate(config.format), msg="autotuned FP8 out")
+    else:
+        assert_close(out, ref, torch.bfloat16, msg="autotuned out")
 
 
 @pytest.mark.gpu

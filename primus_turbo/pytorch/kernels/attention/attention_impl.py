@@ -124,6 +124,8 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 # backends
 # ---------------------------------------------------------------------------------------------
 class TorchAttentionBackend(KernelBackend):
+    syncs_host = True  # varlen reads cu_seqlens on the host: the reference, never autotuned on CUDA
+
     @staticmethod
     def can_handle(**kw: Any) -> bool:
         return kw["q"].dtype in (*_HALF, torch.float32)

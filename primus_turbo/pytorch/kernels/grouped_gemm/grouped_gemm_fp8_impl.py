@@ -80,6 +80,8 @@ def dequantize_operands(a, b_view, a_scale, b_scale, scale_mode):
 
 
 class FP8TorchBackend(KernelBackend):
+    syncs_host = True  # reads group_lens on the host: never autotuned on CUDA
+
     @staticmethod
     def can_handle(**kw) -> bool:
         return True
@@ -186,6 +188,8 @@ class FP8VariableKTritonBackend(KernelBackend):
 
 
 class FP8VariableKTorchBackend(KernelBackend):
+    syncs_host = True  # reads group_lens on the host: never autotuned on CUDA
+
     @staticmethod
     def can_handle(**kw) -> bool:
         return True

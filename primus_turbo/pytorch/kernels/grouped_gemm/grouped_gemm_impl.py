@@ -80,6 +80,8 @@ def _is_sm90_plus(t: torch.Tensor) -> bool:
 
 # -- forward / dgrad ------------------------------------------------------------------------------
 class GroupedGemmTorchBackend(KernelBackend):
+    syncs_host = True  # reads group_lens on the host: never autotuned on CUDA
+
     @staticmethod
     def can_handle(a, b, **kw) -> bool:
         return a.dtype in _FLOAT_DTYPES
@@ -147,6 +149,8 @@ class GroupedGemmDispatcher(AutoKernelDispatcher):
 
 # -- variable-K (wgrad) ---------------------------------------------------------------------------
 class VariableKTorchBackend(KernelBackend):
+    syncs_host = True  # reads group_lens on the host: never autotuned on CUDA
+
     @staticmethod
     def can_handle(x, **kw) -> bool:
         return x.dtype in _FLOAT_DTYPES
@@ -275,6 +279,8 @@ def _compute_then_add(variable_k: type[KernelBackend]) -> type[KernelBackend]:
     """A wgrad-into backend from a variable-K one: its gradient (x's dtype), then copied / added into out."""
 
     class ComputeThenAdd(KernelBackend):
+        syncs_host = variable_k.syncs_host
+
         @staticmethod
         def can_handle(x, y, group_lens, out, offs=None, **kw) -> bool:
             handles = variable_k.can_handle(x=x, y=y, group_lens=group_lens, offs=offs)
