@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
+    SCALE_NONE,
     SCALE_ROWWISE,
     SCALE_TENSORWISE,
     _block_g,
@@ -49,6 +50,8 @@ __all__ = [
 ]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block
+_HALF = (torch.bfloat16, torch.float16)
 # H200 sweep (eb7a9e8, results/h200/sweep_grouped_gemm_fp8_eb7a9e8.txt), six tiles at five MoE shapes:
 # the forward's best tile at every shape; for the
 # variable-K, 256x128x128 is 3-7% faster at four shapes but 36% slower where 31 of 32 experts hold ~400
@@ -68,6 +71,10 @@ VK_TILE_SMALL = dict(
     BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, num_warps=4, num_stages=4, PROGS_PER_SM=2, TMA_STORE=True
 )
 VK_SMALL_OUTPUT = 8 << 20
+# bf16 / fp16 operands (K-contiguous or N-contiguous B; row-major X / Y in the variable-K): the pointer
+# kernels' 16-bit tiles (the Triton matmul tutorial's best bf16 config on sm_90), operands through TMA
+HALF_FWD_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA_STORE=True)
+HALF_VK_TILE = dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA_STORE=True)
 
 
 @triton.jit
@@ -78,11 +85,13 @@ def grouped_gemm_tma_kernel(
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr, TMA_STORE: tl.constexpr = False,
+    B_KMAJOR: tl.constexpr = True,
 ):  # fmt: skip
     """C[rows_g] = A[rows_g] @ b_view[g] with TENSORWISE / ROWWISE scales as in grouped_gemm_kernel.
     TMA_STORE: a tile whose rows all belong to its group leaves through c_desc ([M, N], box [BLOCK_M,
     BLOCK_N]); a group's last, partial tile keeps the masked pointer store (a box would cross into the
-    next group's rows)."""
+    next group's rows). B_KMAJOR: b_desc is K-contiguous (box [BLOCK_N, BLOCK_K]); else (16-bit operands)
+    N-contiguous, groups shifted by B_GROUP_ROWS rows of a [G*K, N] matrix (box [BLOCK_K, BLOCK_N])."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     gidx, starts, lens, tiles, cum_tiles = _group_schedule(group_lens_ptr, G, M, BLOCK_G, BLOCK_M, num_n)
@@ -101,15 +110,22 @@ def grouped_gemm_tma_kernel(
         rows64 = rows.to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if g < G:
-            b_row = (g * B_GROUP_ROWS + tile_n * BLOCK_N).to(tl.int32)
-            b_col = (g * B_GROUP_COLS).to(tl.int32)
+            if B_KMAJOR:
+                b_row = (g * B_GROUP_ROWS + tile_n * BLOCK_N).to(tl.int32)
+                b_col = (g * B_GROUP_COLS).to(tl.int32)
+            else:
+                b_row = (g * B_GROUP_ROWS).to(tl.int32)
+                b_col = (tile_n * BLOCK_N).to(tl.int32)
             for k0 in range(0, K, BLOCK_K):
                 a = a_desc.load([m0, k0])
-                b = b_desc.load([b_row, b_col + k0])
-                if UPCAST:  # CPU interpreter: no native fp8 dot
+                if B_KMAJOR:
+                    b = b_desc.load([b_row, b_col + k0]).T
+                else:
+                    b = b_desc.load([b_row + k0, b_col])
+                if UPCAST:  # CPU interpreter: no native fp8 / bf16 dot
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
-                acc = tl.dot(a, b.T, acc)
+                acc = tl.dot(a, b, acc)
             acc = _scale_epilogue(
                 acc, g, rows64, cols, row_mask, col_mask, a_scale_ptr, b_scale_ptr,
                 stride_asm, stride_bsg, stride_bsn, SCALE_MODE,
@@ -141,13 +157,17 @@ def _tma_store_desc(out, box, config, cfg, who):
 @triton.jit
 def grouped_gemm_variable_k_tma_kernel(
     x_desc, y_desc, x_ptr, y_ptr, c_ptr, c_desc, group_lens_ptr, x_scale_ptr, y_scale_ptr,
-    G, M, P, Q, stride_cg, stride_cp, stride_cq,
+    G, M, P, Q, stride_xm, stride_xp, stride_ym, stride_yq, stride_cg, stride_cp, stride_cq,
     NUM_PROGS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_MODE: tl.constexpr, UPCAST: tl.constexpr, TMA_STORE: tl.constexpr = False,
+    TOKENS_CONTIGUOUS: tl.constexpr = True, ACCUMULATE: tl.constexpr = 0,
 ):  # fmt: skip
-    """C[g] = X_t[:, rows_g] @ Y_t[:, rows_g]^T, scaled per group (1) or per column (2); X_t [P, M] and
-    Y_t [Q, M] contiguous (x_ptr / y_ptr: the same storage for the edge tiles); empty groups: zeros.
+    """C[g] = X[rows_g]^T @ Y[rows_g], scaled per group (1) or per column (2); empty groups: zeros.
+    TOKENS_CONTIGUOUS: the descriptors cover X_t [P, M] / Y_t [Q, M] (FP8 copies; boxes [BLOCK_P|Q,
+    BLOCK_K]); else X [M, P] / Y [M, Q] row-major (16-bit operands; boxes [BLOCK_K, BLOCK_P|Q]). x_ptr /
+    y_ptr and the strides address the same storage for the edge tiles. ACCUMULATE 2: C[g] += (C read as
+    the accumulator's start, unscaled operands only; an empty group's C[g] is left as it was).
     TMA_STORE: the tile leaves through c_desc ([G, P, Q], box [1, BLOCK_P, BLOCK_Q], clipped per group)
     instead of masked pointer stores."""
     pid = tl.program_id(0)
@@ -166,35 +186,43 @@ def grouped_gemm_variable_k_tma_kernel(
         qs = q0 + offs_bq
         p_mask = ps < P
         q_mask = qs < Q
-        acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+        c_mask = p_mask[:, None] & q_mask[None, :]
+        if ACCUMULATE == 2:
+            c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
         first_full = (tl.cdiv(row_start, BLOCK_K) * BLOCK_K).to(tl.int32)
         last_full = ((row_end // BLOCK_K) * BLOCK_K).to(tl.int32)
-        # the (at most two) partial token tiles at the group's edges: masked pointer loads of X_t / Y_t
-        # (token stride 1, row stride M; 64-bit row offsets)
+        # the (at most two) partial token tiles at the group's edges: masked pointer loads (64-bit offsets)
         ps64, qs64 = ps.to(tl.int64), qs.to(tl.int64)
         if (row_start < first_full) & (row_start < row_end):  # head: a partial token tile
             acc = _vk_step(
                 x_ptr, y_ptr, acc, first_full - BLOCK_K, row_start, row_end, ps64, qs64, p_mask, q_mask,
-                offs_bk, 1, M, 1, M, True, UPCAST, False,
+                offs_bk, stride_xm, stride_xp, stride_ym, stride_yq, True, UPCAST, False,
             )  # fmt: skip
         for k0 in range(first_full, last_full, BLOCK_K):
-            x = x_desc.load([p0, k0])
-            y = y_desc.load([q0, k0])
+            if TOKENS_CONTIGUOUS:
+                x = x_desc.load([p0, k0])
+                y = y_desc.load([q0, k0]).T
+            else:
+                x = x_desc.load([k0, p0]).T
+                y = y_desc.load([k0, q0])
             if UPCAST:
                 x = x.to(tl.float32)
                 y = y.to(tl.float32)
-            acc = tl.dot(x, y.T, acc)
+            acc = tl.dot(x, y, acc)
         if (last_full < row_end) & (last_full >= first_full):  # tail: a partial token tile
             acc = _vk_step(
                 x_ptr, y_ptr, acc, last_full, row_start, row_end, ps64, qs64, p_mask, q_mask,
-                offs_bk, 1, M, 1, M, True, UPCAST, False,
+                offs_bk, stride_xm, stride_xp, stride_ym, stride_yq, True, UPCAST, False,
             )  # fmt: skip
         acc = _vk_scale_epilogue(acc, g, ps, qs, p_mask, q_mask, x_scale_ptr, y_scale_ptr, SCALE_MODE)
         if TMA_STORE:
             c_desc.store([g, p0, q0], acc.to(c_ptr.dtype.element_ty).reshape(1, BLOCK_P, BLOCK_Q))
         else:
             c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 # -- eligibility and launchers ---------------------------------------------------------------------
@@ -209,7 +237,7 @@ def _b_layout(b_view: torch.Tensor, block_k: int):
     the 2-D K-contiguous matrix it lives in, or None."""
     g, k, n = b_view.shape
     sg, sk, sn = b_view.stride()
-    if sk != 1 or sn % 16 or b_view.data_ptr() % 16 or n == 0 or k == 0:
+    if sk != 1 or (sn * b_view.element_size()) % 16 or b_view.data_ptr() % 16 or n == 0 or k == 0:
         return None
     if g == 1 or (sg % sn == 0 and k <= sn):  # groups shifted by rows (the forward's [G*N, K] copy)
         shift = 0 if g == 1 else sg // sn
@@ -219,33 +247,66 @@ def _b_layout(b_view: torch.Tensor, block_k: int):
     return None
 
 
+def _b_layout_nmajor(b_view: torch.Tensor, block_k: int):
+    """b_view [G, K, N] with N contiguous (16-bit operands: the dgrad's view of a [G, N, K] weight, or a
+    [G, K, N] one) as (rows, cols, row stride, group row shift, 0) of the [G*K, N] matrix it lives in, or
+    None. More than one group needs K % block_k == 0: a K step past a group's end would read the next
+    group's rows (the descriptor zero-fills only past the matrix)."""
+    g, k, n = b_view.shape
+    sg, sk, sn = b_view.stride()
+    if sn != 1 or (sk * b_view.element_size()) % 16 or b_view.data_ptr() % 16 or n == 0 or k == 0 or n > sk:
+        return None
+    if g == 1:
+        return k, n, sk, 0, 0
+    if sg % sk == 0 and sg // sk >= k and k % block_k == 0:
+        return (g - 1) * (sg // sk) + k, n, sk, sg // sk, 0
+    return None
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """A 2-D operand a TMA descriptor can cover: unit inner stride, 16-byte aligned rows and base."""
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
 def tma_forward_supported(a: torch.Tensor, b_view: torch.Tensor, scale_mode: int, interpret: bool = False):
-    """a [M, K] row-major fp8 and b_view [G, K, N] with K contiguous, 16-byte aligned, on sm_90+ (or the
-    CPU interpreter when ``interpret``), TENSORWISE / ROWWISE scales. BLOCKWISE stays on the pointer
-    kernel: with its per-K-step scales the TMA variant measured 0.33-0.82x of it (H200, adb78e3)."""
-    if scale_mode not in (SCALE_TENSORWISE, SCALE_ROWWISE) or a.dtype not in _FP8 or b_view.dtype not in _FP8:
-        return False
+    """On sm_90+ (or the CPU interpreter when ``interpret``), a [M, K] row-major and b_view [G, K, N],
+    16-byte aligned: fp8 with K contiguous in b_view and TENSORWISE / ROWWISE scales, or bf16 / fp16
+    unscaled with K or N contiguous. BLOCKWISE stays on the pointer kernel: with its per-K-step scales the
+    TMA variant measured 0.33-0.82x of it (H200, adb78e3)."""
     if not (interpret or _tma_device(a)):
         return False
     m, k = a.shape
-    return (
-        m > 0 and k % 16 == 0 and a.stride(1) == 1 and a.stride(0) % 16 == 0 and a.data_ptr() % 16 == 0
-        and _b_layout(b_view, FWD_TILE["BLOCK_K"]) is not None
-    )  # fmt: skip
+    if m == 0 or k == 0 or not _rows_aligned(a):
+        return False
+    if a.dtype in _FP8 and b_view.dtype in _FP8:
+        if scale_mode not in (SCALE_TENSORWISE, SCALE_ROWWISE) or k % 16:
+            return False
+        return _b_layout(b_view, FWD_TILE["BLOCK_K"]) is not None
+    if a.dtype in _HALF and b_view.dtype == a.dtype and scale_mode == SCALE_NONE:
+        bk = HALF_FWD_TILE["BLOCK_K"]
+        return _b_layout(b_view, bk) is not None or _b_layout_nmajor(b_view, bk) is not None
+    return False
 
 
 def tma_variable_k_supported(x: torch.Tensor, y: torch.Tensor, interpret: bool = False) -> bool:
-    """x [M, P], y [M, Q] fp8 views of contiguous [P, M] / [Q, M] copies, M % 16 == 0, 16-byte aligned."""
-    if x.dtype not in _FP8 or y.dtype not in _FP8 or not (interpret or _tma_device(x)):
+    """x [M, P], y [M, Q], 16-byte aligned: fp8 views of contiguous [P, M] / [Q, M] copies with M % 16 == 0,
+    or bf16 / fp16 row-major (P, Q multiples of 8)."""
+    if not (interpret or _tma_device(x)) or x.shape[0] == 0:
         return False
     m = x.shape[0]
-    return (
-        m > 0 and m % 16 == 0 and x.stride() == (1, m) and y.stride() == (1, m)
-        and x.data_ptr() % 16 == 0 and y.data_ptr() % 16 == 0
-    )  # fmt: skip
+    if x.dtype in _FP8 and y.dtype in _FP8:
+        return (
+            m % 16 == 0 and x.stride() == (1, m) and y.stride() == (1, m)
+            and x.data_ptr() % 16 == 0 and y.data_ptr() % 16 == 0
+        )  # fmt: skip
+    if x.dtype in _HALF and y.dtype == x.dtype:
+        return _rows_aligned(x) and _rows_aligned(y)
+    return False
 
 
-def launch_grouped_gemm_tma(a, b_view, out, group_lens, a_scale, b_scale, scale_mode, config=None):
+def launch_grouped_gemm_tma(
+    a, b_view, out, group_lens, a_scale=None, b_scale=None, scale_mode=SCALE_NONE, config=None
+):  # fmt: skip
     """As ``launch_grouped_gemm`` for operands ``tma_forward_supported`` accepts; out is fully written."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -255,52 +316,88 @@ def launch_grouped_gemm_tma(a, b_view, out, group_lens, a_scale, b_scale, scale_
         return out
     if not tma_forward_supported(a, b_view, scale_mode, interpret=True):
         raise ValueError("launch_grouped_gemm_tma: operands or scale mode the TMA kernel does not take")
-    cfg = {**FWD_TILE, "GROUP_M": 8, **(config or {})}
+    half = a.dtype in _HALF
+    cfg = {**(HALF_FWD_TILE if half else FWD_TILE), "GROUP_M": 8, **(config or {})}
     on_gpu = a.is_cuda
     if not on_gpu:  # CPU interpreter (tests): small tiles
         cfg.update(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_stages=1, num_warps=4)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    rows, cols, row_stride, group_rows, group_cols = _b_layout(b_view, bk)
+    layout, kmajor = _b_layout(b_view, bk), True
+    if layout is None and half:
+        layout, kmajor = _b_layout_nmajor(b_view, bk), False
+    if layout is None:
+        raise ValueError(f"launch_grouped_gemm_tma: b_view's layout does not take BLOCK_K={bk}")
+    rows, cols, row_stride, group_rows, group_cols = layout
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
-    b_desc = TensorDescriptor(b_view, [rows, cols], [row_stride, 1], [bn, bk])
+    b_desc = TensorDescriptor(b_view, [rows, cols], [row_stride, 1], [bn, bk] if kmajor else [bk, bn])
     a_stride = a_scale.stride(0) if scale_mode == SCALE_ROWWISE else 0
-    b_strides = (b_scale.stride(0), b_scale.stride(1) if scale_mode == SCALE_ROWWISE else 0)
+    b_strides = (
+        b_scale.stride(0) if scale_mode != SCALE_NONE else 0,
+        b_scale.stride(1) if scale_mode == SCALE_ROWWISE else 0,
+    )
     progs = _num_programs(a.device) * cfg.pop("PROGS_PER_SM", 1)
     c_desc = _tma_store_desc(out, [bm, bn], config, cfg, "launch_grouped_gemm_tma")
     grouped_gemm_tma_kernel[(progs,)](
-        a_desc, b_desc, out, c_desc, group_lens, a_scale, b_scale,
+        a_desc, b_desc, out, c_desc, group_lens, out if a_scale is None else a_scale,
+        out if b_scale is None else b_scale,
         g, m, n, k, group_rows, group_cols, out.stride(0), out.stride(1),
         a_stride, *b_strides,
-        NUM_PROGS=progs, BLOCK_G=_block_g(g), SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
+        NUM_PROGS=progs, BLOCK_G=_block_g(g), SCALE_MODE=scale_mode, UPCAST=not on_gpu,
+        B_KMAJOR=kmajor, **cfg,
     )  # fmt: skip
     return out
 
 
-def launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, x_scale, y_scale, scale_mode, config=None):
-    """As ``launch_grouped_gemm_variable_k`` (no accumulate) for operands ``tma_variable_k_supported``
-    accepts: out[g] = x[rows_g]^T @ y[rows_g] scaled, empty groups zeros."""
+def launch_grouped_gemm_variable_k_tma(
+    x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=SCALE_NONE, config=None, accumulate=0
+):  # fmt: skip
+    """As ``launch_grouped_gemm_variable_k`` for operands ``tma_variable_k_supported`` accepts: out[g] =
+    x[rows_g]^T @ y[rows_g] scaled, empty groups zeros. ``accumulate`` 2: out[g] += (out read as the
+    accumulator's start, unscaled operands only; empty groups unchanged)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, p = x.shape
     q, g = y.shape[1], out.shape[0]
     if out.numel() == 0:
         return out
-    cfg = {**(VK_TILE_SMALL if p * q <= VK_SMALL_OUTPUT else VK_TILE), **(config or {})}
+    if not tma_variable_k_supported(x, y, interpret=True):
+        raise ValueError("launch_grouped_gemm_variable_k_tma: operands the TMA kernel does not take")
+    if accumulate not in (0, 2) or (accumulate and scale_mode != SCALE_NONE):
+        raise ValueError("launch_grouped_gemm_variable_k_tma: accumulate is 0 or 2 (2: unscaled operands)")
+    tokens_contiguous = x.dtype in _FP8
+    if tokens_contiguous:
+        tile = VK_TILE_SMALL if p * q <= VK_SMALL_OUTPUT else VK_TILE
+    else:
+        tile = HALF_VK_TILE
+    cfg = {**tile, **(config or {})}
     on_gpu = x.is_cuda
     if not on_gpu:
         cfg.update(BLOCK_P=32, BLOCK_Q=64, BLOCK_K=32, num_stages=1, num_warps=4)
-    x_t, y_t = x.t(), y.t()  # [P, M], [Q, M] contiguous
-    x_desc = TensorDescriptor(x_t, [p, m], [m, 1], [cfg["BLOCK_P"], cfg["BLOCK_K"]])
-    y_desc = TensorDescriptor(y_t, [q, m], [m, 1], [cfg["BLOCK_Q"], cfg["BLOCK_K"]])
+    bp, bq, bk = cfg["BLOCK_P"], cfg["BLOCK_Q"], cfg["BLOCK_K"]
+    if tokens_contiguous:  # descriptors over the [P, M] / [Q, M] copies x and y are views of
+        x_desc = TensorDescriptor(x.t(), [p, m], [m, 1], [bp, bk])
+        y_desc = TensorDescriptor(y.t(), [q, m], [m, 1], [bq, bk])
+    else:
+        x_desc = TensorDescriptor(x, [m, p], [x.stride(0), 1], [bk, bp])
+        y_desc = TensorDescriptor(y, [m, q], [y.stride(0), 1], [bk, bq])
     progs = _num_programs(x.device) * cfg.pop("PROGS_PER_SM", 1)
-    box = [1, cfg["BLOCK_P"], cfg["BLOCK_Q"]]
-    c_desc = _tma_store_desc(out, box, config, cfg, "launch_grouped_gemm_variable_k_tma")
+    # Triton gives the store's staging tile its own shared memory: an fp32 128x256 tile (128 KB) next to
+    # three 16-bit operand stages (144 KB) does not fit sm_90's 227 KB, so the default tile stores through
+    # pointers there (asked for in ``config``, the compile error stands)
+    operands = (bp + bq) * bk * x.element_size() * cfg["num_stages"]
+    if operands + bp * bq * out.element_size() > _SMEM_BYTES and not (config or {}).get("TMA_STORE"):
+        cfg["TMA_STORE"] = False
+    c_desc = _tma_store_desc(out, [1, bp, bq], config, cfg, "launch_grouped_gemm_variable_k_tma")
     grouped_gemm_variable_k_tma_kernel[(progs,)](
-        x_desc, y_desc, x_t, y_t, out, c_desc, group_lens, x_scale, y_scale,
-        g, m, p, q, out.stride(0), out.stride(1), out.stride(2),
-        NUM_PROGS=progs, BLOCK_G=_block_g(g), SCALE_MODE=scale_mode, UPCAST=not on_gpu, **cfg,
+        x_desc, y_desc, x, y, out, c_desc, group_lens,
+        out if x_scale is None else x_scale, out if y_scale is None else y_scale,
+        g, m, p, q, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        NUM_PROGS=progs, BLOCK_G=_block_g(g), SCALE_MODE=scale_mode, UPCAST=not on_gpu,
+        TOKENS_CONTIGUOUS=tokens_contiguous, ACCUMULATE=accumulate, **cfg,
     )  # fmt: skip
     return out
 
 
 __all__ += ["SCALE_TENSORWISE", "FWD_TILE", "VK_TILE", "VK_TILE_SMALL", "VK_SMALL_OUTPUT"]
+__all__ += ["HALF_FWD_TILE", "HALF_VK_TILE"]

@@ -16,9 +16,11 @@ Backends:
            (``offs``) and reuses them in dgrad and wgrad.
            Wgrad outputs of empty groups: exact zeros from the sm_90 kernel itself (pytorch#172439,
            #192497: Hopper writes zeros, Blackwell did not), masked to zeros on other devices.
-  TRITON   persistent sync-free kernels (primus_turbo/triton/grouped_gemm).
+  TRITON   persistent sync-free kernels (primus_turbo/triton/grouped_gemm); bf16 / fp16 operands a TMA
+           descriptor can cover (sm_90, 16-byte aligned rows) take the TMA kernels, the rest the pointer ones.
   TORCH    a per-group loop of matmuls; the reference and the CPU default. It is the ONLY backend
-           that synchronises with the host (it reads group_lens with .tolist()).
+           that synchronises with the host (it reads group_lens with .tolist()): the autotuner never
+           times it on CUDA inputs (``syncs_host``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,15 @@ from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType,
 from primus_turbo.pytorch.core.main_grad import add_into_
 from primus_turbo.pytorch.core.utils import eager_direct, triton_can_run_on, zero_rows_from
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
+    SCALE_NONE,
     launch_grouped_gemm,
     launch_grouped_gemm_variable_k,
+)
+from primus_turbo.triton.grouped_gemm.grouped_gemm_tma_kernel import (
+    launch_grouped_gemm_tma,
+    launch_grouped_gemm_variable_k_tma,
+    tma_forward_supported,
+    tma_variable_k_supported,
 )
 
 __all__ = [
@@ -125,6 +134,8 @@ class GroupedGemmTritonBackend(KernelBackend):
         out = torch.empty(a.shape[0], bv.shape[2], dtype=a.dtype, device=a.device)
         if out.numel() == 0:
             return out
+        if tma_forward_supported(a, bv, SCALE_NONE):
+            return launch_grouped_gemm_tma(a, bv, out, group_lens)
         return launch_grouped_gemm(a, bv, out, group_lens)
 
 
@@ -194,6 +205,8 @@ class VariableKTritonBackend(KernelBackend):
         out = torch.empty(group_lens.shape[0], x.shape[1], y.shape[1], dtype=x.dtype, device=x.device)
         if out.numel() == 0:
             return out
+        if tma_variable_k_supported(x, y):
+            return launch_grouped_gemm_variable_k_tma(x, y, out, group_lens)
         return launch_grouped_gemm_variable_k(x, y, out, group_lens)
 
 
@@ -265,6 +278,9 @@ class WgradIntoTritonBackend(KernelBackend):
 
     @staticmethod
     def execute(x, y, group_lens, out, accumulate, **kw):
+        if tma_variable_k_supported(x, y):
+            launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, accumulate=2 if accumulate else 0)
+            return
         if not accumulate:
             launch_grouped_gemm_variable_k(x, y, out, group_lens)
             return
