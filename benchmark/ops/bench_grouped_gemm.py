@@ -14,7 +14,10 @@ split balanced or skewed (expert 0 gets 60%).
 Labels (impl):
   torch._grouped_mm        bf16 baseline (CUTLASS); bwd = its dgrad + 2-D x 2-D wgrad
   loop                     per-expert torch.mm (TORCH backend, syncs; E <= 16 only)
-  turbo auto               turbo.ops.grouped_gemm, dispatcher with autotune (CUTLASS vs TRITON)
+  turbo default            turbo.ops.grouped_gemm, the dispatcher's in-code choice (no pin, no autotune: what
+                           a user gets); suffix: the fwd / dgrad / wgrad backends
+  turbo auto               turbo.ops.grouped_gemm, dispatcher with autotune (CUTLASS vs TRITON; the TORCH
+                           loop syncs with the host and is never timed on CUDA); suffix as above
   turbo TRITON             turbo.ops.grouped_gemm pinned to the persistent Triton kernels
   torch._scaled_grouped_mm FP8 rowwise forward on pre-quantized operands (kernel only, no bwd)
   turbo fp8 <GRAN>         turbo.ops.grouped_gemm_fp8 TRITON (rowwise/tensorwise: auto), quantization included
@@ -32,7 +35,7 @@ Labels (impl):
                            (suffix: the wgrad backend); only where every expert has a multiple of 16 rows
 Check: out/da/db SNR vs the torch._grouped_mm bf16 results (bf16 rounding alone: ~50 dB): bf16 >= 40 dB,
 FP8 >= 25 dB.
-Targets (H200): turbo auto fwd+bwd >= 1.15x torch._grouped_mm geomean, never < 1.0x; FP8 fwd+bwd
+Targets (H200): turbo default / auto fwd+bwd >= 1.15x torch._grouped_mm geomean, never < 1.0x; FP8 fwd+bwd
 >= 1.5x bf16 _grouped_mm geomean; blockwise FP8 >= 1000 TFLOP/s fwd (DeepSeek-V3); FP8 wgrad >= 800.
 """
 
@@ -59,6 +62,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (  #
 )
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (  # noqa: E402
     GroupedGemmDispatcher,
+    GroupedGemmVariableKDispatcher,
     cutlass_offsets,
     grouped_gemm_impl,
     grouped_gemm_variable_k_impl,
@@ -138,12 +142,15 @@ def torch_grouped_mm_impls(x, w, lens, grad):
     return (lambda: torch._grouped_mm(x, wt, offs=offs)), bwd, dgrad, wgrad
 
 
+DEFAULT = "default"  # no pin, autotune off: the in-code choice
+
+
 def turbo_impls(x, w, lens, grad, backend, fp8_config=None, prequantized=False):
     # the weight quantized once, outside the timed calls; its gradient still flows to w
     w_arg = quantize_grouped_weight(w, fp8_config) if prequantized else w
 
     def fwd():
-        GlobalBackendManager.set_grouped_gemm_backend(backend)
+        GlobalBackendManager.set_grouped_gemm_backend(None if backend == DEFAULT else backend)
         GlobalBackendManager.set_auto_tune(backend is None)
         if fp8_config is None:
             return turbo.ops.grouped_gemm(x, w, lens, trans_b=True)
@@ -165,6 +172,14 @@ def turbo_impls(x, w, lens, grad, backend, fp8_config=None, prequantized=False):
             return grouped_gemm_variable_k_impl(grad, x.detach(), lens, offs)
 
     return fwd, bwd, dgrad, wgrad
+
+
+def _picks(x, w, lens, grad):
+    """The backends the dispatchers resolve to for this shape's fwd / dgrad / wgrad (autotune: cached)."""
+    fwd = GroupedGemmDispatcher.resolve(a=x, b=w, group_lens=lens, trans_b=True)
+    dgrad = GroupedGemmDispatcher.resolve(a=grad, b=w, group_lens=lens, trans_b=False)
+    wgrad = GroupedGemmVariableKDispatcher.resolve(x=grad, y=x, group_lens=lens)
+    return f"fwd {fwd.name}, dgrad {dgrad.name}, wgrad {wgrad.name}"
 
 
 def scaled_grouped_mm_fwd(x, w, lens):
@@ -231,7 +246,7 @@ def run_shape(shape, dist, quick, device):
     rows_out = []
     row, base_total = measure("torch._grouped_mm", dist, shape, base, refs, 40.0, None)
     rows_out.append(row)
-    impls = [("turbo auto", None, None), ("turbo TRITON", "TRITON", None)]
+    impls = [("turbo default", DEFAULT, None), ("turbo auto", None, None), ("turbo TRITON", "TRITON", None)]
     if e <= 16 and not quick:
         impls.append(("loop", "TORCH", None))
     grans = [ScalingGranularity.ROWWISE, ScalingGranularity.BLOCKWISE]
@@ -256,8 +271,8 @@ def run_shape(shape, dist, quick, device):
         fns = turbo_impls(x, w, lens, grad, backend, cfg, prequantized=name == PREQUANT)
         gate = 40.0 if cfg is None else (20.0 if cfg.format is Format.HYBRID else 25.0)
         row, _ = measure(name, dist, shape, fns, refs, gate, base_total)
-        if name == "turbo auto":
-            row["impl"] += f" ({GroupedGemmDispatcher.last_backend.name})"
+        if name in ("turbo default", "turbo auto"):
+            row["impl"] += f" ({_picks(x, w, lens, grad)})"
         if name == CUTLASS_WGRAD:
             row["impl"] += f" ({wgrad_dispatcher.last_backend.name})"
         rows_out.append(row)

@@ -75,6 +75,13 @@ VK_SMALL_OUTPUT = 8 << 20
 # kernels' 16-bit tiles (the Triton matmul tutorial's best bf16 config on sm_90), operands through TMA
 HALF_FWD_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA_STORE=True)
 HALF_VK_TILE = dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA_STORE=True)
+# fp32 outputs (the weight gradient added into main_grad) of small experts (P x Q <= VK_SMALL_OUTPUT): two
+# CTAs per SM overlap one tile's fp32 read-modify-write with the other's loads. H200 sweep (session 25,
+# results/h200/sweep_grouped_gemm_bf16_*.txt), accumulate=2: 1326 vs 1403 us DeepSeek-V2-Lite fc1, 669 vs
+# 746 fc2; bf16 outputs gain nothing from it (638 vs 634, 341 vs 338)
+HALF_VK_TILE_SMALL = dict(
+    BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, num_warps=4, num_stages=3, PROGS_PER_SM=2, TMA_STORE=False
+)
 
 
 @triton.jit
@@ -367,6 +374,8 @@ def launch_grouped_gemm_variable_k_tma(
     tokens_contiguous = x.dtype in _FP8
     if tokens_contiguous:
         tile = VK_TILE_SMALL if p * q <= VK_SMALL_OUTPUT else VK_TILE
+    elif out.element_size() == 4 and p * q <= VK_SMALL_OUTPUT:
+        tile = HALF_VK_TILE_SMALL
     else:
         tile = HALF_VK_TILE
     cfg = {**tile, **(config or {})}
@@ -400,4 +409,4 @@ def launch_grouped_gemm_variable_k_tma(
 
 
 __all__ += ["SCALE_TENSORWISE", "FWD_TILE", "VK_TILE", "VK_TILE_SMALL", "VK_SMALL_OUTPUT"]
-__all__ += ["HALF_FWD_TILE", "HALF_VK_TILE"]
+__all__ += ["HALF_FWD_TILE", "HALF_VK_TILE", "HALF_VK_TILE_SMALL"]

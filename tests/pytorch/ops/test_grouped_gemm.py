@@ -405,6 +405,25 @@ def test_grouped_gemm_cuda_graph_capture(backend, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "n,trans_b,expected",
+    [(512, True, "TRITON"), (512, False, "TRITON"), (1024, True, "CUTLASS"), (1024, False, "CUTLASS")],
+)
+def test_bf16_default_is_the_tma_kernel_except_wide_outputs(n, trans_b, expected, device):
+    """Unpinned, no autotune: bf16 takes the TMA Triton kernel (K- or N-contiguous weight) unless the
+    output is wide against the reduction (N >= 3.5 K: CUTLASS measured faster there)."""
+    if not torch.cuda.get_device_capability(device) >= (9, 0):
+        pytest.skip("TMA needs sm_90")
+    G, M, K = 4, 512, 256
+    a = torch.randn(M, K, dtype=torch.bfloat16, device=device)
+    b = torch.randn((G, n, K) if trans_b else (G, K, n), dtype=torch.bfloat16, device=device) / K**0.5
+    lens = make_group_lens(M, G, "skewed", device)
+    out = turbo.ops.grouped_gemm(a, b, lens, trans_b=trans_b)
+    assert GroupedGemmDispatcher.last_backend is BackendType[expected]
+    assert_close(out, grouped_gemm_ref(a, b, lens, trans_b), torch.bfloat16, msg=f"default N={n} {trans_b}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_autotune_never_times_a_host_syncing_backend(fp8, device, monkeypatch):
     """With autotune on, the TORCH loops (they read group_lens on the host) are never timed on CUDA, so

@@ -152,10 +152,19 @@ class GroupedGemmDispatcher(AutoKernelDispatcher):
         return ("fwd", tuple(a.shape), tuple(b.shape), a.dtype, bool(trans_b), a.device.type)
 
     @classmethod
-    def default_backend(cls, a, **kw):
+    def default_backend(cls, a, b, trans_b, **kw):
+        """bf16: the TMA Triton kernel unless the output is wide against the reduction (N >= 3.5 K).
+        H200 GPU time against CUTLASS (sweep_grouped_gemm_bf16, session 25): forward / dgrad 1.08-1.25x
+        at DeepSeek-V2-Lite fc1 / fc2 and DeepSeek-V3 fc1 (skewed), 1.02x for the dgrad of Mixtral and
+        DeepSeek-V3 fc2; 0.95x / 0.97x for those two forwards (N / K = 7 and 3.5), which stay on CUTLASS."""
         if a.device.type == "cpu":
             return BackendType.TORCH
-        return BackendType.CUTLASS if a.dtype == torch.bfloat16 else BackendType.TRITON
+        if a.dtype != torch.bfloat16:
+            return BackendType.TRITON
+        bv = _b_view(b, trans_b)
+        if 2 * bv.shape[2] < 7 * bv.shape[1] and tma_forward_supported(a, bv, SCALE_NONE):
+            return BackendType.TRITON
+        return BackendType.CUTLASS
 
 
 # -- variable-K (wgrad) ---------------------------------------------------------------------------
