@@ -172,8 +172,13 @@ def _compile_all():
         names = list(tmod.grouped_gemm_tma_kernel.arg_names)
         sig = {**sig_of(names, typed), **{k: "constexpr" for k in consts}}
         compile_for_sm90(tmod.grouped_gemm_tma_kernel, sig, consts, num_warps=warps, num_stages=stages)
-    for out_dtype, accumulate in (("bf16", 0), ("fp32", 2)):
-        cfg = dict(tmod.HALF_VK_TILE)
+    for tile, out_dtype, accumulate in (
+        (tmod.HALF_VK_TILE, "bf16", 0),
+        (tmod.HALF_VK_TILE, "fp32", 2),
+        (tmod.HALF_VK_TILE_SMALL, "fp32", 2),
+    ):
+        cfg = dict(tile)
+        cfg.pop("PROGS_PER_SM", None)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         bp, bq, bk = cfg["BLOCK_P"], cfg["BLOCK_Q"], cfg["BLOCK_K"]
         operands = (bp + bq) * bk * 2 * stages  # the launcher's staging-tile rule
