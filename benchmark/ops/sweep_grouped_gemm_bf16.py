@@ -18,11 +18,9 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_parser, out_dir  # noqa: E402
-from sweep_grouped_gemm_fp8 import SHAPES, _fwd_cfg, _ms, _row, _try, _vk_cfg, group_lens, snr  # noqa: E402
+from sweep_grouped_gemm_fp8 import _fwd_cfg, _ms, _row, _try, _vk_cfg, group_lens, run_sweep, snr  # noqa: E402
 
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (  # noqa: E402
     launch_grouped_gemm,
@@ -129,24 +127,5 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
         _row(report, f"Triton TMA {tile or 'default'}", flop, timed(run), cut_ms[0])
 
 
-def main() -> None:
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("sweep_grouped_gemm_bf16: needs a CUDA device")
-    report = io.StringIO()
-    report.write(f"# bf16 grouped GEMM sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-                 f"triton {triton.__version__}\n")  # fmt: skip
-    path = out_dir(args) / "sweep_grouped_gemm_bf16.txt"
-    for shape in SHAPES[:1] if args.quick else SHAPES:
-        part = io.StringIO()
-        try:
-            sweep_shape(*shape, part)
-        except Exception as e:  # a faulting candidate poisons the CUDA context: keep what was measured
-            part.write(f"\n{shape[0]}: stopped by {type(e).__name__}: {str(e).splitlines()[0][:200]}\n")
-        print(part.getvalue(), flush=True)
-        report.write(part.getvalue())
-        path.write_text(report.getvalue())
-
-
 if __name__ == "__main__":
-    main()
+    run_sweep("sweep_grouped_gemm_bf16", "bf16 grouped GEMM", sweep_shape, __doc__)

@@ -233,18 +233,19 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
         _row(report, f"unaligned groups: Triton {label} {tile or 'default'}", flop, _try(run, uref), vcut_ms)
 
 
-def main() -> None:
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+def run_sweep(name: str, title: str, sweep_fn, doc: str) -> None:
+    """Parse --out / --quick, run ``sweep_fn(*shape, report)`` per MoE shape, write DIR/<name>.txt."""
+    args = bench_parser(doc.splitlines()[0]).parse_args()
     if not torch.cuda.is_available():
-        sys.exit("sweep_grouped_gemm_fp8: needs a CUDA device")
+        sys.exit(f"{name}: needs a CUDA device")
     report = io.StringIO()
-    report.write(f"# FP8 grouped GEMM sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    report.write(f"# {title} sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
                  f"triton {triton.__version__}\n")  # fmt: skip
-    path = out_dir(args) / "sweep_grouped_gemm_fp8.txt"
+    path = out_dir(args) / f"{name}.txt"
     for shape in SHAPES[:1] if args.quick else SHAPES:
         part = io.StringIO()
         try:
-            sweep_shape(*shape, part)
+            sweep_fn(*shape, part)
         except Exception as e:  # a faulting candidate poisons the CUDA context: keep what was measured
             part.write(f"\n{shape[0]}: stopped by {type(e).__name__}: {str(e).splitlines()[0][:200]}\n")
         print(part.getvalue(), flush=True)
@@ -253,4 +254,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_sweep("sweep_grouped_gemm_fp8", "FP8 grouped GEMM", sweep_shape, __doc__)

@@ -370,16 +370,20 @@ def test_grouped_gemm_gpu_training_shapes(backend, G, K, N, kind, device):
     _check(backend, torch.bfloat16, G, 8192, K, N, kind, True, device)
 
 
+def _leaf_inputs(G, M, K, N, kind, device):
+    """bf16 a [M, K] and b [G, N, K] (trans_b) requiring grad, group_lens of ``kind``, grad_out [M, N]."""
+    a = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    b = (torch.randn(G, N, K, dtype=torch.bfloat16, device=device) / K**0.5).requires_grad_()
+    return a, b, make_group_lens(M, G, kind, device), torch.randn(M, N, dtype=torch.bfloat16, device=device)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["TRITON", "CUTLASS"])
 def test_grouped_gemm_cuda_graph_capture(backend, device):
     """fwd+bwd captured once, replayed with different group_lens contents: no host sync anywhere."""
     GlobalBackendManager.set_grouped_gemm_backend(backend)
     G, M, K, N = 8, 1024, 256, 512
-    a = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
-    b = (torch.randn(G, N, K, dtype=torch.bfloat16, device=device) / K**0.5).requires_grad_()
-    lens = make_group_lens(M, G, "balanced", device)
-    grad_out = torch.randn(M, N, dtype=torch.bfloat16, device=device)
+    a, b, lens, grad_out = _leaf_inputs(G, M, K, N, "balanced", device)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm up (compile, autotune) outside the capture
@@ -442,11 +446,7 @@ def test_autotune_never_times_a_host_syncing_backend(fp8, device, monkeypatch):
 
         monkeypatch.setattr(cls, "execute", staticmethod(spy))
     GlobalBackendManager.set_auto_tune(True)
-    G, M, K, N = 8, 4096, 1024, 2048
-    a = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
-    b = (torch.randn(G, N, K, dtype=torch.bfloat16, device=device) / K**0.5).requires_grad_()
-    lens = make_group_lens(M, G, "skewed", device)
-    grad_out = torch.randn(M, N, dtype=torch.bfloat16, device=device)
+    a, b, lens, grad_out = _leaf_inputs(8, 4096, 1024, 2048, "skewed", device)
     config = Float8QuantConfig(granularity=ScalingGranularity.ROWWISE)
 
     def step():
