@@ -272,6 +272,9 @@ class AutoKernelDispatcher:
     cache_default: ClassVar[bool] = False
     # False for an in-place op: the autotuner runs every candidate on the same buffers
     autotune: ClassVar[bool] = True
+    # A challenger must beat the in-code default by this fraction of its time to be chosen (0: the
+    # fastest wins): a few timed runs carry noise, and a near-tie should not flip a measured default.
+    autotune_margin: ClassVar[float] = 0.0
 
     _registry: ClassVar[list[type[AutoKernelDispatcher]]] = []
     _lock: ClassVar[threading.Lock] = threading.Lock()
@@ -412,16 +415,22 @@ class AutoKernelDispatcher:
 
     @classmethod
     def _autotune(cls, **kwargs: Any) -> BackendType | None:
+        """Time every candidate (never a ``syncs_host`` one on CUDA inputs); the fastest wins, unless
+        the in-code default is timed within ``autotune_margin`` of it."""
         on_cuda = _on_cuda(kwargs)
-        best, best_ms = None, float("inf")
+        timings: dict[BackendType, float] = {}
         for backend in cls.candidates(**kwargs):
             impl = cls.backends[backend]
             if on_cuda and impl.syncs_host:
                 continue
             try:
-                ms = cls._time(lambda impl=impl: impl.execute(**kwargs), on_cuda)
+                timings[backend] = cls._time(lambda impl=impl: impl.execute(**kwargs), on_cuda)
             except Exception:  # a candidate that fails to compile/run is simply not chosen
                 continue
-            if ms < best_ms:
-                best, best_ms = backend, ms
+        if not timings:
+            return None
+        best = min(timings, key=timings.get)
+        default = cls.default_backend(**kwargs)
+        if default in timings and timings[best] > timings[default] * (1 - cls.autotune_margin):
+            return default
         return best

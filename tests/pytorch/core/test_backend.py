@@ -195,6 +195,22 @@ def test_autotune_skips_host_syncing_backends_on_cuda(monkeypatch):
     assert _D.resolve(x=_x(32)) is BackendType.TRITON
 
 
+@pytest.mark.parametrize("fast_ms,expected", [(0.99, BackendType.CUBLAS), (0.90, BackendType.TRITON)])
+def test_autotune_margin_keeps_the_default_on_near_ties(fast_ms, expected, monkeypatch):
+    """With autotune_margin 0.05 a challenger must be timed more than 5% under the in-code default."""
+
+    class _D(_ToyDispatcher):
+        autotune_margin = 0.05
+
+        @classmethod
+        def default_backend(cls, x, **kw):
+            return BackendType.CUBLAS
+
+    cost = {"fast": fast_ms, "ref": 3.0, "slow": 1.0}  # _Slow is the default here, "timed" at 1.0
+    monkeypatch.setattr(_D, "_time", classmethod(lambda cls, fn, on_cuda: (fn(), cost[CALLS[-1]])[1]))
+    assert _D._autotune(x=_x(32)) is expected
+
+
 def test_autotune_cache_is_bounded():
     class _Small(_ToyDispatcher):
         cache_size = 3

@@ -140,24 +140,6 @@ class GemmDispatcher(AutoKernelDispatcher):
     autotune_margin = 0.02
 
     @classmethod
-    def _autotune(cls, **kwargs) -> BackendType | None:
-        on_cuda = kwargs["a"].is_cuda
-        timings = {}
-        for backend in cls.candidates(**kwargs):
-            impl = cls.backends[backend]
-            try:
-                timings[backend] = cls._time(lambda impl=impl: impl.execute(**kwargs), on_cuda)
-            except Exception:  # a candidate that fails to compile/run is simply not chosen
-                continue
-        if not timings:
-            return None
-        best = min(timings, key=timings.get)
-        default = cls.default_backend(**kwargs)
-        if default in timings and timings[best] > timings[default] * (1 - cls.autotune_margin):
-            return default
-        return best
-
-    @classmethod
     def default_backend(cls, a, **_) -> BackendType:
         return BackendType.CUBLAS if a.is_cuda else BackendType.TORCH
 
