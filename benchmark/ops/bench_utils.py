@@ -99,9 +99,10 @@ def bench_parser(description: str) -> argparse.ArgumentParser:
 
 
 def run_sweep(doc: str, name: str, title: str, cases, sweep_case) -> None:
-    """Main of the sweep scripts (diagnosis tools): parse ``--out``, require CUDA, run
-    ``sweep_case(*case, report)`` per case into one markdown report headed by the device and versions, write
-    it to DIR/<name>.txt and print it."""
+    """Main of the sweep scripts (diagnosis tools): parse ``--out`` / ``--quick`` (the first case only),
+    require CUDA, run ``sweep_case(*case, report)`` per case into one markdown report headed by the device
+    and versions, print each case as it finishes and rewrite DIR/<name>.txt after it (a device call cut
+    short keeps what was measured). A case that raises is reported as stopped and the sweep goes on."""
     import io
 
     import triton
@@ -112,10 +113,17 @@ def run_sweep(doc: str, name: str, title: str, cases, sweep_case) -> None:
     report = io.StringIO()
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
     report.write(f"# {title} on {torch.cuda.get_device_name()}, {versions}\n")
-    for case in cases:
-        sweep_case(*case, report)
-    (out_dir(args) / f"{name}.txt").write_text(report.getvalue())
-    print(report.getvalue())
+    path = out_dir(args) / f"{name}.txt"
+    for case in cases[:1] if args.quick else cases:
+        part = io.StringIO()
+        try:
+            sweep_case(*case, part)
+        except Exception as e:  # a faulting candidate can poison the CUDA context: keep what was measured
+            label = case[0] if isinstance(case, (tuple, list)) else case
+            part.write(f"\n{label}: stopped by {type(e).__name__}: {str(e).splitlines()[0][:200]}\n")
+        print(part.getvalue(), flush=True)
+        report.write(part.getvalue())
+        path.write_text(report.getvalue())
 
 
 def out_dir(args) -> Path:

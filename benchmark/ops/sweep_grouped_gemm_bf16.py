@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep_grouped_gemm_fp8 import _fwd_cfg, _ms, _row, _try, _vk_cfg, group_lens, run_sweep, snr  # noqa: E402
+from bench_utils import run_sweep  # noqa: E402
+from sweep_grouped_gemm_fp8 import SHAPES, _fwd_cfg, _ms, _row, _try, _vk_cfg, group_lens, snr  # noqa: E402
 
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (  # noqa: E402
     launch_grouped_gemm,
@@ -128,4 +129,4 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
 
 
 if __name__ == "__main__":
-    run_sweep("sweep_grouped_gemm_bf16", "bf16 grouped GEMM", sweep_shape, __doc__)
+    run_sweep(__doc__, "sweep_grouped_gemm_bf16", "bf16 grouped GEMM sweep", SHAPES, sweep_shape)

@@ -25,11 +25,10 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 import triton.testing as tt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_parser, out_dir  # noqa: E402
+from bench_utils import run_sweep  # noqa: E402
 
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (  # noqa: E402
     SCALE_BLOCKWISE,
@@ -233,25 +232,5 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
         _row(report, f"unaligned groups: Triton {label} {tile or 'default'}", flop, _try(run, uref), vcut_ms)
 
 
-def run_sweep(name: str, title: str, sweep_fn, doc: str) -> None:
-    """Parse --out / --quick, run ``sweep_fn(*shape, report)`` per MoE shape, write DIR/<name>.txt."""
-    args = bench_parser(doc.splitlines()[0]).parse_args()
-    if not torch.cuda.is_available():
-        sys.exit(f"{name}: needs a CUDA device")
-    report = io.StringIO()
-    report.write(f"# {title} sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-                 f"triton {triton.__version__}\n")  # fmt: skip
-    path = out_dir(args) / f"{name}.txt"
-    for shape in SHAPES[:1] if args.quick else SHAPES:
-        part = io.StringIO()
-        try:
-            sweep_fn(*shape, part)
-        except Exception as e:  # a faulting candidate poisons the CUDA context: keep what was measured
-            part.write(f"\n{shape[0]}: stopped by {type(e).__name__}: {str(e).splitlines()[0][:200]}\n")
-        print(part.getvalue(), flush=True)
-        report.write(part.getvalue())
-        path.write_text(report.getvalue())
-
-
 if __name__ == "__main__":
-    run_sweep("sweep_grouped_gemm_fp8", "FP8 grouped GEMM", sweep_shape, __doc__)
+    run_sweep(__doc__, "sweep_grouped_gemm_fp8", "FP8 grouped GEMM sweep", SHAPES, sweep_shape)
