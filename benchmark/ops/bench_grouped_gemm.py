@@ -5,6 +5,8 @@ torch._grouped_mm, torch._scaled_grouped_mm and a per-expert loop, same process,
     python benchmark/ops/bench_grouped_gemm.py --quick   # 3 shapes, < 60 s on an H200 incl. compile
     python benchmark/ops/bench_grouped_gemm.py           # models x fc1/fc2 x tokens x balanced/skewed
                                                           # + an E sweep {8,16,32,64,256}, < 4 min
+    ... --rounds 3   # every shape 3 times, impls interleaved; summary per shape: the median speedup
+                     # (rows running the same kernel differed by 3-8% within one call in session 25)
 
 Shapes: DeepSeek-V2-Lite (hidden 2048, expert 1408, E=64, top-6), DeepSeek-V3 (7168 / 2048, E=32
 experts per GPU at EP=8, top-8; E=256 on fc2), Mixtral (4096 / 14336, E=8, top-2). fc1 is the fused
@@ -292,26 +294,52 @@ def geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+SPEEDUP = "fwd+bwd speedup vs _grouped_mm"
+
+
+def median_speedups(rows) -> dict[str, list[float]]:
+    """Per impl, one speedup per shape: the median over that shape's rounds (each round's speedup is against
+    the same round's torch._grouped_mm row, measured seconds before it)."""
+    by_key: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r.get(SPEEDUP):
+            impl = r["impl"].split(" (")[0]
+            key = (impl, r["label"], r["B"], r["M"], r["N"], r["K"])
+            by_key.setdefault(key, []).append(r[SPEEDUP])
+    out: dict[str, list[float]] = {}
+    for (impl, *_), values in by_key.items():
+        out.setdefault(impl, []).append(float(torch.tensor(values).median()))
+    return out
+
+
 def main() -> None:
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+    parser = bench_parser(__doc__.splitlines()[0])
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="measure every shape N times (all impls per round, so clock / power drift hits them alike); "
+        "the summary takes each shape's median speedup",
+    )  # fmt: skip
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_grouped_gemm: needs a CUDA device")
+    if args.rounds < 1:
+        sys.exit(f"bench_grouped_gemm: --rounds must be >= 1, got {args.rounds}")
     device = torch.device("cuda")
     if args.quick:
         REP.update(warmup_ms=10, rep_ms=40)
     rows = []
     for model, layer, e, n_rows, n, k, dist in configs(args.quick):
-        rows += run_shape((model, layer, e, n_rows, n, k), dist, args.quick, device)
-        torch.cuda.empty_cache()
+        for rnd in range(args.rounds):
+            for row in run_shape((model, layer, e, n_rows, n, k), dist, args.quick, device):
+                rows.append({**row, "round": rnd})
+            torch.cuda.empty_cache()
     name = "grouped_gemm_quick.csv" if args.quick else "grouped_gemm.csv"
-    write_csv(out_dir(args) / name, rows, COLUMNS)
+    write_csv(out_dir(args) / name, rows, COLUMNS + ["round"])
     short = ["label", "B", "M", "N", "K", "Check", "Forward TFLOPS", "Backward TFLOPS", "Dgrad TFLOPS"]
-    print_table(rows, short + ["Wgrad TFLOPS", "fwd+bwd speedup vs _grouped_mm"])
-    print("\ngeomean fwd+bwd speedup vs torch._grouped_mm:")
-    for impl in sorted({r["impl"].split(" (")[0] for r in rows}):
-        sp = [r.get("fwd+bwd speedup vs _grouped_mm") for r in rows if r["impl"].split(" (")[0] == impl]
-        if any(sp):
-            print(f"  {impl:24s} {geomean(sp):.3f}x  (min {min(v for v in sp if v):.3f}x)")
+    print_table(rows, short + ["Wgrad TFLOPS", SPEEDUP])
+    print(f"\ngeomean fwd+bwd speedup vs torch._grouped_mm (per shape: median of {args.rounds} round(s)):")
+    for impl, sp in sorted(median_speedups(rows).items()):
+        print(f"  {impl:24s} {geomean(sp):.3f}x  (min {min(sp):.3f}x)")
 
 
 if __name__ == "__main__":
