@@ -147,6 +147,52 @@ def test_tma_half_eligibility(device):
         launch_grouped_gemm_variable_k_tma(x, a, torch.empty(1, 20, 80), torch.tensor([64]))
 
 
+def test_triton_backends_route_16_bit_operands_to_the_tma_kernels(dev, monkeypatch):
+    """The op with the TRITON backend pinned (forward, dgrad, wgrad) and the wgrad added into a strided fp32
+    buffer (w1's half of a fused [G, 2P, Q] gradient, as Megatron's main_grad) run the TMA launchers where
+    the operands allow them: on CPU the eligibility checks are pointed at the interpreter."""
+    import primus_turbo.pytorch as turbo
+    from primus_turbo.pytorch.core.backend import GlobalBackendManager
+    from primus_turbo.pytorch.kernels.grouped_gemm import grouped_gemm_impl as impl
+    from primus_turbo.triton.grouped_gemm import grouped_gemm_tma_kernel as tmod
+
+    calls = []
+
+    def spy(name, fn):
+        return lambda *a, **k: (calls.append(name), fn(*a, **k))[1]
+
+    monkeypatch.setattr(impl, "tma_forward_supported", lambda a, b, m: tma_forward_supported(a, b, m, True))
+    monkeypatch.setattr(impl, "tma_variable_k_supported", lambda x, y: tma_variable_k_supported(x, y, True))
+    monkeypatch.setattr(impl, "launch_grouped_gemm_tma", spy("fwd", tmod.launch_grouped_gemm_tma))
+    monkeypatch.setattr(
+        impl, "launch_grouped_gemm_variable_k_tma", spy("vk", tmod.launch_grouped_gemm_variable_k_tma)
+    )
+    GlobalBackendManager.set_grouped_gemm_backend("TRITON")
+    GlobalBackendManager.set_grouped_wgrad_accumulate_backend("TRITON")
+    g, m, n, k = 4, 160, 128, 64
+    torch.manual_seed(5)
+    a = torch.randn(m, k, device=dev).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(g, n, k, device=dev) / k**0.5).to(torch.bfloat16).requires_grad_()
+    lens = _lens(m, g, "skewed", dev)
+    dy = torch.randn(m, n, device=dev).to(torch.bfloat16)
+    out = turbo.ops.grouped_gemm(a, w, lens, trans_b=True)
+    out.backward(dy)
+    assert calls == ["fwd", "fwd", "vk"], calls  # forward, dgrad (N-contiguous weight), wgrad
+    assert_close(out.double().cpu(), grouped_gemm_ref(a, w, lens.cpu(), True), torch.bfloat16, msg="out")
+    ref_dw = _vk_ref(dy, a.detach(), lens)
+    assert_close(
+        w.grad.double().cpu() / ref_dw.abs().max(), ref_dw / ref_dw.abs().max(), torch.bfloat16, msg="dw"
+    )
+    buffer = torch.randn(g, 2 * n, k, device=dev)
+    before = buffer.clone()
+    impl.grouped_gemm_variable_k_into_(dy, a.detach(), lens, buffer[:, :n], True)
+    assert calls[-1] == "vk"
+    torch.testing.assert_close(
+        buffer[:, :n].double().cpu(), before[:, :n].double().cpu() + ref_dw, rtol=1e-4, atol=1e-3
+    )
+    assert torch.equal(buffer[:, n:], before[:, n:])
+
+
 # -- sm_90 compilation of the default tiles (the interpreter sees no shared-memory overflow) -------------
 def _compile_all():
     from triton_compile_utils import compile_for_sm90
