@@ -197,6 +197,22 @@ def _vk_scale_epilogue(acc, g, ps, qs, p_mask, q_mask, x_scale_ptr, y_scale_ptr,
 
 
 @triton.jit
+def _vk_c_tile(
+    c_ptr, g, ps, qs, p_mask, q_mask, stride_cg, stride_cp, stride_cq,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, ACCUMULATE: tl.constexpr,
+):  # fmt: skip
+    """C[g]'s tile: its pointers, its mask and the accumulator's start (ACCUMULATE 2: C itself, loaded
+    before the K loop; unscaled sums only), else zeros."""
+    c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
+    c_mask = p_mask[:, None] & q_mask[None, :]
+    if ACCUMULATE == 2:
+        acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    return c_ptrs, c_mask, acc
+
+
+@triton.jit
 def _vk_tile_coords(tile, per_group, num_q, gidx, starts, lens, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
     """(group, its token range, the tile's first P / Q index) of a variable-K tile id (groups in order)."""
     g = tile // per_group
@@ -236,12 +252,9 @@ def grouped_gemm_variable_k_kernel(
         qs = q0 + offs_bq
         p_mask = ps < P
         q_mask = qs < Q
-        c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
-        c_mask = p_mask[:, None] & q_mask[None, :]
-        if ACCUMULATE == 2:  # C is the accumulator's start: its load leaves before the K loop (unscaled sums)
-            acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+        c_ptrs, c_mask, acc = _vk_c_tile(
+            c_ptr, g, ps, qs, p_mask, q_mask, stride_cg, stride_cp, stride_cq, BLOCK_P, BLOCK_Q, ACCUMULATE
+        )
         # Token tiles aligned to BLOCK_K: the interior ones are unmasked along the token axis, so
         # token-contiguous operands (the FP8 transposed copies) get aligned vector loads; only the
         # (at most two) partial tiles at the group's edges are masked. A mask on an arbitrary

@@ -37,6 +37,7 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     _num_programs,
     _scale_epilogue,
     _tile_coords,
+    _vk_c_tile,
     _vk_scale_epilogue,
     _vk_step,
     _vk_tile_coords,
@@ -193,12 +194,9 @@ def grouped_gemm_variable_k_tma_kernel(
         qs = q0 + offs_bq
         p_mask = ps < P
         q_mask = qs < Q
-        c_mask = p_mask[:, None] & q_mask[None, :]
-        if ACCUMULATE == 2:
-            c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
-            acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+        c_ptrs, c_mask, acc = _vk_c_tile(
+            c_ptr, g, ps, qs, p_mask, q_mask, stride_cg, stride_cp, stride_cq, BLOCK_P, BLOCK_Q, ACCUMULATE
+        )
         first_full = (tl.cdiv(row_start, BLOCK_K) * BLOCK_K).to(tl.int32)
         last_full = ((row_end // BLOCK_K) * BLOCK_K).to(tl.int32)
         # the (at most two) partial token tiles at the group's edges: masked pointer loads (64-bit offsets)
@@ -228,7 +226,6 @@ def grouped_gemm_variable_k_tma_kernel(
         if TMA_STORE:
             c_desc.store([g, p0, q0], acc.to(c_ptr.dtype.element_ty).reshape(1, BLOCK_P, BLOCK_Q))
         else:
-            c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + ps[:, None] * stride_cp + qs[None, :] * stride_cq
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
@@ -355,6 +352,14 @@ def launch_grouped_gemm_tma(
     return out
 
 
+def _vk_store_fits(cfg: dict, in_bytes: int, out_bytes: int) -> bool:
+    """Whether the variable-K tile's TMA store staging fits beside its operand stages. Triton gives the
+    staging tile its own shared memory: an fp32 128x256 tile (128 KB) next to three 16-bit operand stages
+    (144 KB) exceeds sm_90's 227 KB."""
+    operands = (cfg["BLOCK_P"] + cfg["BLOCK_Q"]) * cfg["BLOCK_K"] * in_bytes * cfg["num_stages"]
+    return operands + cfg["BLOCK_P"] * cfg["BLOCK_Q"] * out_bytes <= _SMEM_BYTES
+
+
 def launch_grouped_gemm_variable_k_tma(
     x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=SCALE_NONE, config=None, accumulate=0
 ):  # fmt: skip
@@ -390,11 +395,8 @@ def launch_grouped_gemm_variable_k_tma(
         x_desc = TensorDescriptor(x, [m, p], [x.stride(0), 1], [bk, bp])
         y_desc = TensorDescriptor(y, [m, q], [y.stride(0), 1], [bk, bq])
     progs = _num_programs(x.device) * cfg.pop("PROGS_PER_SM", 1)
-    # Triton gives the store's staging tile its own shared memory: an fp32 128x256 tile (128 KB) next to
-    # three 16-bit operand stages (144 KB) does not fit sm_90's 227 KB, so the default tile stores through
-    # pointers there (asked for in ``config``, the compile error stands)
-    operands = (bp + bq) * bk * x.element_size() * cfg["num_stages"]
-    if operands + bp * bq * out.element_size() > _SMEM_BYTES and not (config or {}).get("TMA_STORE"):
+    # asked for in ``config``, a TMA store that does not fit stands (and fails to compile)
+    if not _vk_store_fits(cfg, x.element_size(), out.element_size()) and not (config or {}).get("TMA_STORE"):
         cfg["TMA_STORE"] = False
     c_desc = _tma_store_desc(out, [1, bp, bq], config, cfg, "launch_grouped_gemm_variable_k_tma")
     grouped_gemm_variable_k_tma_kernel[(progs,)](

@@ -225,10 +225,10 @@ def _compile_all():
     ):
         cfg = dict(tile)
         cfg.pop("PROGS_PER_SM", None)
+        # the launcher's rule: the tile's TMA store where its staging fits beside the operand stages
+        cfg["TMA_STORE"] = cfg["TMA_STORE"] and tmod._vk_store_fits(cfg, 2, 4 if out_dtype == "fp32" else 2)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         bp, bq, bk = cfg["BLOCK_P"], cfg["BLOCK_Q"], cfg["BLOCK_K"]
-        operands = (bp + bq) * bk * 2 * stages  # the launcher's staging-tile rule
-        cfg["TMA_STORE"] = operands + bp * bq * (4 if out_dtype == "fp32" else 2) <= tmod._SMEM_BYTES
         typed = {
             "x_desc": f"tensordesc<bf16[{bk},{bp}]>", "y_desc": f"tensordesc<bf16[{bk},{bq}]>",
             "x_ptr": "*bf16", "y_ptr": "*bf16", "c_ptr": f"*{out_dtype}",
