@@ -10,6 +10,10 @@ DDP both add a bf16 [G, N, K] weight gradient into an fp32 buffer: 10 bytes per 
   triton fused      the Triton variable-K wgrad adding into the fp32 buffer (one launch), with tile variants;
                     "(C first)": the buffer read as the accumulator's start instead of in the epilogue
   first micro-batch: cutlass bf16 + .float() copy vs Triton writing fp32 directly
+  megatron ...      the library paths of the Megatron experts, main_grads laid out in reverse expert order as
+                    DDP does: "cutlass + add (reverse)" the path before main_grad_into (the bf16 gradient,
+                    then one add launch at a negative stride), "main_grad_into (reverse)" the wgrad GEMM
+                    summing into them (grouped_gemm_variable_k_into_, reverse_groups, default backend)
 
     python benchmark/ops/bench_expert_wgrad_accumulate.py [--quick]
 """
@@ -24,7 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import bench_ms, bench_parser, out_dir, print_table, tflops, write_csv  # noqa: E402
 
-from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import cutlass_offsets  # noqa: E402
+from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (  # noqa: E402
+    GroupedWgradIntoDispatcher,
+    cutlass_offsets,
+    grouped_gemm_variable_k_into_,
+)
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import launch_grouped_gemm_variable_k  # noqa: E402
 from primus_turbo.triton.main_grad.accumulate_kernel import launch_accumulate_grouped  # noqa: E402
 
@@ -85,17 +93,30 @@ def run_shape(label, g, p, q, rows, skewed, tiles) -> list[dict]:
     candidates["first mb: triton fp32 out"] = lambda: launch_grouped_gemm_variable_k(
         grad, act, torch.empty(g, p, q, device="cuda"), lens
     )
+
+    # Megatron: expert e's main_grad is block G-1-e of one flat buffer (DDP's reverse order)
+    def megatron_before():
+        launch_accumulate_grouped(main[g - 1], torch._grouped_mm(grad.t(), act, offs=offs), -p * q)
+
+    def megatron_fused():
+        grouped_gemm_variable_k_into_(grad, act, lens, main, True, offs, True)
+
+    candidates["megatron: cutlass + add (reverse)"] = megatron_before
+    candidates["megatron: main_grad_into (reverse)"] = megatron_fused
     rows_out, base = [], None
     for name, fn in candidates.items():
         check = ""
-        if "fused" in name:  # one call from the same start as today's path: the same sum up to bf16 rounding
+        if "fused" in name or "megatron" in name:  # one call from the same start: the same sum up to bf16
             main.copy_(init)
             fn()
-            err = ((main - expected).abs().max() / expected.abs().max()).item()
+            want = init + (expected - init).flip(0) if "reverse" in name else expected
+            err = ((main - want).abs().max() / want.abs().max()).item()
             check = "PASS" if err < 1e-2 else f"FAIL {err:.2e}"
         ms, std = bench_ms(fn)
         if name == "cutlass + add":
             base = ms
+        if name == "megatron: main_grad_into (reverse)":
+            name += f" ({GroupedWgradIntoDispatcher.last_backend.name})"
         rows_out.append({
             "label": label, "dist": dist, "impl": name, "Check": check, "ms": ms, "ms_stddev": std,
             "TFLOPS (GEMM)": tflops(flop, ms), "speedup vs cutlass + add": base / ms if base else None,

@@ -264,36 +264,43 @@ class _ExpertWeights(torch.autograd.Function):
     [G, out, in] gradient like ``torch.stack``'s backward, or, under Megatron's main_grad fusion, adds
     the whole gradient into the G ``main_grad`` buffers at once and returns the placeholders DDP expects
     (every weight still receives a gradient on every microbatch, so DDP's per-parameter hooks fire).
+    ``fused``: the grouped GEMM already added the gradient into main_grad (its ``main_grad_into``) and hands
+    this function None: only the placeholders are returned.
     """
 
     @staticmethod
-    def forward(ctx, stacked, accumulate, *weights):
+    def forward(ctx, stacked, accumulate, fused, *weights):
+        ctx.set_materialize_grads(False)  # fused: no [G, out, in] zeros for the None gradient
         ctx.weights = weights if accumulate else None  # the Python objects carry main_grad
+        ctx.fused = fused
         return stacked.view_as(stacked)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.weights is None:
-            return None, None, *grad.unbind(0)
-        accumulate_into_main_grads_(ctx.weights, grad)
-        return None, None, *wgrad_placeholders(ctx.weights)
+            return None, None, None, *grad.unbind(0)
+        if not ctx.fused:
+            accumulate_into_main_grads_(ctx.weights, grad)
+        return None, None, None, *wgrad_placeholders(ctx.weights)
 
 
 class _ExpertWeightsMainGradOnly(torch.autograd.Function):
     """As ``_ExpertWeights`` under main_grad fusion, for a micro-batch that is not the last of its step:
     the weights are not autograd inputs (no AccumulateGrad node, no DDP hook per weight), the gradient
-    goes straight into their main_grad. ``anchor``: a grad-requiring empty leaf, so the output needs a
-    gradient at all; it receives none."""
+    goes straight into their main_grad (``fused``: the grouped GEMM put it there already). ``anchor``: a
+    grad-requiring empty leaf, so the output needs a gradient at all; it receives none."""
 
     @staticmethod
-    def forward(ctx, stacked, anchor, weights):
-        ctx.weights = weights
+    def forward(ctx, stacked, anchor, weights, fused):
+        ctx.set_materialize_grads(False)
+        ctx.weights = None if fused else weights
         return stacked.view_as(stacked)
 
     @staticmethod
     def backward(ctx, grad):
-        accumulate_into_main_grads_(ctx.weights, grad)
-        return None, None, None
+        if ctx.weights is not None:
+            accumulate_into_main_grads_(ctx.weights, grad)
+        return None, None, None, None
 
 
 def _accumulates_into_main_grad(weights) -> bool:
@@ -331,12 +338,14 @@ def _cached_expert_weights(owner, weights, fp8_config) -> _ExpertWeightCache | N
 
 
 def _expert_weight_operand(owner, weights, fp8_config):
-    """The grouped GEMM's b for ``owner``'s experts: a [G, out, in] tensor, or a pre-quantized FP8 weight,
-    whose gradient reaches every weight{i} (or its main_grad)."""
+    """(b, main_grad_into) for the grouped GEMM of ``owner``'s experts: b a [G, out, in] tensor, or a
+    pre-quantized FP8 weight, whose gradient reaches every weight{i}; under main_grad fusion main_grad_into
+    is the weights (the wgrad GEMM adds into their main_grads; b's function only hands DDP placeholders),
+    else None."""
     accumulate = _accumulates_into_main_grad(weights)
     cache = _cached_expert_weights(owner, weights, fp8_config)
     if cache is None and not accumulate:
-        return torch.stack(weights)  # uncached, no fusion: exactly the plain path
+        return torch.stack(weights), None  # uncached, no fusion: exactly the plain path
     if accumulate and not (cache is not None and cache.main_grads_checked):
         for i, w in enumerate(weights):
             check_main_grad(w, "grouped linear", f"weight{i}")
@@ -347,17 +356,18 @@ def _expert_weight_operand(owner, weights, fp8_config):
     else:
         stacked, w8 = cache.stacked, cache.fp8
     if not (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
-        return stacked if w8 is None else w8
+        return (stacked if w8 is None else w8), None
     if stacked is None:  # the FP8 GEMM reads w8 only: the gradient needs a [G, out, in] carrier, no data
         stacked = weights[0].new_empty(()).expand(len(weights), *weights[0].shape)
     if accumulate and _SKIP_EXPERT_GRAD_HOOKS:
         anchor = getattr(owner, "_grad_anchor", None)
         if anchor is None or anchor.device != stacked.device:
             anchor = owner._grad_anchor = torch.empty(0, device=stacked.device, requires_grad=True)
-        b = _ExpertWeightsMainGradOnly.apply(stacked, anchor, tuple(weights))
+        b = _ExpertWeightsMainGradOnly.apply(stacked, anchor, tuple(weights), accumulate)
     else:
-        b = _ExpertWeights.apply(stacked, accumulate, *weights)
-    return b if w8 is None else dataclasses.replace(w8, source=b)
+        b = _ExpertWeights.apply(stacked, accumulate, accumulate, *weights)
+    main_grad_into = tuple(weights) if accumulate else None
+    return (b if w8 is None else dataclasses.replace(w8, source=b)), main_grad_into
 
 
 class _TurboGroupedLinear(torch.nn.Module):
@@ -398,13 +408,14 @@ class _TurboGroupedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, m_splits):
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(x.device, non_blocking=True)
-        b = _expert_weight_operand(self, weights, FP8_GROUPED_CONFIG)
+        b, main_grad_into = _expert_weight_operand(self, weights, FP8_GROUPED_CONFIG)
         if FP8_GROUPED_CONFIG is not None:
             out = turbo_ops.get("ops.grouped_gemm_fp8")(
-                x, b, group_lens, trans_b=True, config=FP8_GROUPED_CONFIG
+                x, b, group_lens, trans_b=True, config=FP8_GROUPED_CONFIG, main_grad_into=main_grad_into
             )
         else:
-            out = turbo_ops.get("ops.grouped_gemm")(x, b, group_lens, trans_b=True)
+            grouped_gemm = turbo_ops.get("ops.grouped_gemm")
+            out = grouped_gemm(x, b, group_lens, trans_b=True, main_grad_into=main_grad_into)
         return out, None
 
 

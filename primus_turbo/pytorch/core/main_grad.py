@@ -15,7 +15,7 @@ from primus_turbo.pytorch.core.utils import triton_can_run_on
 
 __all__ = [
     "check_main_grad", "wgrad_placeholder", "wgrad_placeholders", "accumulate_into_main_grads_", "add_into_",
-    "add_into_grads", "split_for_autograd",
+    "add_into_grads", "split_for_autograd", "main_grad_block",
 ]  # fmt: skip
 
 
@@ -88,23 +88,53 @@ def accumulate_into_main_grads_(weights, grad: torch.Tensor) -> None:
         launch_accumulate_grouped(main_grads[start], grad[start:stop], stride)
 
 
-def add_into_(dst: torch.Tensor, src: torch.Tensor) -> None:
+def main_grad_block(weights) -> tuple[torch.Tensor, bool] | None:
+    """The G same-shape weights' ``main_grad`` buffers as one [G, *shape] strided view, or None when they
+    do not sit equally spaced in one buffer (a DDP bucket boundary among them, a non-contiguous buffer).
+
+    Returns (view, reversed): Megatron's DDP lays the experts out in reverse order (a negative spacing), which
+    no torch view can express; the view then starts at the last weight's buffer and view[G-1-g] is
+    weights[g].main_grad (``reversed`` True). Raises ValueError when a main_grad's shape differs from the
+    first's (the view would reach past it)."""
+    main_grads = [w.main_grad for w in weights]
+    first = main_grads[0]
+    for g, m in enumerate(main_grads):
+        if m.shape != first.shape:
+            shapes = f"weights[{g}].main_grad is {tuple(m.shape)}, weights[0]'s {tuple(first.shape)}"
+            raise ValueError(f"main_grad_block: {shapes}")
+    runs = _layout(main_grads)
+    if runs is None or len(runs) != 1:
+        return None
+    stride = runs[0][2]
+    base = main_grads[-1] if stride < 0 else first
+    view = base.as_strided((len(main_grads), *first.shape), (abs(stride) or first.numel(), *first.stride()))
+    return view, stride < 0
+
+
+def add_into_(dst: torch.Tensor, src: torch.Tensor, reverse_groups: bool = False) -> None:
     """``dst += src`` for a contiguous ``dst`` (e.g. an fp32 gradient) and a same-shape ``src`` of any float
     dtype (e.g. a bf16 weight gradient): one vectorized launch reading src once (10 bytes per element for
     fp32 += bf16), where torch's mixed-dtype ``add_`` runs an unvectorized dynamic-cast kernel. ``src``
-    may be strided along its first dim (one half of a [G, 2F, K] gradient) without a copy. The sum is
-    taken in fp32 and rounded to dst's dtype, as ``add_`` does. Elsewhere (CPU without the interpreter,
-    a non-contiguous dst): ``dst.add_(src)``."""
+    may be strided along its first dim (one half of a [G, 2F, K] gradient) without a copy; so may ``dst``
+    when each dst[g] is contiguous (a :func:`main_grad_block` view). ``reverse_groups``: dst[G-1-g] +=
+    src[g]. The sum is taken in fp32 and rounded to dst's dtype, as ``add_`` does. Elsewhere (CPU without
+    the interpreter, other layouts): ``dst.add_(src)``."""
     if dst.shape != src.shape:
         raise ValueError(f"add_into_: dst is {tuple(dst.shape)}, src {tuple(src.shape)}")
     if src.numel() == 0:
         return
-    if not (dst.is_contiguous() and triton_can_run_on(dst, src)):
-        dst.add_(src)
+    blocks = dst.dim() >= 2 and dst[0].is_contiguous()  # G contiguous blocks at a stride
+    if not ((dst.is_contiguous() or blocks) and triton_can_run_on(dst, src)):
+        dst.add_(src.flip(0) if reverse_groups else src)
         return
     from primus_turbo.triton.main_grad.accumulate_kernel import launch_accumulate_grouped
 
-    if src.is_contiguous() or src.dim() < 2:
+    if reverse_groups or not dst.is_contiguous():
+        g = dst.shape[0]
+        first, step = (dst[g - 1], -dst.stride(0)) if reverse_groups else (dst[0], dst.stride(0))
+        rows = src.reshape(g, -1) if src[0].is_contiguous() else src.contiguous().reshape(g, -1)
+        launch_accumulate_grouped(first, rows, step)
+    elif src.is_contiguous() or src.dim() < 2:
         launch_accumulate_grouped(dst, src.contiguous().reshape(1, -1), 0)
     elif src[0].is_contiguous():  # G contiguous rows at a stride
         launch_accumulate_grouped(dst[0], src.reshape(src.shape[0], -1), dst[0].numel())

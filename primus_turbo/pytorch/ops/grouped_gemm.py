@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.main_grad import split_for_autograd
+from primus_turbo.pytorch.core.main_grad import (
+    accumulate_into_main_grads_,
+    main_grad_block,
+    split_for_autograd,
+)
 from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     cutlass_offsets,
@@ -13,7 +17,10 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     grouped_gemm_variable_k_into_,
 )
 
-__all__ = ["grouped_gemm", "validate_grouped_gemm_args", "debug_checks_enabled", "check_wgrad_into"]
+__all__ = [
+    "grouped_gemm", "validate_grouped_gemm_args", "debug_checks_enabled", "check_wgrad_into",
+    "check_main_grad_into",
+]  # fmt: skip
 
 
 def validate_grouped_gemm_args(
@@ -114,6 +121,41 @@ def check_wgrad_into(op: str, b: torch.Tensor, trans_b: bool, wgrad_into) -> tup
     return weights
 
 
+def check_main_grad_into(op: str, b: torch.Tensor, trans_b: bool, main_grad_into, wgrad_into) -> tuple:
+    """``main_grad_into`` as a tuple of G weights ([N, K] each, with an fp32 ``main_grad``); () for None."""
+    if main_grad_into is None:
+        return ()
+    weights = tuple(main_grad_into)
+    if wgrad_into is not None:
+        raise ValueError(f"{op}: pass wgrad_into or main_grad_into, not both")
+    if not trans_b:
+        raise ValueError(f"{op}: main_grad_into needs trans_b=True (b is [G, N, K], weights[g] is [N, K])")
+    if len(weights) != b.shape[0]:
+        raise ValueError(f"{op}: main_grad_into has {len(weights)} weights; b has G={b.shape[0]} (dim 0)")
+    main_grad = getattr(weights[0], "main_grad", None)  # the others: main_grad_block checks their shapes
+    is_tensor = isinstance(main_grad, torch.Tensor)
+    if not is_tensor or main_grad.shape != b.shape[1:] or main_grad.device != b.device:
+        got = f"{tuple(main_grad.shape)} on {main_grad.device}" if is_tensor else "none"
+        raise ValueError(
+            f"{op}: main_grad_into[0].main_grad must be a tensor of shape {tuple(b.shape[1:])} on {b.device} "
+            f"(Megatron DDP allocates it); got {got}"
+        )
+    return weights
+
+
+def wgrad_into_main_grads(a, grad_out, group_lens, weights, offs=None) -> None:
+    """The trans_b weight gradient dC_g^T @ A_g ([N, K]) added into ``weights[g].main_grad``: inside the wgrad
+    GEMM (summed in fp32, no [G, N, K] gradient in a's precision) when the buffers form one equally spaced
+    block (Megatron's DDP, reverse order included); else the gradient, then one add pass."""
+    grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
+    block = main_grad_block(weights)
+    if block is None:
+        accumulate_into_main_grads_(weights, grouped_wgrad(a, grad, group_lens, True, len(weights), offs))
+        return
+    out, reverse = block
+    grouped_gemm_variable_k_into_(grad, a, group_lens, out, True, offs, reverse)
+
+
 def wgrad_into_weights(a, grad_out, group_lens, weights, offs=None) -> None:
     """The trans_b weight gradient dC^T @ A ([G, N, K]) into each weight's ``.grad``, split along N in order:
     written in the weight's dtype where ``.grad`` is None, added to it otherwise (summed in fp32 inside the
@@ -134,9 +176,10 @@ def wgrad_into_weights(a, grad_out, group_lens, weights, offs=None) -> None:
 
 class GroupedGemmFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group_lens, trans_b, *wgrad_into):
+    def forward(ctx, a, b, group_lens, trans_b, main_grad_into, *wgrad_into):
         ctx.trans_b = trans_b
         ctx.wgrad_into = wgrad_into  # the Parameter objects: their .grad is read and written in backward
+        ctx.main_grad_into = main_grad_into  # a tuple, not autograd inputs: no edge to the weights
         if b.shape[0] == 1:  # one expert: a dense GEMM (cuBLAS), group_lens[0] == M by contract
             ctx.save_for_backward(a, b, group_lens, None)
             return a @ (b[0].t() if trans_b else b[0])
@@ -156,18 +199,20 @@ class GroupedGemmFunction(torch.autograd.Function):
                 grad_a = grad_out @ (b[0] if trans_b else b[0].t())
             else:  # dA = dC @ B_g^T: the same grouped kernel with b read the other way round
                 grad_a = grouped_gemm_impl(grad_out, b, group_lens, not trans_b, offs)
-        if ctx.needs_input_grad[1]:
+        if ctx.main_grad_into:  # into Megatron's main_grad buffers; b gets no gradient
+            wgrad_into_main_grads(a, grad_out, group_lens, ctx.main_grad_into, offs)
+        elif ctx.needs_input_grad[1]:
             grad_b = grouped_wgrad(a, grad_out, group_lens, trans_b, b.shape[0], offs)
         weights = ctx.wgrad_into
         if not weights:
-            return grad_a, grad_b, None, None
+            return grad_a, grad_b, None, None, None
         if torch.is_grad_enabled():  # create_graph: the weights' gradients must stay differentiable
             wgrad = grad_b
             if wgrad is None:
                 wgrad = grouped_wgrad(a, grad_out, group_lens, True, b.shape[0], offs)
-            return grad_a, grad_b, None, None, *split_for_autograd(wgrad, weights)
+            return grad_a, grad_b, None, None, None, *split_for_autograd(wgrad, weights)
         wgrad_into_weights(a, grad_out, group_lens, weights, offs)
-        return grad_a, grad_b, None, None, *(None for _ in weights)
+        return grad_a, grad_b, None, None, None, *(None for _ in weights)
 
 
 def grouped_wgrad(a, grad_out, group_lens, trans_b: bool, groups: int, offs=None) -> torch.Tensor:
@@ -191,6 +236,7 @@ def grouped_gemm(
     trans_b: bool = False,
     *,
     wgrad_into=None,
+    main_grad_into=None,
 ) -> torch.Tensor:
     """Grouped GEMM: ``out[rows_g] = a[rows_g] @ b[g]`` (``@ b[g].T`` when ``trans_b``).
 
@@ -208,6 +254,12 @@ def grouped_gemm(
             added to it otherwise, summed in fp32 inside the wgrad GEMM (TRITON; CUTLASS / TORCH: the gradient
             then one add pass; PRIMUS_TURBO_GROUPED_WGRAD_ACCUMULATE_BACKEND). Autograd hands them no
             gradient (no AccumulateGrad; hooks on them do not fire), except under ``create_graph``.
+        main_grad_into: optional G weights ([N, K] each, needs trans_b; not with wgrad_into), each with
+            an fp32 ``main_grad`` (Megatron's gradient_accumulation_fusion): b[g]'s gradient is added into
+            ``weights[g].main_grad``, summed in fp32 inside the wgrad GEMM when the G buffers sit equally
+            spaced in one buffer (Megatron's DDP lays them out in reverse order: handled), else computed,
+            then added in one pass. b gets no gradient and the weights are not autograd inputs (the caller
+            hands DDP its placeholders, e.g. through a function on b that ignores the None gradient).
 
     Returns [sum(M_i), N] in a's dtype; differentiable in a and b (dgrad is a grouped GEMM, wgrad
     a variable-K grouped GEMM; an empty expert's weight gradient is exactly zero).
@@ -226,4 +278,7 @@ def grouped_gemm(
         "grouped_gemm", a, b, group_lens, group_offs, trans_b, (torch.bfloat16, torch.float16, torch.float32)
     )
     weights = check_wgrad_into("grouped_gemm", b, trans_b, wgrad_into)
-    return GroupedGemmFunction.apply(a.contiguous(), b.contiguous(), group_lens, bool(trans_b), *weights)
+    main_grads = check_main_grad_into("grouped_gemm", b, trans_b, main_grad_into, wgrad_into)
+    return GroupedGemmFunction.apply(
+        a.contiguous(), b.contiguous(), group_lens, bool(trans_b), main_grads, *weights
+    )  # fmt: skip

@@ -33,7 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, ScalingStrategy
-from primus_turbo.pytorch.core.main_grad import add_into_grads, split_for_autograd
+from primus_turbo.pytorch.core.main_grad import (
+    accumulate_into_main_grads_,
+    add_into_grads,
+    split_for_autograd,
+)
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     SCALE_BLOCKWISE,
     SCALE_ROWWISE,
@@ -42,10 +46,12 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     grouped_gemm_fp8_variable_k_impl,
 )
 from primus_turbo.pytorch.ops.grouped_gemm import (
+    check_main_grad_into,
     check_wgrad_into,
     grouped_gemm,
     grouped_wgrad,
     validate_grouped_gemm_args,
+    wgrad_into_main_grads,
     wgrad_into_weights,
 )
 from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_transpose
@@ -202,13 +208,14 @@ def quantize_grouped_weight(b: torch.Tensor, config: Float8QuantConfig | None = 
 
 class GroupedGemmFP8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group_lens, trans_b, config, out_dtype, b_fp8, *wgrad_into):
+    def forward(ctx, a, b, group_lens, trans_b, config, out_dtype, b_fp8, main_grad_into, *wgrad_into):
         # b_fp8: a GroupedFloat8Weight made from b (b is then only the gradient's destination)
         mode = _MODE[config.granularity]
         fwd_dtype = config.format.fwd_dtype
         groups = b.shape[0]
         ctx.wgrad_into = wgrad_into  # the Parameter objects: their .grad is read and written in backward
-        wgrad_needed = ctx.needs_input_grad[1] or bool(wgrad_into)
+        ctx.main_grad_into = main_grad_into  # a tuple, not autograd inputs: no edge to the weights
+        wgrad_needed = ctx.needs_input_grad[1] or bool(wgrad_into) or bool(main_grad_into)
         ctx.hp_wgrad = config.high_precision_wgrad and wgrad_needed
         if ctx.hp_wgrad:  # the wgrad reads a itself (saved below in place of its FP8 copy)
             (qa, sa), qa_t, sa_t = _quant_act(a, fwd_dtype, mode), a, None
@@ -234,9 +241,9 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         bwd_dtype = config.format.bwd_dtype
         grad_out = grad_out.contiguous()
         grad_a = grad_b = None
-        weights = ctx.wgrad_into
+        weights, main_grads = ctx.wgrad_into, ctx.main_grad_into
         fused_into = bool(weights) and ctx.hp_wgrad and not torch.is_grad_enabled()
-        wgrad_needed = ctx.needs_input_grad[1] or bool(weights)
+        wgrad_needed = ctx.needs_input_grad[1] or bool(weights) or bool(main_grads)
         fp8_wgrad = wgrad_needed and not ctx.hp_wgrad
         if ctx.needs_input_grad[0] and fp8_wgrad:
             (qg, sg), (qg_t, sg_t) = _quant_act_and_wgrad(grad_out, bwd_dtype, mode)
@@ -256,7 +263,9 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 b_view, sw = saved_w
                 b_scale = sw.expand(groups) if mode == SCALE_TENSORWISE else sw
             grad_a = grouped_gemm_fp8_impl(qg, b_view, sg, b_scale, group_lens, mode, ctx.a_dtype)
-        if fused_into:  # the bf16 wgrad summed into the weights' .grad inside the GEMM
+        if main_grads and ctx.hp_wgrad:  # the bf16 wgrad summed into Megatron's main_grads inside the GEMM
+            wgrad_into_main_grads(qa_t, grad_out, group_lens, main_grads)
+        elif fused_into:  # the bf16 wgrad summed into the weights' .grad inside the GEMM
             wgrad_into_weights(qa_t, grad_out, group_lens, weights)
         elif ctx.hp_wgrad:
             grad_b = grouped_wgrad(qa_t, grad_out, group_lens, trans_b, groups).to(ctx.b_dtype)
@@ -274,14 +283,18 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 grad_b = grouped_gemm_fp8_variable_k_impl(
                     qa_t, qg_t, sx, sg_t, group_lens, wmode, ctx.b_dtype
                 )
+        if main_grads and grad_b is not None:  # the FP8 wgrad: added in one pass; b gets no gradient
+            accumulate_into_main_grads_(main_grads, grad_b)
+            grad_b = None
         if not weights:
-            return grad_a, grad_b, None, None, None, None, None
+            return grad_a, grad_b, None, None, None, None, None, None
         to_weights = (None,) * len(weights)
         if grad_b is not None and torch.is_grad_enabled():  # create_graph: differentiable, through autograd
             to_weights = split_for_autograd(grad_b, weights)
         elif grad_b is not None:  # the FP8 wgrad: added in one pass
             add_into_grads(weights, grad_b)
-        return grad_a, grad_b if ctx.needs_input_grad[1] else None, None, None, None, None, None, *to_weights
+        grad_b = grad_b if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, None, None, None, None, None, None, *to_weights
 
 
 def _check_config(config) -> Float8QuantConfig:
@@ -322,6 +335,7 @@ def grouped_gemm_fp8(
     config: Float8QuantConfig | None = None,
     *,
     wgrad_into=None,
+    main_grad_into=None,
 ) -> torch.Tensor:
     """FP8 grouped GEMM with bf16/fp16/fp32 inputs quantized on the fly (see the module docstring).
 
@@ -332,7 +346,9 @@ def grouped_gemm_fp8(
         config: Float8QuantConfig (default E4M3 TENSORWISE); BLOCKWISE needs block_size 128;
             DELAYED scaling is not supported here (current scaling only);
         wgrad_into: as in :func:`grouped_gemm` (with ``config.high_precision_wgrad`` the bf16 wgrad sums into
-            the weights' ``.grad`` inside the GEMM; the FP8 wgrad is added in one pass).
+            the weights' ``.grad`` inside the GEMM; the FP8 wgrad is added in one pass);
+        main_grad_into: as in :func:`grouped_gemm` (the bf16 wgrad of ``config.high_precision_wgrad`` sums
+            into the main_grads inside the GEMM; the FP8 wgrad is added in one pass).
 
     Sync-free like grouped_gemm (CUDA-graph capturable) except with the TORCH backend, the CPU
     default; PRIMUS_TURBO_DEBUG_CHECKS=1 enables the host-syncing value checks on group_lens.
@@ -351,10 +367,13 @@ def grouped_gemm_fp8(
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"grouped_gemm_fp8: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
     weights = check_wgrad_into("grouped_gemm_fp8", b, trans_b, wgrad_into)
+    main_grads = check_main_grad_into("grouped_gemm_fp8", b, trans_b, main_grad_into, wgrad_into)
     if a.shape[0] == 0 or a.shape[1] == 0:  # nothing to quantize: the exact (zero/empty) answer
         # (b's values do not matter with no rows or K == 0; a stand-in b is materialized here)
-        return grouped_gemm(a, b, group_lens, trans_b=trans_b, wgrad_into=weights or None).to(out_dtype)
+        return grouped_gemm(
+            a, b, group_lens, trans_b=trans_b, wgrad_into=weights or None, main_grad_into=main_grads or None
+        ).to(out_dtype)
     return GroupedGemmFP8Function.apply(
         a.contiguous(), b if b_fp8 is not None else b.contiguous(), group_lens, bool(trans_b), config,
-        out_dtype, b_fp8, *weights,
+        out_dtype, b_fp8, main_grads, *weights,
     )  # fmt: skip

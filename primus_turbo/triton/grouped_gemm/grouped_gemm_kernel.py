@@ -401,7 +401,8 @@ def launch_grouped_gemm(
 
 
 def launch_grouped_gemm_variable_k(
-    x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=None, accumulate=False, config=None
+    x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=None, accumulate=False, config=None,
+    reverse_groups=False,
 ):  # fmt: skip
     """out[g] = x[rows_g]^T @ y[rows_g] for g < G (out: [G, P, Q], any strides); empty groups get zeros.
     ``accumulate``: out[g] += ... instead (empty groups unchanged), the sum taken in fp32; True / 1 reads out
@@ -410,6 +411,7 @@ def launch_grouped_gemm_variable_k(
     Scales: [G] each (scale_mode 1, the default when given) or [P] / [Q] contiguous (mode 2).
     No tokens (M == 0) zero-fills out (leaves it, when accumulating) without a launch.
     ``config``: tile overrides (BLOCK_P/Q/K, num_warps, num_stages) for benchmarks.
+    ``reverse_groups``: group g goes to out[G-1-g].
     """
     m, p = x.shape
     q = y.shape[1]
@@ -427,11 +429,13 @@ def launch_grouped_gemm_variable_k(
     if accumulate == 2 and scale_mode != SCALE_NONE:
         raise ValueError("launch_grouped_gemm_variable_k: accumulate=2 (C first) needs unscaled operands")
     ieee = x.dtype == y.dtype and x.element_size() == 4 and scale_mode == SCALE_NONE
+    # reversed: from the last slice with a negative group stride (group g lands in out[G-1-g])
+    c_base, stride_cg = (out[g - 1], -out.stride(0)) if reverse_groups else (out, out.stride(0))
     grouped_gemm_variable_k_kernel[(_num_programs(x.device),)](
-        x, y, out, group_lens,
+        x, y, c_base, group_lens,
         x_scale if x_scale is not None else out, y_scale if y_scale is not None else out,
         g, m, p, q,
-        x.stride(0), x.stride(1), y.stride(0), y.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        x.stride(0), x.stride(1), y.stride(0), y.stride(1), stride_cg, out.stride(1), out.stride(2),
         NUM_PROGS=_num_programs(x.device), BLOCK_G=_block_g(g),
         SCALE_MODE=scale_mode, UPCAST=not on_gpu, IEEE=ieee, ACCUMULATE=accumulate, **cfg,
     )  # fmt: skip

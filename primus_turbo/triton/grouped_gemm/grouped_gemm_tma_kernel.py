@@ -162,6 +162,18 @@ def _tma_store_desc(out, box, config, cfg, who):
     return TensorDescriptor(out, list(out.shape), list(out.stride()), box)
 
 
+def _group_order(out, reverse_groups, config, cfg, who):
+    """(the pointer group 0 is stored at, the group stride): out and out.stride(0), or with
+    ``reverse_groups`` out[G-1] and -out.stride(0), so group g lands in out[G-1-g] (e.g. Megatron's
+    main_grad buffers, laid out in reverse expert order). Reversed stores go through pointers."""
+    if not reverse_groups:
+        return out, out.stride(0)
+    if (config or {}).get("TMA_STORE"):
+        raise ValueError(f"{who}: reverse_groups stores through pointers; TMA_STORE cannot be asked for")
+    cfg["TMA_STORE"] = False
+    return out[out.shape[0] - 1], -out.stride(0)
+
+
 @triton.jit
 def grouped_gemm_variable_k_tma_kernel(
     x_desc, y_desc, x_ptr, y_ptr, c_ptr, c_desc, group_lens_ptr, x_scale_ptr, y_scale_ptr,
@@ -361,11 +373,13 @@ def _vk_store_fits(cfg: dict, in_bytes: int, out_bytes: int) -> bool:
 
 
 def launch_grouped_gemm_variable_k_tma(
-    x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=SCALE_NONE, config=None, accumulate=0
+    x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=SCALE_NONE, config=None, accumulate=0,
+    reverse_groups=False,
 ):  # fmt: skip
     """As ``launch_grouped_gemm_variable_k`` for operands ``tma_variable_k_supported`` accepts: out[g] =
     x[rows_g]^T @ y[rows_g] scaled, empty groups zeros. ``accumulate`` 2: out[g] += (out read as the
-    accumulator's start, unscaled operands only; empty groups unchanged)."""
+    accumulator's start, unscaled operands only; empty groups unchanged). ``reverse_groups``: group g goes
+    to out[G-1-g] (pointer stores)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, p = x.shape
@@ -398,12 +412,13 @@ def launch_grouped_gemm_variable_k_tma(
     # asked for in ``config``, a TMA store that does not fit stands (and fails to compile)
     if not _vk_store_fits(cfg, x.element_size(), out.element_size()) and not (config or {}).get("TMA_STORE"):
         cfg["TMA_STORE"] = False
+    c_base, stride_cg = _group_order(out, reverse_groups, config, cfg, "launch_grouped_gemm_variable_k_tma")
     c_desc = _tma_store_desc(out, [1, bp, bq], config, cfg, "launch_grouped_gemm_variable_k_tma")
     grouped_gemm_variable_k_tma_kernel[(progs,)](
-        x_desc, y_desc, x, y, out, c_desc, group_lens,
+        x_desc, y_desc, x, y, c_base, c_desc, group_lens,
         out if x_scale is None else x_scale, out if y_scale is None else y_scale,
         g, m, p, q, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
+        stride_cg, out.stride(1), out.stride(2),
         NUM_PROGS=progs, BLOCK_G=_block_g(g), SCALE_MODE=scale_mode, UPCAST=not on_gpu,
         TOKENS_CONTIGUOUS=tokens_contiguous, ACCUMULATE=accumulate, **cfg,
     )  # fmt: skip

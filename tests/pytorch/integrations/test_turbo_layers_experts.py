@@ -1,6 +1,9 @@
 """Turbo grouped experts: the per-step weight cache (bf16 stack, FP8 copies) and the fused main_grad
 accumulation, against per-expert fp32 matmuls (bf16 tolerance / FP8 SNR gates) and DDP's accumulation."""
 
+import dataclasses
+import types
+
 import pytest
 import torch
 from megatron_utils import transformer_config as _config
@@ -33,6 +36,9 @@ def expert_precision(request):
     yield tl.FP8_GROUPED_CONFIG
     tl.FP8_GROUPED_CONFIG = None
     tl.disable_weight_cache()
+
+
+_BF16 = types.SimpleNamespace(high_precision_wgrad=True)  # bf16 experts: the wgrad is the bf16 GEMM
 
 
 def _experts(groups=3, n_in=128, n_out=128, seed=0):
@@ -171,15 +177,29 @@ def _attach_main_grads(layer, layout):
 
 
 @pytest.mark.parametrize(
-    "expert_precision, layout",
-    [("bf16", "ddp"), ("bf16", "gapped"), ("bf16", "separate"), ("fp8-rowwise-hybrid", "ddp")],
+    "expert_precision, layout, wgrad_backend",
+    [
+        ("bf16", "ddp", None), ("bf16", "gapped", None), ("bf16", "separate", None),
+        ("fp8-rowwise-hybrid", "ddp", None), ("bf16", "ddp", "TRITON"), ("bf16", "gapped", "TRITON"),
+        ("fp8-rowwise-hybrid", "ddp", "TRITON"),
+    ],
     indirect=["expert_precision"],
-)
-def test_grouped_linear_accumulates_into_main_grad(megatron_world, expert_precision, layout):
-    """With main_grad on every weight (Megatron DDP) two microbatches leave exactly what DDP's hook would
-    (bf16 wgrad added into fp32), the fp32 reference within tolerance, and a placeholder in every weight.grad
-    on every microbatch."""
+)  # fmt: skip
+def test_grouped_linear_accumulates_into_main_grad(megatron_world, expert_precision, layout, wgrad_backend):
+    """With main_grad on every weight (Megatron DDP) two microbatches leave what DDP's hook would (bf16 wgrad
+    added into fp32: bitwise with the CPU default's compute-then-add; within bf16 tolerance where TRITON
+    sums into main_grad inside the wgrad GEMM, the GPU default), the fp32 reference within tolerance, and a
+    placeholder in every weight.grad on every microbatch."""
     from primus_turbo.integrations.megatron import turbo_layers as tl
+
+    from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+    from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import GroupedWgradIntoDispatcher
+
+    GlobalBackendManager.set_grouped_wgrad_accumulate_backend(wgrad_backend)
+    GroupedWgradIntoDispatcher.last_backend = None
+    if expert_precision is not None and wgrad_backend is not None:  # the recipe's fp8.wgrad=bf16
+        tl.FP8_GROUPED_CONFIG = dataclasses.replace(expert_precision, high_precision_wgrad=True)
+    through_gemm = layout == "ddp" and (tl.FP8_GROUPED_CONFIG or _BF16).high_precision_wgrad
 
     layer, plain = _experts(), _experts()
     plain.load_state_dict(layer.state_dict())
@@ -204,8 +224,15 @@ def test_grouped_linear_accumulates_into_main_grad(megatron_world, expert_precis
         plain.zero_grad(set_to_none=True)
         for i, wgrad in enumerate(_expert_reference(layer, x, split, grad_out)[2]):
             ref_main_grads[i] += wgrad
+    # through the wgrad GEMM into main_grad (one equally spaced block), or computed and added (gapped)
+    fused = GroupedWgradIntoDispatcher.last_backend
+    GlobalBackendManager.reset()
+    assert fused is (BackendType[wgrad_backend or "TORCH"] if through_gemm else None)
     for i, w in enumerate(weights):
-        assert torch.equal(w.main_grad, hook_main_grads[i]), f"weight{i}.main_grad != DDP hook's sum"
+        if wgrad_backend is None or not through_gemm:
+            assert torch.equal(w.main_grad, hook_main_grads[i]), f"weight{i}.main_grad != DDP hook's sum"
+        else:  # summed in fp32: the hook's sum had the bf16-rounded gradient
+            assert_close(w.main_grad, hook_main_grads[i], torch.bfloat16, msg=f"weight{i}.main_grad")
         _check_against_reference(expert_precision, w.main_grad, ref_main_grads[i], f"weight{i}.main_grad")
 
 

@@ -290,18 +290,19 @@ class WgradIntoTritonBackend(KernelBackend):
         )  # fmt: skip
 
     @staticmethod
-    def execute(x, y, group_lens, out, accumulate, **kw):
+    def execute(x, y, group_lens, out, accumulate, reverse_groups=False, **kw):
+        rev = {"reverse_groups": reverse_groups}
         if tma_variable_k_supported(x, y):
-            launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, accumulate=2 if accumulate else 0)
+            launch_grouped_gemm_variable_k_tma(x, y, out, group_lens, accumulate=int(accumulate) * 2, **rev)
             return
         if not accumulate:
-            launch_grouped_gemm_variable_k(x, y, out, group_lens)
+            launch_grouped_gemm_variable_k(x, y, out, group_lens, **rev)
             return
         # C read as the accumulator's start (its load leaves before the K loop), 4 stages: H200, deepseek_moe
         # experts, fc1 1.65 ms / fc2 0.95 against CUTLASS + the add pass 1.75 / 0.95 and the epilogue read
         # 2.16 / 1.19 (bench_expert_wgrad_accumulate, session 18)
         config = {"num_stages": 4} if x.is_cuda else None
-        launch_grouped_gemm_variable_k(x, y, out, group_lens, accumulate=2, config=config)
+        launch_grouped_gemm_variable_k(x, y, out, group_lens, accumulate=2, config=config, **rev)
 
 
 def _compute_then_add(variable_k: type[KernelBackend]) -> type[KernelBackend]:
@@ -316,12 +317,12 @@ def _compute_then_add(variable_k: type[KernelBackend]) -> type[KernelBackend]:
             return out.dtype in _FLOAT_DTYPES and handles
 
         @staticmethod
-        def execute(x, y, group_lens, out, accumulate, offs=None, **kw):
+        def execute(x, y, group_lens, out, accumulate, offs=None, reverse_groups=False, **kw):
             grad = variable_k.execute(x=x, y=y, group_lens=group_lens, offs=offs)
-            if accumulate:
-                add_into_(out, grad)
+            if accumulate:  # group g belongs in out[G-1-g] when reverse_groups
+                add_into_(out, grad, reverse_groups)
             else:
-                out.copy_(grad)
+                out.copy_(grad.flip(0) if reverse_groups else grad)
 
     ComputeThenAdd.__name__ = f"{variable_k.__name__}ThenAdd"
     return ComputeThenAdd
@@ -338,9 +339,9 @@ class GroupedWgradIntoDispatcher(AutoKernelDispatcher):
     }
 
     @classmethod
-    def make_key(cls, x, y, group_lens, out, accumulate, **kw) -> tuple:
+    def make_key(cls, x, y, group_lens, out, accumulate, reverse_groups=False, **kw) -> tuple:
         return ("wgrad_into", tuple(x.shape), tuple(y.shape), int(group_lens.shape[0]), x.dtype, out.dtype,
-                bool(accumulate), x.device.type)  # fmt: skip
+                bool(accumulate), bool(reverse_groups), x.device.type)  # fmt: skip
 
     @classmethod
     def default_backend(cls, x, **kw):
@@ -357,15 +358,18 @@ class GroupedWgradIntoDispatcher(AutoKernelDispatcher):
 @torch.library.custom_op("primus_turbo::grouped_gemm_variable_k_into_", mutates_args=("out",))
 def grouped_gemm_variable_k_into_(
     x: torch.Tensor, y: torch.Tensor, group_lens: torch.Tensor, out: torch.Tensor, accumulate: bool,
-    offs: torch.Tensor | None = None,
+    offs: torch.Tensor | None = None, reverse_groups: bool = False,
 ) -> None:  # fmt: skip
     """``out[g] = x[rows_g]^T @ y[rows_g]`` (``accumulate``: ``+=``, summed in fp32) for out [G, P, Q] of any
-    float dtype and strides; empty groups: zeros (accumulate: unchanged). ``offs``: CUTLASS offsets."""
+    float dtype and strides; empty groups: zeros (accumulate: unchanged). ``offs``: CUTLASS offsets.
+    ``reverse_groups``: group g's result goes to out[G-1-g] (buffers laid out in reverse group order, as
+    Megatron's DDP lays out the experts' main_grads)."""
     GroupedWgradIntoDispatcher.dispatch(
-        x=x, y=y, group_lens=group_lens, out=out, accumulate=accumulate, offs=offs
-    )
+        x=x, y=y, group_lens=group_lens, out=out, accumulate=accumulate, offs=offs,
+        reverse_groups=reverse_groups,
+    )  # fmt: skip
 
 
 @grouped_gemm_variable_k_into_.register_fake
-def _(x, y, group_lens, out, accumulate, offs=None):
+def _(x, y, group_lens, out, accumulate, offs=None, reverse_groups=False):
     return None
