@@ -344,14 +344,16 @@ class GroupedWgradIntoDispatcher(AutoKernelDispatcher):
                 bool(accumulate), bool(reverse_groups), x.device.type)  # fmt: skip
 
     @classmethod
-    def default_backend(cls, x, **kw):
-        """Measured on an H200 (bench_expert_wgrad_accumulate, deepseek_moe_fp8 experts, 49152 routed rows):
-        writing fp32, TRITON beats CUTLASS + a cast (fc1 1.49 vs 1.91 ms, fc2 0.81 vs 1.01); adding, TRITON
-        with C as the accumulator's start matches or beats CUTLASS + the add pass (1.65 vs 1.75 ms, 0.95 vs
-        0.95) although its GEMM alone is slower (~470 against ~630 TFLOP/s)."""
+    def default_backend(cls, x, accumulate=False, **kw):
+        """Measured on an H200 (deepseek_moe_fp8 experts, 49152 routed rows): writing fp32, TRITON beats
+        CUTLASS + a cast (fc1 1.49 vs 1.91 ms, fc2 0.81 vs 1.01; bench_expert_wgrad_accumulate, session 18).
+        Adding: with balanced experts TRITON (C read as the accumulator's start) beats CUTLASS + the add pass
+        by 5-10% (fc1 1.69 vs 1.79 ms, fc2 0.87 vs 0.97, session 26), but with the recipe's real routing it
+        lost inside Megatron's step: 36.05 ms of fused wgrad kernels per step against 17.24 (CUTLASS) + 15.68
+        (add) (torch.profiler, same machine): CUTLASS + add where it can run (bf16 on sm_90), else TRITON."""
         if x.device.type == "cpu":
             return BackendType.TORCH
-        return BackendType.TRITON
+        return BackendType.CUTLASS if accumulate else BackendType.TRITON
 
 
 @eager_direct
