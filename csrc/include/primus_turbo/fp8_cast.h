@@ -1,8 +1,11 @@
 // Device helpers of the FP8 quantization kernels (include from .cu files only): the numerics contract
-// of primus_turbo/quantization.h in one place, shared by every csrc quantization kernel.
+// of primus_turbo/quantization.h in one place, shared by every csrc quantization kernel, and the block
+// reduction / vector cast the row-wise and tensor-wise kernels share.
 #pragma once
 
 #include <cuda_fp8.h>
+
+#include "primus_turbo/common.h"
 
 #include <cfloat>
 #include <cstdint>
@@ -49,6 +52,39 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
     return v;
+}
+
+// Max over the block (blockDim.x a multiple of 32, at most 1024 threads); smem: blockDim.x / 32 floats.
+// Every thread gets the result.
+__device__ __forceinline__ float block_max(float v, float* smem) {
+    v = warp_max(v);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) smem[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : 0.0f;
+        v = warp_max(v);
+        if (lane == 0) smem[0] = v;
+    }
+    __syncthreads();
+    return smem[0];
+}
+
+// One vector scaled and cast: four elements per pair of paired conversions where VEC allows.
+template <bool E5M2, typename T, int VEC>
+__device__ __forceinline__ Vec<uint8_t, VEC> cast_vec(const Vec<T, VEC>& v, float scale, float fp8_max) {
+    Vec<uint8_t, VEC> out;
+    if constexpr (VEC % 4 == 0) {
+        uint32_t* words = reinterpret_cast<uint32_t*>(out.v);
+#pragma unroll
+        for (int j = 0; j < VEC; j += 4)
+            words[j / 4] = fp8x4<E5M2>(to_float(v.v[j]) * scale, to_float(v.v[j + 1]) * scale,
+                                       to_float(v.v[j + 2]) * scale, to_float(v.v[j + 3]) * scale);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out.v[j] = to_fp8<E5M2>(to_float(v.v[j]), scale, fp8_max);
+    }
+    return out;
 }
 
 }  // namespace primus_turbo

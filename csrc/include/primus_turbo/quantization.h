@@ -27,4 +27,20 @@ cudaError_t quantize_rowwise_transpose_fp8_launch(const void* x, void* q, void* 
                                                   DType dtype, bool e5m2, bool pow2, bool aligned,
                                                   cudaStream_t stream);
 
+// Tensor-wise: amax = max |x| over the finite elements of the whole tensor, the same scale rules, one
+// scale_inv (a single float). tensor_amax_fp8_launch zeroes *amax on `stream`, then folds the tensor's amax
+// into it as the float's bit pattern (n elements of contiguous x; `aligned`: x 16-byte aligned).
+cudaError_t tensor_amax_fp8_launch(const void* x, unsigned* amax, int64_t n, DType dtype, bool aligned,
+                                   cudaStream_t stream);
+
+// q (n elements, x's layout) and scale_inv[0]; workspace: 4 bytes of device memory (the amax).
+cudaError_t quantize_tensorwise_fp8_launch(const void* x, void* q, float* scale_inv, void* workspace, int64_t n,
+                                           DType dtype, bool e5m2, bool pow2, bool aligned, cudaStream_t stream);
+
+// q [rows, cols] and its transpose qt [cols, rows], one scale (scale_inv[0]); workspace: 4 bytes; `aligned`:
+// x, q and qt 16-byte aligned. cudaErrorInvalidConfiguration when cols > 4194240 (grid limit).
+cudaError_t quantize_tensorwise_transpose_fp8_launch(const void* x, void* q, void* qt, float* scale_inv,
+                                                     void* workspace, int64_t rows, int64_t cols, DType dtype,
+                                                     bool e5m2, bool pow2, bool aligned, cudaStream_t stream);
+
 }  // namespace primus_turbo

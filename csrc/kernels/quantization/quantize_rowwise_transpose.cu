@@ -1,4 +1,5 @@
-// Row-wise FP8 quantization with the transposed, column-scaled copy (see primus_turbo/quantization.h).
+// Row-wise FP8 quantization with the transposed, column-scaled copy (see primus_turbo/quantization.h), and
+// the tensor-wise one with its transposed copy (one scale: the cast kernels below with TW).
 //
 // Two reads of x, two kernels after one memset of the amax workspace:
 //  1. amax: each block reduces a tile to per-row and per-column maxima and folds them into the
@@ -78,8 +79,16 @@ __global__ void __launch_bounds__(kThreads, 4)
     }
 }
 
-// VEC_T: qt rows are written as 16-byte vectors (rows % 16 == 0 and qt 16-byte aligned).
-template <typename T, int VEC, bool E5M2, bool VEC_T>
+// Row / column scale of one tile: TW (tensor-wise) reads the one amax word for every row and column.
+template <bool TW>
+__device__ __forceinline__ float tile_scale(const unsigned* amax, int64_t i, int64_t n, float fp8_max, bool pow2) {
+    const float a = TW ? __uint_as_float(amax[0]) : (i < n ? __uint_as_float(amax[i]) : 0.0f);
+    return fp8_scale_from_amax(a, fp8_max, pow2);
+}
+
+// VEC_T: qt rows are written as 16-byte vectors (rows % 16 == 0 and qt 16-byte aligned). TW: one scale
+// for the tensor (row_amax = col_amax = its amax word; block (0, 0) writes scale_inv[0] only).
+template <typename T, int VEC, bool E5M2, bool VEC_T, bool TW>
 __global__ void __launch_bounds__(kThreads)
     rowcol_cast_kernel(const T* __restrict__ x, const unsigned* __restrict__ row_amax,
                        const unsigned* __restrict__ col_amax, uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
@@ -92,15 +101,16 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile, c0 = static_cast<int64_t>(blockIdx.y) * kTile;
     if (threadIdx.x < kTile) {
         const int64_t r = r0 + threadIdx.x;
-        const float s = fp8_scale_from_amax(r < rows ? __uint_as_float(row_amax[r]) : 0.0f, kMax, pow2);
+        const float s = tile_scale<TW>(row_amax, r, rows, kMax, pow2);
         rscale[threadIdx.x] = s;
-        if (blockIdx.y == 0 && r < rows) scale_inv[r] = __fdiv_rn(1.0f, s);
+        if (TW ? (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) : (blockIdx.y == 0 && r < rows))
+            scale_inv[TW ? 0 : r] = __fdiv_rn(1.0f, s);
     } else if (threadIdx.x < 2 * kTile) {
         const int i = threadIdx.x - kTile;
         const int64_t c = c0 + i;
-        const float s = fp8_scale_from_amax(c < cols ? __uint_as_float(col_amax[c]) : 0.0f, kMax, pow2);
+        const float s = tile_scale<TW>(col_amax, c, cols, kMax, pow2);
         cscale[i] = s;
-        if (blockIdx.x == 0 && c < cols) scale_inv_t[c] = __fdiv_rn(1.0f, s);
+        if (!TW && blockIdx.x == 0 && c < cols) scale_inv_t[c] = __fdiv_rn(1.0f, s);
     }
     __syncthreads();
 #pragma unroll
@@ -144,7 +154,7 @@ static_assert(kThreads == kSlots * kSlots, "one thread per 8 x 8 sub-tile");
 // memory (a warp writes two 128-byte row segments); its eight 8-row column pieces of qt go to shared
 // memory as 8-byte words, slot ty of column c stored at slot ty ^ (c / 8) so that a half-warp's
 // stores hit 16 distinct 8-byte bank pairs; then each column leaves as eight 16-byte chunks.
-template <typename T, bool E5M2>
+template <typename T, bool E5M2, bool TW>
 __global__ void __launch_bounds__(kThreads, 4)  // <= 64 registers: 4 blocks, 128 KB of loads in flight per SM
     rowcol_cast_tile_kernel(const T* __restrict__ x, const unsigned* __restrict__ row_amax,
                             const unsigned* __restrict__ col_amax, uint8_t* __restrict__ q,
@@ -157,15 +167,16 @@ __global__ void __launch_bounds__(kThreads, 4)  // <= 64 registers: 4 blocks, 12
     const int t = threadIdx.x;
     if (t < kBig) {
         const int64_t r = r0 + t;
-        const float s = fp8_scale_from_amax(r < rows ? __uint_as_float(row_amax[r]) : 0.0f, kMax, pow2);
+        const float s = tile_scale<TW>(row_amax, r, rows, kMax, pow2);
         rscale[t] = s;
-        if (blockIdx.y == 0 && r < rows) scale_inv[r] = __fdiv_rn(1.0f, s);
+        if (TW ? (blockIdx.x == 0 && blockIdx.y == 0 && t == 0) : (blockIdx.y == 0 && r < rows))
+            scale_inv[TW ? 0 : r] = __fdiv_rn(1.0f, s);
     } else {
         const int i = t - kBig;
         const int64_t c = c0 + i;
-        const float s = fp8_scale_from_amax(c < cols ? __uint_as_float(col_amax[c]) : 0.0f, kMax, pow2);
+        const float s = tile_scale<TW>(col_amax, c, cols, kMax, pow2);
         cscale[i] = s;
-        if (blockIdx.x == 0 && c < cols) scale_inv_t[c] = __fdiv_rn(1.0f, s);
+        if (!TW && blockIdx.x == 0 && c < cols) scale_inv_t[c] = __fdiv_rn(1.0f, s);
     }
     __syncthreads();
     const int tx = t % kSlots, ty = t / kSlots;
@@ -204,17 +215,40 @@ __global__ void __launch_bounds__(kThreads, 4)  // <= 64 registers: 4 blocks, 12
     }
 }
 
-template <typename T, int VEC, bool E5M2>
+// ws: the row amaxes then the column amaxes, or (TW) the one tensor amax
+template <typename T, int VEC, bool E5M2, bool TW>
 cudaError_t launch_cast(const T* x, const unsigned* ws, uint8_t* q, uint8_t* qt, float* sinv, float* sinv_t,
                         int64_t rows, int64_t cols, bool pow2, bool vec_t, cudaStream_t stream) {
     const dim3 grid(ceil_div_int(rows, kTile), ceil_div_int(cols, kTile));
+    const unsigned* col_ws = TW ? ws : ws + rows;
     if (vec_t)
-        rowcol_cast_kernel<T, VEC, E5M2, true>
-            <<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, q, qt, sinv, sinv_t, rows, cols, pow2);
+        rowcol_cast_kernel<T, VEC, E5M2, true, TW>
+            <<<grid, kThreads, 0, stream>>>(x, ws, col_ws, q, qt, sinv, sinv_t, rows, cols, pow2);
     else
-        rowcol_cast_kernel<T, VEC, E5M2, false>
-            <<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, q, qt, sinv, sinv_t, rows, cols, pow2);
+        rowcol_cast_kernel<T, VEC, E5M2, false, TW>
+            <<<grid, kThreads, 0, stream>>>(x, ws, col_ws, q, qt, sinv, sinv_t, rows, cols, pow2);
     return cudaGetLastError();
+}
+
+// The cast pass of both granularities: the 128 x 128 tile kernel where it applies, else the generic one.
+template <typename T, int VEC, bool TW>
+cudaError_t launch_casts(const T* x, const unsigned* ws, uint8_t* q, uint8_t* qt, float* sinv, float* sinv_t,
+                         int64_t rows, int64_t cols, bool e5m2, bool pow2, bool vec_t, cudaStream_t stream) {
+    if constexpr (sizeof(T) == 2 && VEC == 8) {  // cols % 8 == 0, 16-byte aligned
+        if (vec_t) {                               // rows % 16 == 0
+            const dim3 tiles(ceil_div_int(rows, kBig), ceil_div_int(cols, kBig));
+            const unsigned* col_ws = TW ? ws : ws + rows;
+            if (e5m2)
+                rowcol_cast_tile_kernel<T, true, TW>
+                    <<<tiles, kThreads, 0, stream>>>(x, ws, col_ws, q, qt, sinv, sinv_t, rows, cols, pow2);
+            else
+                rowcol_cast_tile_kernel<T, false, TW>
+                    <<<tiles, kThreads, 0, stream>>>(x, ws, col_ws, q, qt, sinv, sinv_t, rows, cols, pow2);
+            return cudaGetLastError();
+        }
+    }
+    if (e5m2) return launch_cast<T, VEC, true, TW>(x, ws, q, qt, sinv, sinv_t, rows, cols, pow2, vec_t, stream);
+    return launch_cast<T, VEC, false, TW>(x, ws, q, qt, sinv, sinv_t, rows, cols, pow2, vec_t, stream);
 }
 
 template <typename T, int VEC>
@@ -237,22 +271,21 @@ cudaError_t launch_vec(const void* xp, void* qp, void* qtp, float* sinv, float* 
         rowcol_amax_kernel<T, VEC, kAmaxRows><<<grid, kThreads, 0, stream>>>(x, ws, ws + rows, rows, cols);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
+    return launch_casts<T, VEC, false>(x, ws, static_cast<uint8_t*>(qp), static_cast<uint8_t*>(qtp), sinv, sinv_t,
+                                       rows, cols, e5m2, pow2, vec_t, stream);
+}
+
+template <typename T>
+cudaError_t tw_casts(const void* xp, void* qp, void* qtp, float* sinv, const unsigned* ws, int64_t rows,
+                     int64_t cols, bool e5m2, bool pow2, bool aligned, cudaStream_t stream) {
+    constexpr int kVec = 16 / sizeof(T);
+    const T* x = static_cast<const T*>(xp);
     auto* q = static_cast<uint8_t*>(qp);
     auto* qt = static_cast<uint8_t*>(qtp);
-    if constexpr (sizeof(T) == 2 && VEC == 8) {  // cols % 8 == 0, 16-byte aligned
-        if (vec_t) {                               // rows % 16 == 0
-            const dim3 tiles(ceil_div_int(rows, kBig), ceil_div_int(cols, kBig));
-            if (e5m2)
-                rowcol_cast_tile_kernel<T, true>
-                    <<<tiles, kThreads, 0, stream>>>(x, ws, ws + rows, q, qt, sinv, sinv_t, rows, cols, pow2);
-            else
-                rowcol_cast_tile_kernel<T, false>
-                    <<<tiles, kThreads, 0, stream>>>(x, ws, ws + rows, q, qt, sinv, sinv_t, rows, cols, pow2);
-            return cudaGetLastError();
-        }
-    }
-    if (e5m2) return launch_cast<T, VEC, true>(x, ws, q, qt, sinv, sinv_t, rows, cols, pow2, vec_t, stream);
-    return launch_cast<T, VEC, false>(x, ws, q, qt, sinv, sinv_t, rows, cols, pow2, vec_t, stream);
+    const bool vec_t = aligned && rows % 16 == 0;
+    if (aligned && cols % kVec == 0)
+        return launch_casts<T, kVec, true>(x, ws, q, qt, sinv, sinv, rows, cols, e5m2, pow2, vec_t, stream);
+    return launch_casts<T, 1, true>(x, ws, q, qt, sinv, sinv, rows, cols, e5m2, pow2, vec_t, stream);
 }
 
 template <typename T>
@@ -283,6 +316,24 @@ cudaError_t quantize_rowwise_transpose_fp8_launch(const void* x, void* q, void* 
         case DType::kBFloat16:
             return launch_dtype<__nv_bfloat16>(x, q, qt, scale_inv, scale_inv_t, ws, rows, cols, e5m2, pow2, aligned,
                                                stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+cudaError_t quantize_tensorwise_transpose_fp8_launch(const void* x, void* q, void* qt, float* scale_inv,
+                                                     void* workspace, int64_t rows, int64_t cols, DType dtype,
+                                                     bool e5m2, bool pow2, bool aligned, cudaStream_t stream) {
+    auto* amax = static_cast<unsigned*>(workspace);
+    const cudaError_t err = tensor_amax_fp8_launch(x, amax, rows * cols, dtype, aligned, stream);
+    if (err != cudaSuccess || rows == 0 || cols == 0) return err;
+    if (ceil_div_int(cols, kTile) > 65535) return cudaErrorInvalidConfiguration;
+    switch (dtype) {
+        case DType::kFloat32:
+            return tw_casts<float>(x, q, qt, scale_inv, amax, rows, cols, e5m2, pow2, aligned, stream);
+        case DType::kFloat16:
+            return tw_casts<__half>(x, q, qt, scale_inv, amax, rows, cols, e5m2, pow2, aligned, stream);
+        case DType::kBFloat16:
+            return tw_casts<__nv_bfloat16>(x, q, qt, scale_inv, amax, rows, cols, e5m2, pow2, aligned, stream);
     }
     return cudaErrorInvalidValue;
 }

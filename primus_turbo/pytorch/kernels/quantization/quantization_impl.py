@@ -39,10 +39,11 @@ def use_triton(x: torch.Tensor, backend: str) -> bool:
     return x.is_cuda and triton_can_run_on(x)
 
 
-def use_cpp_rowwise(x: torch.Tensor, backend: str) -> bool:
-    """The CUDA C++ rowwise kernel: pinned (``turbo``, an error when it cannot run) or auto on CUDA."""
+def use_cpp_rowwise(x: torch.Tensor, backend: str, what: str = "ROWWISE") -> bool:
+    """The CUDA C++ kernels (ROWWISE, TENSORWISE): pinned (``turbo``, an error when they cannot run) or auto
+    on CUDA."""
     if backend == "turbo":
-        require_cpp_extension("quantize_fp8 (ROWWISE)")
+        require_cpp_extension(f"quantize_fp8 ({what})")
         if not x.is_cuda:
             raise ValueError(f"quantize_fp8: backend 'turbo' runs on CUDA tensors, x is on {x.device}")
         return True
@@ -360,6 +361,9 @@ def quantize_fp8_impl(
         return cpp_ops().quantize_fp8_rowwise(x, out_dtype, pow2)
     shape = x.shape
     if granularity == "tensorwise":
+        if x.numel() and use_cpp_rowwise(x, backend, "TENSORWISE"):  # one C++ op: ~2 Triton launches of host
+            q, s, _ = cpp_ops().quantize_fp8_tensorwise(x, out_dtype, pow2, False)
+            return q, s
         if use_triton(x, backend) and x.numel():
             q, s, _, _ = _tensorwise_triton(x, out_dtype, pow2, with_t=False)
             return q, s
@@ -408,6 +412,9 @@ def quantize_fp8_with_transpose_impl(
     rows, cols = x.shape
     triton_ok = use_triton(x, backend) and x.numel() > 0
     if granularity == "tensorwise":
+        if x.numel() and use_cpp_rowwise(x, backend, "TENSORWISE"):
+            q, s, qt = cpp_ops().quantize_fp8_tensorwise(x, out_dtype, pow2, True)
+            return q, s, qt, s
         if triton_ok:
             q, s, qt, _ = _tensorwise_triton(x, out_dtype, pow2, with_t=True)
             return q, s, qt, s
