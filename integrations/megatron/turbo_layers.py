@@ -33,7 +33,6 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from primus_turbo.integrations.megatron import turbo_async_tp, turbo_ops
 
 from primus_turbo.pytorch.core.main_grad import (
-    accumulate_into_main_grads_,
     check_main_grad,
     wgrad_placeholders,
 )
@@ -261,46 +260,39 @@ class _ExpertWeights(torch.autograd.Function):
 
     forward returns ``stacked`` (this step's cached stack, a fresh one, or a zero-storage stand-in when
     the GEMM reads only a pre-quantized FP8 copy). backward hands each weight{i} its slice of the
-    [G, out, in] gradient like ``torch.stack``'s backward, or, under Megatron's main_grad fusion, adds
-    the whole gradient into the G ``main_grad`` buffers at once and returns the placeholders DDP expects
-    (every weight still receives a gradient on every microbatch, so DDP's per-parameter hooks fire).
-    ``fused``: the grouped GEMM already added the gradient into main_grad (its ``main_grad_into``) and hands
-    this function None: only the placeholders are returned.
+    [G, out, in] gradient like ``torch.stack``'s backward, or, under Megatron's main_grad fusion (the grouped
+    GEMM's ``main_grad_into`` has added the gradient into the G ``main_grad`` buffers and hands this function
+    None), returns the placeholders DDP expects: every weight still receives a gradient on every microbatch,
+    so DDP's per-parameter hooks fire.
     """
 
     @staticmethod
-    def forward(ctx, stacked, accumulate, fused, *weights):
-        ctx.set_materialize_grads(False)  # fused: no [G, out, in] zeros for the None gradient
+    def forward(ctx, stacked, accumulate, *weights):
+        ctx.set_materialize_grads(False)  # main_grad fusion: no [G, out, in] zeros for the None gradient
         ctx.weights = weights if accumulate else None  # the Python objects carry main_grad
-        ctx.fused = fused
         return stacked.view_as(stacked)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.weights is None:
-            return None, None, None, *grad.unbind(0)
-        if not ctx.fused:
-            accumulate_into_main_grads_(ctx.weights, grad)
-        return None, None, None, *wgrad_placeholders(ctx.weights)
+            return None, None, *grad.unbind(0)
+        return None, None, *wgrad_placeholders(ctx.weights)
 
 
 class _ExpertWeightsMainGradOnly(torch.autograd.Function):
     """As ``_ExpertWeights`` under main_grad fusion, for a micro-batch that is not the last of its step:
-    the weights are not autograd inputs (no AccumulateGrad node, no DDP hook per weight), the gradient
-    goes straight into their main_grad (``fused``: the grouped GEMM put it there already). ``anchor``: a
-    grad-requiring empty leaf, so the output needs a gradient at all; it receives none."""
+    the weights are not autograd inputs (no AccumulateGrad node, no DDP hook per weight); the grouped GEMM
+    adds the gradient into their main_grad. ``anchor``: a grad-requiring empty leaf, so that the GEMM's
+    backward runs even when its input needs no gradient; it receives none."""
 
     @staticmethod
-    def forward(ctx, stacked, anchor, weights, fused):
+    def forward(ctx, stacked, anchor):
         ctx.set_materialize_grads(False)
-        ctx.weights = None if fused else weights
         return stacked.view_as(stacked)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.weights is not None:
-            accumulate_into_main_grads_(ctx.weights, grad)
-        return None, None, None, None
+        return None, None
 
 
 def _accumulates_into_main_grad(weights) -> bool:
@@ -363,9 +355,9 @@ def _expert_weight_operand(owner, weights, fp8_config):
         anchor = getattr(owner, "_grad_anchor", None)
         if anchor is None or anchor.device != stacked.device:
             anchor = owner._grad_anchor = torch.empty(0, device=stacked.device, requires_grad=True)
-        b = _ExpertWeightsMainGradOnly.apply(stacked, anchor, tuple(weights), accumulate)
+        b = _ExpertWeightsMainGradOnly.apply(stacked, anchor)
     else:
-        b = _ExpertWeights.apply(stacked, accumulate, accumulate, *weights)
+        b = _ExpertWeights.apply(stacked, accumulate, *weights)
     main_grad_into = tuple(weights) if accumulate else None
     return (b if w8 is None else dataclasses.replace(w8, source=b)), main_grad_into
 

@@ -144,9 +144,10 @@ def check_main_grad_into(op: str, b: torch.Tensor, trans_b: bool, main_grad_into
 
 
 def wgrad_into_main_grads(a, grad_out, group_lens, weights, offs=None) -> None:
-    """The trans_b weight gradient dC_g^T @ A_g ([N, K]) added into ``weights[g].main_grad``: inside the wgrad
-    GEMM (summed in fp32, no [G, N, K] gradient in a's precision) when the buffers form one equally spaced
-    block (Megatron's DDP, reverse order included); else the gradient, then one add pass."""
+    """The trans_b weight gradient dC_g^T @ A_g ([N, K]) added into ``weights[g].main_grad``. When the buffers
+    form one equally spaced block (Megatron's DDP, reverse order included) through the in-place variable-K
+    dispatcher (default CUTLASS, then one add launch at the block's stride; TRITON sums inside the GEMM);
+    else the gradient, then one add pass per equally spaced run."""
     grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
     block = main_grad_block(weights)
     if block is None:
@@ -256,10 +257,11 @@ def grouped_gemm(
             gradient (no AccumulateGrad; hooks on them do not fire), except under ``create_graph``.
         main_grad_into: optional G weights ([N, K] each, needs trans_b; not with wgrad_into), each with
             an fp32 ``main_grad`` (Megatron's gradient_accumulation_fusion): b[g]'s gradient is added into
-            ``weights[g].main_grad``, summed in fp32 inside the wgrad GEMM when the G buffers sit equally
-            spaced in one buffer (Megatron's DDP lays them out in reverse order: handled), else computed,
-            then added in one pass. b gets no gradient and the weights are not autograd inputs (the caller
-            hands DDP its placeholders, e.g. through a function on b that ignores the None gradient).
+            ``weights[g].main_grad`` from the backward itself (G buffers laid out as Megatron's DDP does,
+            in reverse order, take one launch; TRITON sums inside the wgrad GEMM, CUTLASS, the default,
+            adds its bf16 gradient in one pass; PRIMUS_TURBO_GROUPED_WGRAD_ACCUMULATE_BACKEND). b gets no
+            gradient and the weights are not autograd inputs (the caller hands DDP its placeholders, e.g.
+            through a function on b that ignores the None gradient).
 
     Returns [sum(M_i), N] in a's dtype; differentiable in a and b (dgrad is a grouped GEMM, wgrad
     a variable-K grouped GEMM; an empty expert's weight gradient is exactly zero).
