@@ -8,7 +8,10 @@ The weight is re-quantized every iteration (its cache is dropped), so the timing
 no-gradient-accumulation worst case; "cached W" is the microbatch case (one weight quantization
 per optimizer step). Recipes: HYBRID (E4M3 fwd / E5M2 grads) tensorwise/rowwise/blockwise, default
 backends (dispatcher); "bf16-wgrad": ``high_precision_wgrad=True`` (FP8 forward and dgrad, the weight
-gradient a bf16 GEMM of the saved bf16 input). Target (H200): >= 1.6x bf16 at every shape. "host
+gradient a bf16 GEMM of the saved bf16 input). "FP8 GEMMs only": fwd, dgrad and wgrad as three
+``torch._scaled_mm`` calls (cuBLASLt, tensor-wise E4M3) on operands quantized beforehand, with no
+quantization and no autograd: the ceiling of any Float8Linear at the shape (CUDA only).
+Target (H200): >= 1.6x bf16 at every shape. "host
 fwd+bwd" is the host time to issue one step: when it is close to "fwd+bwd", the step is bound by
 Python/launch overhead.
 """
@@ -74,6 +77,9 @@ def run_shape(n: int, k: int) -> list[dict]:
     hp_fwd, hp_total, hp_sd, hp_host = _step_ms(hp, x, grad, False)
     flop = 2.0 * M * n * k
     rows = [_row("bf16 nn.Linear", n, k, flop, (hp_fwd, hp_total, hp_sd, hp_host), hp_total, hp_total, None)]
+    if DEVICE == "cuda":
+        gemms = _gemms_only_ms(x, hp.weight, grad)
+        rows.append(_row(GEMMS_ONLY, n, k, flop, gemms, hp_total, gemms[1], None))
     recipes = [(gran, False) for gran in ScalingGranularity]
     recipes += [(ScalingGranularity.TENSORWISE, True), (ScalingGranularity.ROWWISE, True)]
     for gran, hp_wgrad in recipes:
@@ -90,6 +96,33 @@ def run_shape(n: int, k: int) -> list[dict]:
             _profile(label, layer, x, grad)
         print_table(rows[-1:], COLUMNS)
     return rows
+
+
+GEMMS_ONLY = "FP8 GEMMs only (tensorwise, pre-quantized)"
+
+
+def _gemms_only_ms(x, w, grad) -> tuple[float, float, float, float]:
+    """(fwd, fwd+dgrad+wgrad, stddev, host) ms of the three FP8 GEMMs on pre-quantized E4M3 copies in the
+    layouts torch._scaled_mm takes (A row-major, B column-major)."""
+
+    def q(t):
+        return t.detach().contiguous().to(torch.float8_e4m3fn)
+
+    x_q, xt_q, w_q, wt_q, g_q, gt_q = (q(t) for t in (x, x.t(), w, w.t(), grad, grad.t()))
+    one = torch.ones((), device=x.device)
+
+    def mm(a, b):
+        return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+
+    def fwd():
+        return mm(x_q, w_q.t())  # [M, K] @ [K, N]
+
+    def step():
+        return fwd(), mm(g_q, wt_q.t()), mm(gt_q, xt_q.t())  # dgrad [M, N] @ [N, K]; wgrad [N, M] @ [M, K]
+
+    fwd_ms, _ = bench_ms(fwd)
+    total_ms, sd = bench_ms(step)
+    return fwd_ms, total_ms, sd, host_ms(step)
 
 
 def _profile(label, layer, x, grad) -> None:
