@@ -31,7 +31,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import run_sweep  # noqa: E402
-from sweep_grouped_gemm_fp8 import SHAPES, _ms, _row, group_lens, snr  # noqa: E402
+from sweep_grouped_gemm_fp8 import SHAPES, _ms, _row, _try, group_lens  # noqa: E402
 
 from primus_turbo.pytorch.core.main_grad import add_into_  # noqa: E402
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (  # noqa: E402
@@ -135,14 +135,9 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
     report.write(f"{int(lens.max())}), N={n}, K={k}\n")
     head = "| {} | us | TFLOP/s | vs CUTLASS | SNR vs CUTLASS (dB) |\n|---|---|---|---|---|\n"
 
-    def timed(fn, ref, before=None):
-        try:
-            if before is not None:
-                before()
-            quality = snr(ref, fn())
-            return _ms(fn), quality
-        except Exception as e:
-            return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    def timed(fn, ref, before):  # as _try, the buffer reset before the SNR run (it accumulates)
+        before()
+        return _try(fn, ref)
 
     report.write("\n" + head.format("wgrad (bf16 out)"))
     out = torch.empty(experts, n, k, dtype=torch.bfloat16, device=dev)
@@ -151,10 +146,10 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
     cut_ms = _ms(cut)
     _row(report, "CUTLASS torch._grouped_mm", flop, (cut_ms, float("inf")), cut_ms)
     shipped = lambda: launch_grouped_gemm_variable_k_tma(dy, a, out, lens)  # noqa: E731
-    _row(report, "shipped TMA (default tile)", flop, timed(shipped, ref), cut_ms)
+    _row(report, "shipped TMA (default tile)", flop, _try(shipped, ref), cut_ms)
     for tile in TILES:
         run = lambda tile=tile: launch_vk_devdesc(dy, a, out, lens, tile)  # noqa: E731
-        _row(report, f"device descriptors {tile}", flop, timed(run, ref), cut_ms)
+        _row(report, f"device descriptors {tile}", flop, _try(run, ref), cut_ms)
 
     report.write("\n" + head.format("wgrad += into fp32"))
     acc = torch.randn(experts, n, k, device=dev)

@@ -400,6 +400,15 @@ def launch_grouped_gemm(
     return out
 
 
+def vk_out_base(out, reverse_groups: bool):
+    """(the tensor whose pointer group 0 is stored at, the group stride) of a variable-K output [G, P, Q]:
+    out and out.stride(0), or with ``reverse_groups`` out[G-1] and -out.stride(0), so that group g lands in
+    out[G-1-g] (buffers in reverse group order, e.g. Megatron's expert main_grads)."""
+    if reverse_groups:
+        return out[out.shape[0] - 1], -out.stride(0)
+    return out, out.stride(0)
+
+
 def launch_grouped_gemm_variable_k(
     x, y, out, group_lens, x_scale=None, y_scale=None, scale_mode=None, accumulate=False, config=None,
     reverse_groups=False,
@@ -429,8 +438,7 @@ def launch_grouped_gemm_variable_k(
     if accumulate == 2 and scale_mode != SCALE_NONE:
         raise ValueError("launch_grouped_gemm_variable_k: accumulate=2 (C first) needs unscaled operands")
     ieee = x.dtype == y.dtype and x.element_size() == 4 and scale_mode == SCALE_NONE
-    # reversed: from the last slice with a negative group stride (group g lands in out[G-1-g])
-    c_base, stride_cg = (out[g - 1], -out.stride(0)) if reverse_groups else (out, out.stride(0))
+    c_base, stride_cg = vk_out_base(out, reverse_groups)
     grouped_gemm_variable_k_kernel[(_num_programs(x.device),)](
         x, y, c_base, group_lens,
         x_scale if x_scale is not None else out, y_scale if y_scale is not None else out,

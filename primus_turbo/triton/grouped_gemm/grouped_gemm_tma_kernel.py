@@ -41,6 +41,7 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     _vk_scale_epilogue,
     _vk_step,
     _vk_tile_coords,
+    vk_out_base,
 )
 
 __all__ = [
@@ -163,15 +164,12 @@ def _tma_store_desc(out, box, config, cfg, who):
 
 
 def _group_order(out, reverse_groups, config, cfg, who):
-    """(the pointer group 0 is stored at, the group stride): out and out.stride(0), or with
-    ``reverse_groups`` out[G-1] and -out.stride(0), so group g lands in out[G-1-g] (e.g. Megatron's
-    main_grad buffers, laid out in reverse expert order). Reversed stores go through pointers."""
-    if not reverse_groups:
-        return out, out.stride(0)
-    if (config or {}).get("TMA_STORE"):
-        raise ValueError(f"{who}: reverse_groups stores through pointers; TMA_STORE cannot be asked for")
-    cfg["TMA_STORE"] = False
-    return out[out.shape[0] - 1], -out.stride(0)
+    """``vk_out_base``; reversed stores go through pointers (the store descriptor needs positive strides)."""
+    if reverse_groups:
+        if (config or {}).get("TMA_STORE"):
+            raise ValueError(f"{who}: reverse_groups stores through pointers; TMA_STORE cannot be asked for")
+        cfg["TMA_STORE"] = False
+    return vk_out_base(out, reverse_groups)
 
 
 @triton.jit

@@ -10,7 +10,11 @@ import torch
 from ref.grouped_gemm_ref import grouped_gemm_ref, make_group_lens
 from test_utils import assert_close
 
-from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import SCALE_NONE, SCALE_TENSORWISE
+from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
+    SCALE_NONE,
+    SCALE_TENSORWISE,
+    launch_grouped_gemm_variable_k,
+)
 from primus_turbo.triton.grouped_gemm.grouped_gemm_tma_kernel import (
     _b_layout,
     _b_layout_nmajor,
@@ -122,6 +126,34 @@ def test_tma_half_variable_k_accumulates_into_fp32(dev):
         launch_grouped_gemm_variable_k_tma(x, y, out, lens, ones, ones, SCALE_TENSORWISE, accumulate=2)
     with pytest.raises(ValueError, match="accumulate"):
         launch_grouped_gemm_variable_k_tma(x, y, out, lens, accumulate=1)
+
+
+@pytest.mark.parametrize("launcher", ["pointer", "tma"])
+@pytest.mark.parametrize("accumulate", [0, 2])
+def test_variable_k_reverse_groups_into_a_padded_block(launcher, accumulate, dev):
+    """reverse_groups: group g lands in out[G-1-g] of a strided block (Megatron's reverse-ordered main_grads),
+    written or added (empty group: zeros / untouched); the padding between the slices is never written."""
+    g, m, p, q, pad = 3, 170, 32, 64, 24
+    torch.manual_seed(5)
+    x = torch.randn(m, p, device=dev).to(torch.bfloat16)
+    y = torch.randn(m, q, device=dev).to(torch.bfloat16)
+    lens = torch.tensor([100, 0, 70], device=dev)
+    flat = torch.randn(g * (p * q + pad), device=dev)
+    before = flat.clone()
+    out = flat.as_strided((g, p, q), (p * q + pad, q, 1))
+    start = out.clone()
+    launch = launch_grouped_gemm_variable_k if launcher == "pointer" else launch_grouped_gemm_variable_k_tma
+    launch(x, y, out, lens, accumulate=accumulate, reverse_groups=True)
+    ref = _vk_ref(x, y, lens).flip(0) + (start.double().cpu() if accumulate else 0)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-4, atol=1e-3)
+    assert torch.equal(out[1], start[1]) if accumulate else torch.count_nonzero(out[1]) == 0
+    mask = torch.ones_like(flat, dtype=torch.bool)
+    for e in range(g):
+        mask[e * (p * q + pad) : e * (p * q + pad) + p * q] = False
+    assert torch.equal(flat[mask], before[mask]), "reverse_groups wrote into the padding"
+    if launcher == "tma":
+        with pytest.raises(ValueError, match="reverse_groups"):
+            launch(x, y, out, lens, accumulate=accumulate, reverse_groups=True, config={"TMA_STORE": True})
 
 
 def test_tma_half_eligibility(device):
