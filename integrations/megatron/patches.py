@@ -174,11 +174,13 @@ def apply_megatron_patches(cfg: DictConfig, spec) -> list:
     """Run the registry for ``cfg`` with ``spec`` (a TurboSpecProvider); returns the report rows."""
     from primus_turbo.integrations.megatron import (
         turbo_layers,
+        turbo_optimizer,
         turbo_patches,  # noqa: F401  (registers the turbo entries)
     )
 
     turbo_layers.FP8_CONFIG = None  # set again by the turbo.fp8 entry when precision=fp8
     turbo_layers.FP8_GROUPED_CONFIG = None
     turbo_layers.ASYNC_TP = False  # set again by the turbo.async_tp entry
+    turbo_optimizer.ENABLED = False  # set again by the turbo.optimizer entry
     ctx = MegatronPatchContext(cfg=cfg, spec=spec)
     return apply_patches(REGISTRY, ctx, cfg.turbo, megatron.core.__version__)

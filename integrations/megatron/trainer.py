@@ -79,6 +79,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Run:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from primus_turbo.integrations.megatron import turbo_optimizer
     from primus_turbo.integrations.megatron.model import build_gpt_model, build_transformer_config
     from primus_turbo.integrations.megatron.patches import apply_megatron_patches
     from primus_turbo.integrations.megatron.spec_provider import TurboSpecProvider
@@ -131,6 +132,10 @@ def build_run(cfg: DictConfig, device: torch.device) -> Run:
         [model],
     )
     config.grad_scale_func = optimizer.scale_loss
+    if turbo_optimizer.ENABLED:  # turbo.optimizer
+        switched, casts = turbo_optimizer.use_turbo_adamw(optimizer)
+        log0(f"optimizer: turbo.optim.AdamW for {switched} optimizer(s), clip factor in the step, "
+             f"{casts} master-to-model cast(s) in the step")  # fmt: skip
     fused = use_fused_adam(optimizer)
     if fused:
         log0(f"optimizer: torch fused Adam(W) for {fused} parameter group(s) (no TE/Apex FusedAdam here)")
@@ -237,7 +242,7 @@ def use_fused_adam(optimizer) -> int:
     switched = 0
     for sub in _sub_optimizers(optimizer):
         inner = getattr(sub, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or inner.state:
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or inner.state:  # not turbo's AdamW
             continue
         for group in inner.param_groups:
             params = group["params"]

@@ -373,3 +373,23 @@ def _fp8(ctx) -> str:
     )
     turbo_layers.FP8_GROUPED_CONFIG = turbo_layers.FP8_CONFIG
     return f"turbo linears/experts run FP8 GEMMs: {fmt.value} {granularity.value} current scaling" + wgrad
+
+
+def _needs_torch_adam(ctx) -> str | None:
+    from megatron.core import optimizer
+
+    if getattr(optimizer, "USING_PYTORCH_OPTIMIZER", True) is False:
+        return "Transformer Engine / Apex FusedAdam in use"
+    return None
+
+
+@REGISTRY.register("turbo.optimizer", "megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32",
+                   TESTED, feature="optimizer", condition=_needs_torch_adam)  # fmt: skip
+def _optimizer(ctx) -> str:
+    """Megatron's torch AdamW -> turbo.optim.AdamW (swapped by the trainer once the optimizer exists), the
+    clip factor and the master-to-bf16 cast inside its one pass (``turbo_optimizer``)."""
+    from primus_turbo.integrations.megatron import turbo_optimizer
+
+    turbo_optimizer.install_clip()
+    turbo_optimizer.ENABLED = True
+    return "torch AdamW -> turbo.optim.AdamW (clip factor and master-to-model cast in the step)"

@@ -171,9 +171,7 @@ def use_turbo_adamw(optimizers) -> int:
     swapped = 0
     for optimizer in optimizers.optimizers:
         if type(optimizer) is torch.optim.AdamW:
-            optimizer.__class__ = TurboAdamW
-            optimizer.turbo_steps, optimizer._next_grad_scale = 0, None
-            optimizer._patch_step_function()  # torch's step hooks / profiler range around the new step
+            TurboAdamW.adopt(optimizer)
             if "step" in optimizer.__dict__:
                 # an LR scheduler built before the swap wrapped the *old* step function on the instance (its
                 # call counter): without this, torch's AdamW kept stepping (a CPU test caught it)

@@ -11,6 +11,16 @@ moments are contiguous, in fp32 / bf16 / fp16, with amsgrad, maximize, capturabl
 a float learning rate; anything else (sparse or complex gradients, DTensors, those options) steps through
 torch's AdamW, the grad_scale applied there with one ``_foreach_mul_``. The step count stays on the host (a
 CPU tensor, as torch's for-loop AdamW keeps it), so no step reads anything back from the GPU.
+
+Mixed-precision training keeps fp32 master weights and casts them into the model's bf16 weights after each
+step. ``set_param_copies([(master, model_weight), ...])`` has the step write that cast in the same pass (the
+Triton path stores the updated value twice; the torch path copies after its step):
+
+    opt.set_param_copies(zip(fp32_masters, bf16_weights))
+    opt.step()      # every bf16 weight now holds its master's updated value, cast
+
+``AdamW.adopt(opt)`` turns an existing ``torch.optim.AdamW`` (state included) into this class in place, for
+frameworks that build their own optimizer.
 """
 
 from __future__ import annotations
@@ -41,8 +51,58 @@ class AdamW(torch.optim.AdamW):
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
+        self._init_turbo_fields()
+
+    def _init_turbo_fields(self) -> None:
         self.turbo_steps = 0  # parameters updated by the Triton kernel (introspection / tests)
         self._next_grad_scale: torch.Tensor | None = None
+        self._copies: dict[torch.Tensor, torch.Tensor] = {}
+        self._copies_fresh = False
+
+    @classmethod
+    def adopt(cls, optimizer: torch.optim.AdamW) -> AdamW:
+        """Make ``optimizer`` (exactly a ``torch.optim.AdamW``) an instance of this class in place: the same
+        parameter groups, options and state, its steps from now on the one-pass kernel. Returns it."""
+        if type(optimizer) is not torch.optim.AdamW:
+            got = type(optimizer).__name__
+            raise TypeError(f"AdamW.adopt: optimizer must be a torch.optim.AdamW, got {got}")
+        optimizer.__class__ = cls
+        optimizer._init_turbo_fields()
+        optimizer._patch_step_function()  # torch's step hooks / profiler range around the new step
+        return optimizer
+
+    def set_param_copies(self, pairs) -> int:
+        """Register (param, copy) pairs: after each step that updates ``param``, ``copy`` holds it cast to the
+        copy's dtype (as ``copy.copy_(param)``). ``param`` must be one of this optimizer's parameters and
+        ``copy`` a contiguous floating tensor of the same number of elements on its device; a pair whose copy
+        is the parameter's own memory in its dtype is skipped. Replaces earlier pairs; returns how many are
+        kept."""
+        owned = {p for group in self.param_groups for p in group["params"]}
+        copies: dict[torch.Tensor, torch.Tensor] = {}
+        for param, copy in pairs:
+            if param not in owned:
+                raise ValueError("AdamW.set_param_copies: a param is not one of this optimizer's parameters")
+            if not isinstance(copy, torch.Tensor) or not copy.is_floating_point() or not copy.is_contiguous():
+                raise ValueError(
+                    "AdamW.set_param_copies: copy must be a contiguous floating-point tensor, got "
+                    + (f"{copy.dtype} {tuple(copy.shape)}" if isinstance(copy, torch.Tensor) else repr(copy))
+                )
+            if copy.numel() != param.numel() or copy.device != param.device:
+                raise ValueError(
+                    f"AdamW.set_param_copies: copy has {copy.numel()} elements on {copy.device}, its param "
+                    f"{param.numel()} on {param.device}: they must match"
+                )
+            if copy.dtype == param.dtype and copy.data_ptr() == param.data_ptr():
+                continue
+            copies[param] = copy.view(param.shape)
+        self._copies = copies
+        return len(copies)
+
+    def copies_fresh(self) -> bool:
+        """True once after a ``step()`` that wrote the registered copies (then False until the next step):
+        the caller's own master-to-model cast of that step can be skipped."""
+        fresh, self._copies_fresh = self._copies_fresh, False
+        return fresh
 
     def set_next_grad_scale(self, grad_scale: torch.Tensor | None) -> None:
         """``grad_scale`` for the next ``step()`` called without one (for callers that step through a
@@ -75,10 +135,11 @@ class AdamW(torch.optim.AdamW):
                     slow.append(p)
                     continue
                 state = self.state[p]
-                if not state:
+                if "step" not in state:  # new, or moments made by a framework's state initializer
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if key not in state:
+                            state[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 elif state["step"].device.type != "cpu":  # e.g. loaded from torch's fused AdamW: once
                     state["step"] = state["step"].detach().cpu()
                 state["step"] += 1
@@ -87,11 +148,17 @@ class AdamW(torch.optim.AdamW):
                     p, p.grad, state["exp_avg"], state["exp_avg_sq"], scale, lr=float(group["lr"]),
                     beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), step=int(state["step"].item()),
+                    copy=self._copies.get(p),
                 )  # fmt: skip
                 self.turbo_steps += 1
             fallback.append(slow)
         if any(fallback):
             self._torch_step(fallback, grad_scale)
+            for params in fallback:
+                for p in params:
+                    if p in self._copies:
+                        self._copies[p].copy_(p)
+        self._copies_fresh = bool(self._copies)
         return loss
 
     def _torch_step(self, fallback: list[list[torch.Tensor]], grad_scale) -> None:

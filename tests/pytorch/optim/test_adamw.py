@@ -1,6 +1,6 @@
 """turbo.optim.AdamW against torch.optim.AdamW (for-loop, fp32): the same parameters and moments after several
-steps, with and without a gradient scale (gradient clipping's factor, which torch applies to .grad first), and
-a state_dict either optimizer loads."""
+steps, with and without a gradient scale (gradient clipping's factor, which torch applies to .grad first), a
+state_dict either optimizer loads, the 16-bit copies of fp32 masters written by the step, and ``adopt``."""
 
 from __future__ import annotations
 
@@ -102,6 +102,98 @@ def test_bad_grad_scale_is_refused(device):
         AdamW([p], **KW).step(grad_scale=0.5)
 
 
+def _flat_views(params, dtype, device):
+    """One NaN-filled buffer (a guard element before and after) cut into one flat view per parameter, as
+    Megatron's parameter buffer holds the model's bf16 weights."""
+    buffer = torch.full((sum(p.numel() for p in params) + 2,), float("nan"), dtype=dtype, device=device)
+    views, start = [], 1
+    for p in params:
+        views.append(buffer[start : start + p.numel()])
+        start += p.numel()
+    return buffer, views
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["kernel", "torch-path"])
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+def test_param_copies_hold_each_updated_master_cast(copy_dtype, amsgrad, device):
+    """fp32 masters with 16-bit model copies: after each step (with a grad scale) every copy is bit for bit
+    the cast of its updated master, on the kernel path and on the torch path (amsgrad), nothing else is
+    written, and copies_fresh() says so once per step."""
+    ours, ref = _params(device), _params(device)
+    buffer, views = _flat_views(ours, copy_dtype, device)
+    opt = AdamW(ours, amsgrad=amsgrad, **KW)
+    ref_opt = torch.optim.AdamW(ref, amsgrad=amsgrad, foreach=False, **KW)
+    assert opt.set_param_copies(zip(ours, views)) == len(ours)
+    assert not opt.copies_fresh()
+    for step in range(3):
+        for p, q, g in zip(ours, ref, _grads(ours, step)):
+            p.grad, q.grad = g.clone(), g * 0.25
+        opt.step(grad_scale=torch.tensor(0.25, device=device))
+        ref_opt.step()
+        assert opt.copies_fresh() and not opt.copies_fresh()
+        for p, q, view in zip(ours, ref, views):
+            assert torch.equal(view, p.detach().reshape(-1).to(copy_dtype))
+            assert_close(p, q, torch.float32)
+    assert opt.turbo_steps == (0 if amsgrad else 3 * len(ours))
+    assert buffer[0].isnan() and buffer[-1].isnan()
+
+
+def test_param_copies_are_checked(device):
+    ours = _params(device)
+    opt = AdamW(ours[:2], **KW)
+    p = ours[0]
+    flat = torch.empty(p.numel(), dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="not one of this optimizer's parameters"):
+        opt.set_param_copies([(ours[2], torch.empty(ours[2].numel(), device=device))])
+    with pytest.raises(ValueError, match="copy has 3 elements .* must match"):
+        opt.set_param_copies([(p, flat[:3])])
+    with pytest.raises(ValueError, match="contiguous floating-point tensor, got torch.bfloat16"):
+        opt.set_param_copies([(p, torch.empty(2 * p.numel(), dtype=torch.bfloat16, device=device)[::2])])
+    with pytest.raises(ValueError, match="contiguous floating-point tensor, got torch.int32"):
+        opt.set_param_copies([(p, torch.empty(p.numel(), dtype=torch.int32, device=device))])
+    # the parameter's own memory in its dtype (Megatron's fp32 parameters): nothing to write
+    assert opt.set_param_copies([(p, p.detach().view(-1)), (ours[1], flat[: ours[1].numel()])]) == 1
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.copies_fresh()
+    assert opt.set_param_copies([]) == 0
+    opt.step()
+    assert not opt.copies_fresh()  # no copies registered: the caller must cast itself
+
+
+def test_adopt_turns_a_stepped_torch_adamw_into_this_class(device):
+    ours, ref = _params(device), _params(device)
+    torch_opt = torch.optim.AdamW(ours, foreach=False, **KW)
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **KW)
+    for step in range(3):
+        if step == 1:
+            assert AdamW.adopt(torch_opt) is torch_opt and isinstance(torch_opt, AdamW)
+        for p, q, g in zip(ours, ref, _grads(ours, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        torch_opt.step()
+        ref_opt.step()
+    assert torch_opt.turbo_steps == 2 * len(ours)
+    for p, q in zip(ours, ref):
+        assert_close(p, q, torch.float32)
+    with pytest.raises(TypeError, match="must be a torch.optim.AdamW, got SGD"):
+        AdamW.adopt(torch.optim.SGD(_params(device), lr=0.1))
+
+
+def test_moments_made_by_a_framework_initializer_step_from_zero(device):
+    """Megatron's init_state_fn makes exp_avg / exp_avg_sq without a step count (checkpoint loading)."""
+    ours, ref = _params(device), _params(device)
+    opt, ref_opt = AdamW(ours, **KW), torch.optim.AdamW(ref, foreach=False, **KW)
+    for p in ours:
+        opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+    for p, q, g in zip(ours, ref, _grads(ours, 0)):
+        p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    ref_opt.step()
+    for p, q in zip(ours, ref):
+        assert float(opt.state[p]["step"]) == 1.0
+        assert_close(p, q, torch.float32)
+
+
 def _compile_all() -> None:
     from triton_compile_utils import compile_for_sm90
 
@@ -110,12 +202,14 @@ def _compile_all() -> None:
     for dtype in ("fp32", "bf16"):
         sig = {
             "p_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "m_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
-            "scale_ptr": "*fp32", "numel": "i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32",
-            "eps": "fp32", "weight_decay": "fp32", "bias_correction1": "fp32",
-            "bias_correction2_sqrt": "fp32", "HAS_SCALE": "constexpr", "BLOCK": "constexpr",
+            "scale_ptr": "*fp32", "copy_ptr": "*bf16", "numel": "i64", "lr": "fp32", "beta1": "fp32",
+            "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32", "bias_correction1": "fp32",
+            "bias_correction2_sqrt": "fp32", "HAS_SCALE": "constexpr", "HAS_COPY": "constexpr",
+            "BLOCK": "constexpr",
         }  # fmt: skip
-        for has_scale in (True, False):
-            compile_for_sm90(ak.adamw_kernel, sig, {"HAS_SCALE": has_scale, "BLOCK": ak.BLOCK}, num_warps=8)
+        for has_scale, has_copy in ((True, True), (False, False)):
+            consts = {"HAS_SCALE": has_scale, "HAS_COPY": has_copy, "BLOCK": ak.BLOCK}
+            compile_for_sm90(ak.adamw_kernel, sig, consts, num_warps=8)
 
 
 def test_kernel_compiles_for_sm90():
