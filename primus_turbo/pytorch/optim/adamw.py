@@ -28,20 +28,27 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from primus_turbo.pytorch.core.utils import triton_can_run_on
+from primus_turbo.pytorch.core.utils import triton_can_run_on, triton_interpret_enabled
 
 __all__ = ["AdamW"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fast(p: torch.Tensor, group: dict) -> bool:
+def _group_fast(group: dict) -> bool:
+    return not (
+        group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]
+        or isinstance(group["lr"], torch.Tensor)
+    )  # fmt: skip
+
+
+def _fast(p: torch.Tensor, interpret: bool) -> bool:
+    """Called per parameter and step (hundreds per step): the cheapest tests first."""
     g = p.grad
     return (
-        not isinstance(p, DTensor) and not g.is_sparse and p.dtype in _DTYPES and g.dtype in _DTYPES
-        and p.is_contiguous() and g.is_contiguous() and triton_can_run_on(p, g)
-        and not (group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"])
-        and not isinstance(group["lr"], torch.Tensor)
+        (p.is_cuda and g.is_cuda or interpret and triton_can_run_on(p, g))
+        and p.dtype in _DTYPES and g.dtype in _DTYPES and not g.is_sparse and not isinstance(p, DTensor)
+        and p.is_contiguous() and g.is_contiguous()
     )  # fmt: skip
 
 
@@ -58,6 +65,7 @@ class AdamW(torch.optim.AdamW):
         self._next_grad_scale: torch.Tensor | None = None
         self._copies: dict[torch.Tensor, torch.Tensor] = {}
         self._copies_fresh = False
+        self._tables: dict[tuple, tuple[list[int], torch.Tensor]] = {}  # launch tables by group and bucket
 
     @classmethod
     def adopt(cls, optimizer: torch.optim.AdamW) -> AdamW:
@@ -112,8 +120,6 @@ class AdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None, grad_scale: torch.Tensor | None = None):
         """One AdamW update; ``grad_scale``: a one-element tensor every gradient is multiplied by first."""
-        from primus_turbo.triton.optim.adamw_kernel import launch_adamw
-
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -125,33 +131,16 @@ class AdamW(torch.optim.AdamW):
                 raise ValueError(f"AdamW.step: grad_scale must be a one-element tensor, got {grad_scale!r}")
             grad_scale = grad_scale.detach().reshape(1).to(torch.float32)
         fallback = []
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            slow = []
+        interpret = triton_interpret_enabled()
+        for index, group in enumerate(self.param_groups):
+            fast, slow = [], []
+            group_fast = _group_fast(group)
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not _fast(p, group):
-                    slow.append(p)
-                    continue
-                state = self.state[p]
-                if "step" not in state:  # new, or moments made by a framework's state initializer
-                    state["step"] = torch.tensor(0.0)
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        if key not in state:
-                            state[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                elif state["step"].device.type != "cpu":  # e.g. loaded from torch's fused AdamW: once
-                    state["step"] = state["step"].detach().cpu()
-                state["step"] += 1
-                scale = grad_scale.to(p.device, non_blocking=True) if grad_scale is not None else None
-                launch_adamw(
-                    p, p.grad, state["exp_avg"], state["exp_avg_sq"], scale, lr=float(group["lr"]),
-                    beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), step=int(state["step"].item()),
-                    copy=self._copies.get(p),
-                )  # fmt: skip
-                self.turbo_steps += 1
+                if p.grad is not None:
+                    (fast if group_fast and _fast(p, interpret) else slow).append(p)
             fallback.append(slow)
+            if fast:
+                self._kernel_step(index, group, fast, slow, grad_scale)
         if any(fallback):
             self._torch_step(fallback, grad_scale)
             for params in fallback:
@@ -160,6 +149,64 @@ class AdamW(torch.optim.AdamW):
                         self._copies[p].copy_(p)
         self._copies_fresh = bool(self._copies)
         return loss
+
+    def _kernel_step(self, index: int, group: dict, params: list, slow: list, grad_scale) -> None:
+        """The group's kernel parameters in one launch per (device, dtypes, step count); parameters whose two
+        moments differ in dtype join ``slow``."""
+        from primus_turbo.triton.optim.adamw_kernel import adamw_table, launch_adamw
+
+        kept, states = [], []
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:  # new, or moments made by a framework's state initializer
+                state["step"] = torch.tensor(0.0)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key not in state:
+                        state[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif state["step"].device.type != "cpu":  # e.g. loaded from torch's fused AdamW: once
+                state["step"] = state["step"].detach().cpu()
+            if state["exp_avg"].dtype != state["exp_avg_sq"].dtype:
+                slow.append(p)
+                continue
+            kept.append(p)
+            states.append(state)
+        if not kept:
+            return
+        steps = [state["step"] for state in states]
+        torch._foreach_add_(steps, 1.0)
+        buckets: dict[tuple, list] = {}
+        for p, state, count in zip(kept, states, torch.stack(steps).tolist(), strict=True):
+            copy = self._copies.get(p)
+            copy_dtype = None if copy is None else copy.dtype
+            key = (p.device, p.dtype, p.grad.dtype, state["exp_avg"].dtype, copy_dtype, int(count))
+            buckets.setdefault(key, []).append((p, state, copy))
+        beta1, beta2 = group["betas"]
+        ranks: dict[tuple, int] = {}  # a table's cache key: the bucket without its step count (which moves)
+        for key, items in buckets.items():
+            device, *dtypes, count = key
+            rank = ranks[key[:-1]] = ranks.get(key[:-1], -1) + 1
+            params, states_, copies = zip(*items, strict=True)
+            rows, blocks = adamw_table(
+                params, [p.grad for p in params], [s["exp_avg"] for s in states_],
+                [s["exp_avg_sq"] for s in states_], None if dtypes[3] is None else copies,
+            )  # fmt: skip
+            scale = grad_scale.to(device, non_blocking=True) if grad_scale is not None else None
+            launch_adamw(
+                self._device_table((index, *key[:-1], rank), rows, device), len(items), blocks, dtypes, scale,
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]), step=count,
+            )  # fmt: skip
+            self.turbo_steps += len(items)
+
+    def _device_table(self, key, rows: list[int], device: torch.device) -> torch.Tensor:
+        """The launch table on ``device``, copied there only when its addresses change (steady state: never;
+        the host list is compared, the device copy kept)."""
+        cached = self._tables.get(key)
+        if cached is not None and cached[0] == rows:
+            return cached[1]
+        table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        self._tables[key] = (rows, table)
+        return table
 
     def _torch_step(self, fallback: list[list[torch.Tensor]], grad_scale) -> None:
         """torch's AdamW on the parameters the kernel does not take: a torch AdamW over them with their

@@ -1,4 +1,5 @@
-"""AdamW's update of one parameter in one pass, the gradient scaled on the fly (gradient clipping's factor).
+"""AdamW's update in one pass per element, the gradient scaled on the fly (gradient clipping's factor), for a
+list of parameters in one launch.
 
 Per element, in fp32 (torch's fused AdamW, ``FusedAdamMathFunctor`` in ADAMW mode, in the same order):
 
@@ -12,24 +13,46 @@ Reads p, g, m, v and writes p, m, v (28 bytes per fp32 element); the gradient is
 then torch's fused AdamW read and write it once more (8 bytes) and the optimizer reads it again. With a copy
 (mixed-precision training's model weight next to its fp32 master), the updated p is also stored in the copy's
 dtype: 2 more bytes per element for bf16, where a separate cast pass reads p again (4 + 2 bytes).
+
+One launch serves any number of parameters (as torch's multi-tensor apply): a device table holds, per tensor,
+the addresses of p, grad, exp_avg, exp_avg_sq and copy, its size and its first block; each program finds its
+tensor by a binary search over the first blocks. A model's hundreds of parameters cost one launch per dtype
+combination instead of one per parameter (Megatron's DeepSeek proxy: 426 Python launches, ~27 ms of host
+time per step under the profiler, against an 18 ms GPU step).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 BLOCK = 4096
+ROW = 7  # table columns: p, grad, exp_avg, exp_avg_sq, copy (addresses), numel, first block
 
 
 @triton.jit
 def adamw_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, copy_ptr, numel, lr, beta1, beta2, eps, weight_decay,
-    bias_correction1, bias_correction2_sqrt, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr,
-    BLOCK: tl.constexpr,
+    table_ptr, num_tensors, search_steps, scale_ptr, lr, beta1, beta2, eps, weight_decay, bias_correction1,
+    bias_correction2_sqrt, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr,
+    COPY_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr,
+    ROW: tl.constexpr,
 ):  # fmt: skip
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    pid = tl.program_id(0).to(tl.int64)
+    lo = tl.zeros((), tl.int64)  # the last tensor whose first block is <= pid (empty tensors own no block)
+    hi = num_tensors.to(tl.int64)
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        go = tl.load(table_ptr + mid * ROW + 6) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    row = table_ptr + lo * ROW
+    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(M_DTYPE))
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(M_DTYPE))
+    offs = (pid - tl.load(row + 6)) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < tl.load(row + 5)
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -41,29 +64,47 @@ def adamw_kernel(
     v = beta2 * v + (1.0 - beta2) * g * g
     denom = tl.sqrt(v) / bias_correction2_sqrt + eps
     p = p - (lr / bias_correction1) * m / denom
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
+    tl.store(m_ptr + offs, m.to(M_DTYPE), mask=mask)
+    tl.store(v_ptr + offs, v.to(M_DTYPE), mask=mask)
     if HAS_COPY:
-        tl.store(copy_ptr + offs, p.to(p_ptr.dtype.element_ty).to(copy_ptr.dtype.element_ty), mask=mask)
+        c_ptr = tl.load(row + 4).to(tl.pointer_type(COPY_DTYPE))
+        tl.store(c_ptr + offs, p.to(P_DTYPE).to(COPY_DTYPE), mask=mask)
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def adamw_table(params, grads, exp_avgs, exp_avg_sqs, copies) -> tuple[list[int], int]:
+    """The kernel's table for non-empty tensors (flat list of int64, ROW per tensor) and its block count.
+    ``copies``: None or one tensor per parameter."""
+    rows: list[int] = []
+    first = 0
+    for i, p in enumerate(params):
+        n = p.numel()
+        copy = copies[i].data_ptr() if copies is not None else 0
+        rows += (p.data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr())
+        rows += (copy, n, first)
+        first += (n + BLOCK - 1) // BLOCK  # (triton.cdiv is a jit function: ~4 us a call from Python)
+    return rows, first
 
 
 def launch_adamw(
-    param, grad, exp_avg, exp_avg_sq, scale, *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, step: int, copy=None,
+    table: torch.Tensor, num_tensors: int, num_blocks: int, dtypes, scale, *, lr: float, beta1: float,
+    beta2: float, eps: float, weight_decay: float, step: int,
 ) -> None:  # fmt: skip
-    """In place on contiguous same-shape ``param``, ``exp_avg``, ``exp_avg_sq``; ``grad`` contiguous;
-    ``scale``: a one-element tensor the gradient is multiplied by, or None; ``step``: the count after this
-    update; ``copy``: None, or a contiguous tensor of ``param``'s size that receives the updated ``param``
-    cast to its dtype (the value ``copy.copy_(param)`` would give)."""
-    numel = param.numel()
-    if numel == 0:
+    """AdamW in place over the ``num_tensors`` tensors of ``table`` (from ``adamw_table``, on their device):
+    contiguous same-size p, exp_avg, exp_avg_sq, grad (and copy; an empty tensor owns no block); ``dtypes``:
+    (p, grad, moments, copy or None) torch dtypes, the same for every tensor; ``scale``: a one-element tensor
+    the gradients are multiplied by, or None; ``step``: the count after this update, the same for all."""
+    if num_tensors == 0 or num_blocks == 0:
         return
+    p_dtype, g_dtype, m_dtype, copy_dtype = dtypes
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
-    adamw_kernel[(triton.cdiv(numel, BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, scale if scale is not None else param,
-        copy if copy is not None else param, numel, lr, beta1, beta2, eps, weight_decay, bias_correction1,
-        bias_correction2_sqrt, HAS_SCALE=scale is not None, HAS_COPY=copy is not None, BLOCK=BLOCK,
-        num_warps=8,
+    adamw_kernel[(num_blocks,)](
+        table, num_tensors, max(num_tensors - 1, 0).bit_length(), scale if scale is not None else table, lr,
+        beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, P_DTYPE=_TL[p_dtype],
+        G_DTYPE=_TL[g_dtype], M_DTYPE=_TL[m_dtype], COPY_DTYPE=_TL[copy_dtype or p_dtype],
+        HAS_SCALE=scale is not None, HAS_COPY=copy_dtype is not None, BLOCK=BLOCK, ROW=ROW, num_warps=8,
     )  # fmt: skip

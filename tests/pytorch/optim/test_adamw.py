@@ -102,6 +102,49 @@ def test_bad_grad_scale_is_refused(device):
         AdamW([p], **KW).step(grad_scale=0.5)
 
 
+def test_many_parameters_in_one_launch_per_dtype_and_step_count(device, monkeypatch):
+    """One launch per (dtypes, step count): 43 fp32 parameters of 0 to 3 blocks + 3 bf16 ones, some with a
+    bf16 copy, two joining after the first step (their own step count). Every tensor against torch's
+    AdamW, and the launch table: kept while the addresses stay, rebuilt when a gradient is a new tensor."""
+    from primus_turbo.triton.optim import adamw_kernel
+
+    launches = []
+    launch = adamw_kernel.launch_adamw
+    counted = lambda *a, **k: launches.append(a[1]) or launch(*a, **k)  # noqa: E731
+    monkeypatch.setattr(adamw_kernel, "launch_adamw", counted)
+    gen = torch.Generator().manual_seed(1)
+    sizes = [int(n) for n in torch.randint(1, 3 * adamw_kernel.BLOCK, (40,), generator=gen)] + [0, 4096, 1]
+    ours = [torch.nn.Parameter(torch.randn(n, generator=gen).to(device)) for n in sizes]
+    bf16 = [torch.randn(n, generator=gen).to(device, torch.bfloat16) for n in (7, 5000, 1)]
+    ours += [torch.nn.Parameter(t) for t in bf16]
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]
+    late = {3, 41}  # no gradient in the first step
+    opt, ref_opt = AdamW(ours, **KW), torch.optim.AdamW(ref, foreach=False, **KW)
+    copies = [p.detach().reshape(-1).to(torch.bfloat16) for p in ours[:10]]  # a model's weights start equal
+    opt.set_param_copies(zip(ours[:10], copies))
+    tables = {}
+    for step in range(3):
+        launches.clear()
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            if step == 0 and i in late:
+                continue
+            g = torch.randn(p.shape, generator=gen).to(device)
+            p.grad, q.grad = g.to(p.dtype), g.to(p.dtype).float()
+        opt.step()
+        ref_opt.step()
+        # step 0: fp32 with / without copy, bf16; later: the late ones (one with a copy) a step behind
+        assert launches == ([9, 32, 3] if step == 0 else [9, 1, 32, 1, 3]), launches
+        for p, q in zip(ours, ref):
+            assert_close(p.float(), q, p.dtype)
+        for p, c in zip(ours[:10], copies):
+            assert torch.equal(c, p.detach().reshape(-1).to(torch.bfloat16))
+        # the gradients are new tensors every step: the tables follow their addresses
+        assert all(tables.get(k) is not v[1] for k, v in opt._tables.items())
+        tables = {k: v[1] for k, v in opt._tables.items()}
+    opt.step()  # the same gradient tensors: every device table reused
+    assert all(tables[k] is v[1] for k, v in opt._tables.items()) and len(tables) == 5
+
+
 def _flat_views(params, dtype, device):
     """One NaN-filled buffer (a guard element before and after) cut into one flat view per parameter, as
     Megatron's parameter buffer holds the model's bf16 weights."""
@@ -195,21 +238,23 @@ def test_moments_made_by_a_framework_initializer_step_from_zero(device):
 
 
 def _compile_all() -> None:
+    import triton.language as tl
     from triton_compile_utils import compile_for_sm90
 
     from primus_turbo.triton.optim import adamw_kernel as ak
 
-    for dtype in ("fp32", "bf16"):
-        sig = {
-            "p_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "m_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
-            "scale_ptr": "*fp32", "copy_ptr": "*bf16", "numel": "i64", "lr": "fp32", "beta1": "fp32",
-            "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32", "bias_correction1": "fp32",
-            "bias_correction2_sqrt": "fp32", "HAS_SCALE": "constexpr", "HAS_COPY": "constexpr",
-            "BLOCK": "constexpr",
-        }  # fmt: skip
-        for has_scale, has_copy in ((True, True), (False, False)):
-            consts = {"HAS_SCALE": has_scale, "HAS_COPY": has_copy, "BLOCK": ak.BLOCK}
-            compile_for_sm90(ak.adamw_kernel, sig, consts, num_warps=8)
+    sig = {
+        "table_ptr": "*i64", "num_tensors": "i32", "search_steps": "i32", "scale_ptr": "*fp32", "lr": "fp32",
+        "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32", "bias_correction1": "fp32",
+        "bias_correction2_sqrt": "fp32", "P_DTYPE": "constexpr", "G_DTYPE": "constexpr",
+        "M_DTYPE": "constexpr", "COPY_DTYPE": "constexpr", "HAS_SCALE": "constexpr", "HAS_COPY": "constexpr",
+        "BLOCK": "constexpr", "ROW": "constexpr",
+    }  # fmt: skip
+    variants = ((tl.float32, True, True), (tl.float32, False, False), (tl.bfloat16, True, False))
+    for dtype, has_scale, has_copy in variants:
+        consts = {"P_DTYPE": dtype, "G_DTYPE": dtype, "M_DTYPE": dtype, "COPY_DTYPE": tl.bfloat16,
+                  "HAS_SCALE": has_scale, "HAS_COPY": has_copy, "BLOCK": ak.BLOCK, "ROW": ak.ROW}  # fmt: skip
+        compile_for_sm90(ak.adamw_kernel, sig, consts, num_warps=8)
 
 
 def test_kernel_compiles_for_sm90():
