@@ -8,8 +8,8 @@ and moments, as TorchTitan keeps them on one GPU):
 
 Also each step without the clip, and Megatron's mixed-precision step (fp32 masters, bf16 model weights):
 
-  torch ... + bf16 cast       the clip and fused step, then the masters cast into the bf16 weights
-                              (torch._foreach_copy_; Megatron's DistributedOptimizer does one copy_ each)
+  torch ... + bf16 cast       the clip and fused step, then the masters cast into the bf16 weights, one
+                              copy_ each (Megatron's DistributedOptimizer)
   turbo ..., cast fused       set_param_copies: the same pass writes the bf16 weights (+2 bytes per element)
 
 GB/s counts the ideal traffic (28 bytes per element for AdamW, + 8 for the clip's multiply, + 6 for a
@@ -79,7 +79,8 @@ def _rows(shapes, label: str) -> list[dict]:
 
     def torch_clip_step_cast():
         torch_clip_step()
-        torch._foreach_copy_(ref_bf16, ref)
+        for model, master in zip(ref_bf16, ref):  # as Megatron's DistributedOptimizer: one copy_ each
+            model.copy_(master)
 
     # one step each from the same start: the same parameters up to fp32 rounding
     torch_clip_step()

@@ -178,15 +178,16 @@ class AdamW(torch.optim.AdamW):
         for p, state, count in zip(kept, states, torch.stack(steps).tolist(), strict=True):
             copy = self._copies.get(p)
             copy_dtype = None if copy is None else copy.dtype
-            key = (p.device, p.dtype, p.grad.dtype, state["exp_avg"].dtype, copy_dtype, int(count))
+            key = (p.get_device(), p.dtype, p.grad.dtype, state["exp_avg"].dtype, copy_dtype, int(count))
             buckets.setdefault(key, []).append((p, state, copy))
         beta1, beta2 = group["betas"]
         ranks: dict[tuple, int] = {}  # a table's cache key: the bucket without its step count (which moves)
         for key, items in buckets.items():
-            device, *dtypes, count = key
+            _, *dtypes, count = key
             rank = ranks[key[:-1]] = ranks.get(key[:-1], -1) + 1
             params, states_, copies = zip(*items, strict=True)
-            rows, blocks = adamw_table(
+            device = params[0].device
+            rows, blocks, aligned = adamw_table(
                 params, [p.grad for p in params], [s["exp_avg"] for s in states_],
                 [s["exp_avg_sq"] for s in states_], None if dtypes[3] is None else copies,
             )  # fmt: skip
@@ -194,7 +195,7 @@ class AdamW(torch.optim.AdamW):
             launch_adamw(
                 self._device_table((index, *key[:-1], rank), rows, device), len(items), blocks, dtypes, scale,
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), step=count,
+                weight_decay=float(group["weight_decay"]), step=count, aligned=aligned,
             )  # fmt: skip
             self.turbo_steps += len(items)
 

@@ -32,27 +32,14 @@ ROW = 7  # table columns: p, grad, exp_avg, exp_avg_sq, copy (addresses), numel,
 
 
 @triton.jit
-def adamw_kernel(
-    table_ptr, num_tensors, search_steps, scale_ptr, lr, beta1, beta2, eps, weight_decay, bias_correction1,
-    bias_correction2_sqrt, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr,
-    COPY_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr,
-    ROW: tl.constexpr,
+def _adamw_block(
+    p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel, scale_ptr, lr, beta1, beta2, eps, weight_decay,
+    bias_correction1, bias_correction2_sqrt, P_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr,
+    COPY_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    lo = tl.zeros((), tl.int64)  # the last tensor whose first block is <= pid (empty tensors own no block)
-    hi = num_tensors.to(tl.int64)
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        go = tl.load(table_ptr + mid * ROW + 6) <= pid
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    row = table_ptr + lo * ROW
-    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(M_DTYPE))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(M_DTYPE))
-    offs = (pid - tl.load(row + 6)) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < tl.load(row + 5)
+    """One block; MASKED False: a whole block inside the tensor, loads and stores without a mask (which the
+    compiler can vectorize: the mask of a tensor size read from memory has no known divisibility)."""
+    mask = offs < numel if MASKED else None
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -68,35 +55,80 @@ def adamw_kernel(
     tl.store(m_ptr + offs, m.to(M_DTYPE), mask=mask)
     tl.store(v_ptr + offs, v.to(M_DTYPE), mask=mask)
     if HAS_COPY:
-        c_ptr = tl.load(row + 4).to(tl.pointer_type(COPY_DTYPE))
         tl.store(c_ptr + offs, p.to(P_DTYPE).to(COPY_DTYPE), mask=mask)
+
+
+@triton.jit
+def adamw_kernel(
+    table_ptr, num_tensors, search_steps, scale_ptr, lr, beta1, beta2, eps, weight_decay, bias_correction1,
+    bias_correction2_sqrt, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr,
+    COPY_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr, ROW: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    lo = tl.zeros((), tl.int64)  # the last tensor whose first block is <= pid (empty tensors own no block)
+    hi = lo + num_tensors  # (num_tensors == 1 arrives as a constant)
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        go = tl.load(table_ptr + mid * ROW + 6) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    row = table_ptr + lo * ROW
+    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(M_DTYPE))
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(M_DTYPE))
+    c_ptr = tl.load(row + 4).to(tl.pointer_type(COPY_DTYPE))
+    if ALIGNED:  # every address of the table 16-byte aligned (checked on the host): vector accesses
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        c_ptr = tl.multiple_of(c_ptr, 16)
+    start = (pid - tl.load(row + 6)) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    numel = tl.load(row + 5)
+    if start + BLOCK <= numel:
+        _adamw_block(
+            p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel, scale_ptr, lr, beta1, beta2, eps, weight_decay,
+            bias_correction1, bias_correction2_sqrt, P_DTYPE, M_DTYPE, COPY_DTYPE, HAS_SCALE, HAS_COPY, False,
+        )  # fmt: skip
+    else:
+        _adamw_block(
+            p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel, scale_ptr, lr, beta1, beta2, eps, weight_decay,
+            bias_correction1, bias_correction2_sqrt, P_DTYPE, M_DTYPE, COPY_DTYPE, HAS_SCALE, HAS_COPY, True,
+        )  # fmt: skip
 
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def adamw_table(params, grads, exp_avgs, exp_avg_sqs, copies) -> tuple[list[int], int]:
-    """The kernel's table for non-empty tensors (flat list of int64, ROW per tensor) and its block count.
-    ``copies``: None or one tensor per parameter."""
+def adamw_table(params, grads, exp_avgs, exp_avg_sqs, copies) -> tuple[list[int], int, bool]:
+    """The kernel's table (flat list of int64, ROW per tensor), its block count and whether every address is
+    16-byte aligned. ``copies``: None or one tensor per parameter."""
     rows: list[int] = []
     first = 0
+    bits = 0
     for i, p in enumerate(params):
         n = p.numel()
-        copy = copies[i].data_ptr() if copies is not None else 0
-        rows += (p.data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr())
-        rows += (copy, n, first)
+        addresses = (p.data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
+                     copies[i].data_ptr() if copies is not None else 0)  # fmt: skip
+        for a in addresses:
+            bits |= a
+        rows += (*addresses, n, first)
         first += (n + BLOCK - 1) // BLOCK  # (triton.cdiv is a jit function: ~4 us a call from Python)
-    return rows, first
+    return rows, first, bits % 16 == 0
 
 
 def launch_adamw(
     table: torch.Tensor, num_tensors: int, num_blocks: int, dtypes, scale, *, lr: float, beta1: float,
-    beta2: float, eps: float, weight_decay: float, step: int,
+    beta2: float, eps: float, weight_decay: float, step: int, aligned: bool = False,
 ) -> None:  # fmt: skip
     """AdamW in place over the ``num_tensors`` tensors of ``table`` (from ``adamw_table``, on their device):
     contiguous same-size p, exp_avg, exp_avg_sq, grad (and copy; an empty tensor owns no block); ``dtypes``:
     (p, grad, moments, copy or None) torch dtypes, the same for every tensor; ``scale``: a one-element tensor
-    the gradients are multiplied by, or None; ``step``: the count after this update, the same for all."""
+    the gradients are multiplied by, or None; ``step``: the count after this update, the same for all;
+    ``aligned``: every address in the table is a multiple of 16 bytes (``adamw_table`` says)."""
     if num_tensors == 0 or num_blocks == 0:
         return
     p_dtype, g_dtype, m_dtype, copy_dtype = dtypes
@@ -106,5 +138,6 @@ def launch_adamw(
         table, num_tensors, max(num_tensors - 1, 0).bit_length(), scale if scale is not None else table, lr,
         beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, P_DTYPE=_TL[p_dtype],
         G_DTYPE=_TL[g_dtype], M_DTYPE=_TL[m_dtype], COPY_DTYPE=_TL[copy_dtype or p_dtype],
-        HAS_SCALE=scale is not None, HAS_COPY=copy_dtype is not None, BLOCK=BLOCK, ROW=ROW, num_warps=8,
+        HAS_SCALE=scale is not None, HAS_COPY=copy_dtype is not None, ALIGNED=aligned, BLOCK=BLOCK, ROW=ROW,
+        num_warps=8,
     )  # fmt: skip

@@ -248,13 +248,16 @@ def _compile_all() -> None:
         "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32", "bias_correction1": "fp32",
         "bias_correction2_sqrt": "fp32", "P_DTYPE": "constexpr", "G_DTYPE": "constexpr",
         "M_DTYPE": "constexpr", "COPY_DTYPE": "constexpr", "HAS_SCALE": "constexpr", "HAS_COPY": "constexpr",
-        "BLOCK": "constexpr", "ROW": "constexpr",
+        "ALIGNED": "constexpr", "BLOCK": "constexpr", "ROW": "constexpr",
     }  # fmt: skip
     variants = ((tl.float32, True, True), (tl.float32, False, False), (tl.bfloat16, True, False))
     for dtype, has_scale, has_copy in variants:
         consts = {"P_DTYPE": dtype, "G_DTYPE": dtype, "M_DTYPE": dtype, "COPY_DTYPE": tl.bfloat16,
-                  "HAS_SCALE": has_scale, "HAS_COPY": has_copy, "BLOCK": ak.BLOCK, "ROW": ak.ROW}  # fmt: skip
-        compile_for_sm90(ak.adamw_kernel, sig, consts, num_warps=8)
+                  "HAS_SCALE": has_scale, "HAS_COPY": has_copy, "ALIGNED": has_scale, "BLOCK": ak.BLOCK,
+                  "ROW": ak.ROW}  # fmt: skip
+        compiled = compile_for_sm90(ak.adamw_kernel, sig, consts, num_warps=8)
+        if has_scale:  # aligned addresses: whole blocks move in 16-byte vectors
+            assert "ld.global.v4" in compiled.asm["ptx"], "no vector loads in the aligned variant"
 
 
 def test_kernel_compiles_for_sm90():
