@@ -1,16 +1,18 @@
 """``turbo.optim.AdamW``: torch's AdamW (same arguments, state and state_dict) whose step is one Triton pass
-per parameter, optionally scaling every gradient by a device scalar on the fly (gradient clipping's factor)
-without writing the gradients back.
+over the parameters (one launch per parameter group and dtype combination, as torch's multi-tensor apply),
+optionally scaling every gradient by a device scalar on the fly (gradient clipping's factor) without writing
+the gradients back.
 
     opt = AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     opt.step(grad_scale=(max_norm / (norm + 1e-6)).clamp(max=1.0))   # = clip_grads_with_norm_ + step
 
 Takes the Triton path for plain dense CUDA parameters (any, under the Triton interpreter) whose gradient and
-moments are contiguous, in fp32 / bf16 / fp16, with amsgrad, maximize, capturable and differentiable off and
-a float learning rate; anything else (sparse or complex gradients, DTensors, those options) steps through
-torch's AdamW, the grad_scale applied there with one ``_foreach_mul_``. The step count stays on the host (a
-CPU tensor, as torch's for-loop AdamW keeps it), so no step reads anything back from the GPU.
+moments are contiguous (the moments of one dtype), in fp32 / bf16 / fp16, with amsgrad, maximize, capturable
+and differentiable off and a float learning rate; anything else (sparse or complex gradients, DTensors, those
+options) steps through torch's AdamW, the grad_scale applied there with one ``_foreach_mul_``. The step count
+stays on the host (a CPU tensor, as torch's for-loop AdamW keeps it), so no step reads anything back from the
+GPU.
 
 Mixed-precision training keeps fp32 master weights and casts them into the model's bf16 weights after each
 step. ``set_param_copies([(master, model_weight), ...])`` has the step write that cast in the same pass (the
@@ -152,7 +154,7 @@ class AdamW(torch.optim.AdamW):
 
     def _kernel_step(self, index: int, group: dict, params: list, slow: list, grad_scale) -> None:
         """The group's kernel parameters in one launch per (device, dtypes, step count); parameters whose two
-        moments differ in dtype join ``slow``."""
+        moments differ in dtype or are not contiguous (e.g. loaded so) join ``slow``."""
         from primus_turbo.triton.optim.adamw_kernel import adamw_table, launch_adamw
 
         kept, states = [], []
@@ -165,7 +167,8 @@ class AdamW(torch.optim.AdamW):
                         state[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif state["step"].device.type != "cpu":  # e.g. loaded from torch's fused AdamW: once
                 state["step"] = state["step"].detach().cpu()
-            if state["exp_avg"].dtype != state["exp_avg_sq"].dtype:
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            if m.dtype != v.dtype or not (m.is_contiguous() and v.is_contiguous()):
                 slow.append(p)
                 continue
             kept.append(p)

@@ -23,6 +23,8 @@ time per step under the profiler, against an 18 ms GPU step).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -134,10 +136,12 @@ def launch_adamw(
     p_dtype, g_dtype, m_dtype, copy_dtype = dtypes
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
-    adamw_kernel[(num_blocks,)](
-        table, num_tensors, max(num_tensors - 1, 0).bit_length(), scale if scale is not None else table, lr,
-        beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, P_DTYPE=_TL[p_dtype],
-        G_DTYPE=_TL[g_dtype], M_DTYPE=_TL[m_dtype], COPY_DTYPE=_TL[copy_dtype or p_dtype],
-        HAS_SCALE=scale is not None, HAS_COPY=copy_dtype is not None, ALIGNED=aligned, BLOCK=BLOCK, ROW=ROW,
-        num_warps=8,
-    )  # fmt: skip
+    on_device = torch.cuda.device(table.device) if table.is_cuda else contextlib.nullcontext()
+    with on_device:  # Triton launches on the current device: the tensors' one
+        adamw_kernel[(num_blocks,)](
+            table, num_tensors, max(num_tensors - 1, 0).bit_length(), scale if scale is not None else table,
+            lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+            P_DTYPE=_TL[p_dtype], G_DTYPE=_TL[g_dtype], M_DTYPE=_TL[m_dtype],
+            COPY_DTYPE=_TL[copy_dtype or p_dtype], HAS_SCALE=scale is not None,
+            HAS_COPY=copy_dtype is not None, ALIGNED=aligned, BLOCK=BLOCK, ROW=ROW, num_warps=8,
+        )  # fmt: skip

@@ -237,6 +237,23 @@ def test_moments_made_by_a_framework_initializer_step_from_zero(device):
         assert_close(p, q, torch.float32)
 
 
+def test_moments_in_another_layout_step_through_torch(device):
+    """A moment that is not contiguous (e.g. loaded so) cannot go through the kernel's flat table: that
+    parameter steps through torch's AdamW, the others through the kernel, all correct."""
+    ours, ref = _params(device), _params(device)
+    opt, ref_opt = AdamW(ours, **KW), torch.optim.AdamW(ref, foreach=False, **KW)
+    p = ours[0]
+    opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros(p.shape[::-1], device=device).t(),
+                        exp_avg_sq=torch.zeros_like(p))  # fmt: skip
+    for q, r, g in zip(ours, ref, _grads(ours, 0)):
+        q.grad, r.grad = g.clone(), g.clone()
+    opt.step()
+    ref_opt.step()
+    assert opt.turbo_steps == len(ours) - 1
+    for q, r in zip(ours, ref):
+        assert_close(q, r, torch.float32)
+
+
 def _compile_all() -> None:
     import triton.language as tl
     from triton_compile_utils import compile_for_sm90
