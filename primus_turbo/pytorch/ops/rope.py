@@ -25,16 +25,16 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, cos, sin, interleaved_input):
+    def forward(ctx, t, cos, sin, interleaved_input, nope):
         ctx.save_for_backward(cos, sin)
-        ctx.interleaved_input = interleaved_input
-        return rope_fwd(t, cos, sin, interleaved_input)
+        ctx.interleaved_input, ctx.nope = interleaved_input, nope
+        return rope_fwd(t, cos, sin, interleaved_input, nope)
 
     @staticmethod
     def backward(ctx, grad_out):
         cos, sin = ctx.saved_tensors
         grad = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        return rope_bwd(grad, cos, sin, ctx.interleaved_input), None, None, None
+        return rope_bwd(grad, cos, sin, ctx.interleaved_input, ctx.nope), None, None, None, None
 
 
 # (id(freqs), version, dtype, mscale) -> (freqs, cos, sin): Megatron's RotaryEmbedding returns one cached
@@ -60,20 +60,25 @@ def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float) -> tuple[to
 
 
 def apply_rotary_pos_emb(
-    t: torch.Tensor, freqs: torch.Tensor, *, interleaved_input: bool = False, mscale: float = 1.0
-) -> torch.Tensor:
-    """t [S, B, H, D] (any strides with unit stride along D; float32/bf16/fp16), freqs [S, 1, 1, D] or
-    [S, D] angles (D even, a power of two, equal to t's last dim) -> a new contiguous [S, B, H, D] tensor;
-    differentiable in t."""
+    t: torch.Tensor, freqs: torch.Tensor, *, interleaved_input: bool = False, mscale: float = 1.0,
+    nope_dim: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """t [S, B, H, nope_dim + D] (any strides with unit stride along the last dim; float32/bf16/fp16), freqs
+    [S, 1, 1, D] or [S, D] angles (D even, a power of two) -> a new contiguous tensor of t's shape: the first
+    ``nope_dim`` elements of each row copied, the last D rotated (MLA's query ``cat([q_nope, rope(q_pe)])`` in
+    one pass each way); differentiable in t."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _FLOAT_DTYPES:
         got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"apply_rotary_pos_emb: t must be a 4-D [S, B, H, D] float tensor, got {got}")
-    seq, dim = t.shape[0], t.shape[-1]
+    if not isinstance(nope_dim, int) or not 0 <= nope_dim < t.shape[-1]:
+        raise ValueError(f"apply_rotary_pos_emb: nope_dim={nope_dim!r} must be an int in [0, {t.shape[-1]})")
+    seq, dim = t.shape[0], t.shape[-1] - nope_dim
     if not isinstance(freqs, torch.Tensor) or freqs.numel() != seq * dim or freqs.shape[0] != seq:
         got = tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__
         raise ValueError(
             f"apply_rotary_pos_emb: freqs must be [S, 1, 1, D] or [S, D] with S={seq}, D={dim} (t's last "
-            f"dim; a partial rotary dim is not supported), got {got}"
+            f"dim minus nope_dim={nope_dim}; a partial rotary dim with the pass-through part last is not "
+            f"supported), got {got}"
         )
     if dim < 2 or dim & (dim - 1):
         raise ValueError(f"apply_rotary_pos_emb: the rotary dim must be a power of two >= 2, got {dim}")
@@ -82,7 +87,7 @@ def apply_rotary_pos_emb(
     if t.stride(-1) != 1:
         t = t.contiguous()
     cos, sin = _cos_sin(freqs, t.dtype, float(mscale))
-    return _Rope.apply(t, cos, sin, bool(interleaved_input))
+    return _Rope.apply(t, cos, sin, bool(interleaved_input), nope_dim)
 
 
 class _RopeComplex(torch.autograd.Function):

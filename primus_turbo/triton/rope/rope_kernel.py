@@ -8,7 +8,9 @@ one rounding of the result. ``INTERLEAVED_INPUT`` (Megatron's MLA
 layout): x1 / x2 are the even / odd input elements (Megatron de-interleaves with a strided cat first);
 otherwise the first / second half. Backward is the transpose: dx1 = g1 * c1 + g2 * s2, dx2 = g2 * c2 -
 g1 * s1, stored back in the input layout. Replaces ~10 eager kernels each way (two strided slices and three
-cats, cos, sin, neg, three multiplies, an add).
+cats, cos, sin, neg, three multiplies, an add). ``NOPE`` > 0: the first NOPE elements of each row are copied
+through (both ways) and the rotation covers the rest (MLA's query [q_nope, rope(q_pe)] in one pass, where
+Megatron splits, ropes and concatenates).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import triton.language as tl
 def rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, B, H, stride_xs, stride_xb, stride_xh, stride_os, stride_ob, stride_oh,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED_INPUT: tl.constexpr, BACKWARD: tl.constexpr,
+    NOPE: tl.constexpr = 0, NOPE_P2: tl.constexpr = 1,
 ):  # fmt: skip
     row = tl.program_id(0)  # s * B + b
     s = row // B
@@ -39,6 +42,12 @@ def rope_kernel(
         i1, i2 = j, j + HALF
     x_row = x_ptr + s.to(tl.int64) * stride_xs + b.to(tl.int64) * stride_xb + heads[:, None] * stride_xh
     o_row = out_ptr + s.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+    if NOPE > 0:  # the pass-through prefix, then the rotary part after it
+        k = tl.arange(0, NOPE_P2)[None, :]
+        k_mask = mask & (k < NOPE)
+        tl.store(o_row + k, tl.load(x_row + k, mask=k_mask), mask=k_mask)
+        x_row += NOPE
+        o_row += NOPE
     if BACKWARD:  # x is the output gradient (rotate-half layout); out is the input gradient (input layout)
         g1 = tl.load(x_row + j[None, :], mask=mask, other=0.0).to(tl.float32)
         g2 = tl.load(x_row + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -51,15 +60,17 @@ def rope_kernel(
         tl.store(o_row + HALF + j[None, :], (x2 * c2 + x1 * s2).to(dtype), mask=mask)
 
 
-def launch_rope(x, cos, sin, out, interleaved_input: bool, backward: bool) -> None:
-    """x / out: [S, B, H, D], unit stride along D; cos / sin: contiguous fp32 [S, D] (D a power of two)."""
-    seq, batch, heads, dim = x.shape
+def launch_rope(x, cos, sin, out, interleaved_input: bool, backward: bool, nope: int = 0) -> None:
+    """x / out: [S, B, H, nope + D], unit stride along the last dim; cos / sin: contiguous fp32 [S, D] (D a
+    power of two); the first ``nope`` elements of each row are copied through."""
+    seq, batch, heads, width = x.shape
+    dim = width - nope
     if x.numel() == 0:
         return
-    block_h = min(triton.next_power_of_2(heads), max(1, 4096 // dim))
+    block_h = min(triton.next_power_of_2(heads), max(1, 4096 // triton.next_power_of_2(width)))
     grid = (seq * batch, triton.cdiv(heads, block_h))
     rope_kernel[grid](
         x, cos, sin, out, batch, heads, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
         out.stride(2), HALF=dim // 2, BLOCK_H=block_h, INTERLEAVED_INPUT=interleaved_input,
-        BACKWARD=backward, num_warps=4,
+        BACKWARD=backward, NOPE=nope, NOPE_P2=triton.next_power_of_2(max(nope, 1)), num_warps=4,
     )  # fmt: skip

@@ -78,16 +78,39 @@ def test_strided_view_input_like_mla_q_split(device):
     assert_close(q.grad[..., 128:], x.grad.float(), torch.float32)
 
 
+@pytest.mark.parametrize("nope", [32, 48, 1])
+@pytest.mark.parametrize("interleaved_input", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nope_prefix_passes_through_and_the_rest_rotates(nope, interleaved_input, dtype, device):
+    """MLA's query: [q_nope, rope(q_pe)] from q [S, B, H, nope + 64] in one op (a strided view of a wider
+    tensor, as Megatron's q.view of the up-projection), against a cat of the prefix and Megatron's fp64 RoPE
+    of the tail; the gradient of the prefix passes through, the tail's is RoPE's backward."""
+    wide = torch.randn(5, 2, 3, nope + 64 + 8, device=device).to(dtype)
+    q = wide[..., : nope + 64].detach().requires_grad_(True)  # unit stride along D only
+    freqs = _freqs(5, 64, device)
+    out = apply_rotary_pos_emb(q, freqs, interleaved_input=interleaved_input, mscale=0.9, nope_dim=nope)
+    assert out.shape == q.shape and out.is_contiguous()
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    x, ref_tail = _rounded_reference(q[..., nope:], freqs, interleaved_input, 0.9)
+    ref_tail.backward(grad[..., nope:].double())
+    assert torch.equal(out[..., :nope], q[..., :nope].detach())
+    assert_close(out[..., nope:], ref_tail.to(dtype), dtype)
+    assert torch.equal(q.grad[..., :nope], grad[..., :nope])
+    assert_close(q.grad[..., nope:], x.grad.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("nope", [0, 24])
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.parametrize("interleaved_input", [True, False])
-def test_eager_twin_matches_the_kernel(backward, interleaved_input, device):
+def test_eager_twin_matches_the_kernel(backward, interleaved_input, nope, device):
     from primus_turbo.pytorch.kernels.rope import rope_impl
     from primus_turbo.pytorch.ops.rope import _cos_sin
 
-    x = torch.randn(4, 3, 5, 32, device=device).bfloat16()
+    x = torch.randn(4, 3, 5, nope + 32, device=device).bfloat16()
     cos, sin = _cos_sin(_freqs(4, 32, device), torch.bfloat16, 0.9)
-    got = rope_impl._run(x, cos, sin, interleaved_input, backward)
-    want = rope_eager(x, cos, sin, interleaved_input, backward)
+    got = rope_impl._run(x, cos, sin, interleaved_input, backward, nope)
+    want = rope_eager(x, cos, sin, interleaved_input, backward, nope)
     assert_close(got, want, torch.bfloat16)
 
 
@@ -111,6 +134,10 @@ BAD = [
     (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 8), torch.zeros(3, 1, 1, 4)), "partial rotary"),
     (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 12), torch.zeros(3, 12)), "power of two"),
     (lambda: apply_rotary_pos_emb(torch.zeros(3, 1, 2, 8, dtype=torch.long), torch.zeros(3, 8)), "float"),
+    (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 8), torch.zeros(3, 8), nope_dim=8), "nope_dim=8 "),
+    (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 8), torch.zeros(3, 8), nope_dim=-1), "nope_dim=-1"),
+    (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 12), torch.zeros(3, 8), nope_dim=2.0), "nope_dim=2.0"),
+    (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 12), torch.zeros(3, 8), nope_dim=2), "D=10"),
 ]
 
 
@@ -144,11 +171,14 @@ def _compile_all() -> None:
             "H": "i32", "stride_xs": "i64", "stride_xb": "i64", "stride_xh": "i64", "stride_os": "i64",
             "stride_ob": "i64", "stride_oh": "i64", "HALF": "constexpr",
             "BLOCK_H": "constexpr", "INTERLEAVED_INPUT": "constexpr", "BACKWARD": "constexpr",
+            "NOPE": "constexpr", "NOPE_P2": "constexpr",
         }  # fmt: skip
         for interleaved in (True, False):
             for backward in (True, False):
-                consts = {"HALF": 32, "BLOCK_H": 16, "INTERLEAVED_INPUT": interleaved, "BACKWARD": backward}
-                compile_for_sm90(rk.rope_kernel, sig, consts, num_warps=4)
+                for nope in (0, 128):  # 128: MLA's query (qk_head_dim 128 + the 64 rotated)
+                    consts = {"HALF": 32, "BLOCK_H": 16, "INTERLEAVED_INPUT": interleaved,
+                              "BACKWARD": backward, "NOPE": nope, "NOPE_P2": max(nope, 1)}  # fmt: skip
+                    compile_for_sm90(rk.rope_kernel, sig, consts, num_warps=4)
 
 
 def test_rope_kernel_compiles_sm90():

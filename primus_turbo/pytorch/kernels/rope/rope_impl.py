@@ -1,7 +1,8 @@
 """Rotary position embedding kernels as torch custom ops: the Triton kernel on GPU / interpreter, the same
 fp32 math in eager torch otherwise (and as the test twin). Inputs are validated already
-(primus_turbo.pytorch.ops.rope): x [S, B, H, D] with unit stride along D; cos / sin contiguous fp32 [S, D]
-holding cos / sin(freqs) * mscale already rounded to x's dtype."""
+(primus_turbo.pytorch.ops.rope): x [S, B, H, nope + D] with unit stride along the last dim (the first
+``nope`` elements pass through); cos / sin contiguous fp32 [S, D] holding cos / sin(freqs) * mscale already
+rounded to x's dtype."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from primus_turbo.pytorch.core.utils import eager_direct, triton_can_run_on
 __all__ = ["rope_fwd", "rope_bwd", "rope_eager", "rope_complex", "rope_complex_eager"]
 
 
-def rope_eager(x, cos, sin, interleaved_input: bool, backward: bool) -> torch.Tensor:
-    """fp32 twin of rope_kernel (one rounding of the result)."""
+def rope_eager(x, cos, sin, interleaved_input: bool, backward: bool, nope: int = 0) -> torch.Tensor:
+    """fp32 twin of rope_kernel (one rounding of the result); the first ``nope`` elements pass through."""
+    if nope:
+        rotated = rope_eager(x[..., nope:], cos, sin, interleaved_input, backward)
+        return torch.cat([x[..., :nope], rotated], dim=-1)
     half = cos.shape[-1] // 2
     c, s = cos[:, None, None, :], sin[:, None, None, :]
     c1, c2, s1, s2 = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
@@ -28,37 +32,39 @@ def rope_eager(x, cos, sin, interleaved_input: bool, backward: bool) -> torch.Te
     return torch.cat([d1, d2], dim=-1).to(x.dtype)
 
 
-def _run(x, cos, sin, interleaved_input, backward):
+def _run(x, cos, sin, interleaved_input, backward, nope):
     if not triton_can_run_on(x, cos, sin):
-        return rope_eager(x, cos, sin, interleaved_input, backward)
+        return rope_eager(x, cos, sin, interleaved_input, backward, nope)
     from primus_turbo.triton.rope.rope_kernel import launch_rope
 
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    launch_rope(x, cos, sin, out, interleaved_input, backward)
+    launch_rope(x, cos, sin, out, interleaved_input, backward, nope)
     return out
 
 
 @eager_direct
 @torch.library.custom_op("primus_turbo::rope_fwd", mutates_args=())
-def rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved_input: bool) -> torch.Tensor:
-    return _run(x, cos, sin, interleaved_input, False)
+def rope_fwd(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved_input: bool, nope: int = 0
+) -> torch.Tensor:
+    return _run(x, cos, sin, interleaved_input, False, nope)
 
 
 @rope_fwd.register_fake
-def _(x, cos, sin, interleaved_input):
+def _(x, cos, sin, interleaved_input, nope=0):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @eager_direct
 @torch.library.custom_op("primus_turbo::rope_bwd", mutates_args=())
 def rope_bwd(
-    grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved_input: bool
+    grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved_input: bool, nope: int = 0
 ) -> torch.Tensor:
-    return _run(grad, cos, sin, interleaved_input, True)
+    return _run(grad, cos, sin, interleaved_input, True, nope)
 
 
 @rope_bwd.register_fake
-def _(grad, cos, sin, interleaved_input):
+def _(grad, cos, sin, interleaved_input, nope=0):
     return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
