@@ -16,7 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_bac
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -103,7 +103,7 @@ def build_transformer_config(cfg: DictConfig, params_dtype: torch.dtype, use_gro
 def _attention_spec(backend, mla: bool) -> ModuleSpec:
     if mla:
         return ModuleSpec(
-            module=MLASelfAttention,
+            module=backend.mla_self_attention(),
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=MLASelfAttentionSubmodules(
                 linear_q_proj=backend.column_parallel_linear(),

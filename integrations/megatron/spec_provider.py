@@ -26,6 +26,7 @@ class TurboSpecProvider(LocalSpecProvider):
         self.attention = False
         self.norm = False
         self.grouped_mlp = False
+        self.mla_qkv = False
         self.stock_core_attention = None  # a stock replacement set by a gap fix (fix.mla_core_attention)
         self.fp8_recipe = None  # a primus_turbo Float8QuantConfig when precision=fp8 is owned by turbo
         self.fp8_autocast = None
@@ -52,6 +53,15 @@ class TurboSpecProvider(LocalSpecProvider):
 
             return TurboRMSNorm
         return WrappedTorchNorm if rms_norm else super().layer_norm(rms_norm, for_qk)
+
+    def mla_self_attention(self) -> type:
+        if self.mla_qkv:
+            from primus_turbo.integrations.megatron.turbo_mla import TurboMLASelfAttention
+
+            return TurboMLASelfAttention
+        from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+        return MLASelfAttention
 
     def core_attention(self) -> type:
         if self.attention:
@@ -99,6 +109,9 @@ class TurboSpecProvider(LocalSpecProvider):
         ):
             cls = fn()
             rows.append(ReportRow(what, ACTIVE, f"{cls.__module__}.{cls.__qualname__}"))
+        if self.cfg.model.mla is not None:
+            cls = self.mla_self_attention()
+            rows.append(ReportRow("spec.mla_self_attention", ACTIVE, f"{cls.__module__}.{cls.__qualname__}"))
         if self.cfg.model.moe is not None:
             expert_cls, subs = self.grouped_mlp_modules(self.grouped_mlp, False)
             leaf = f" ({subs.linear_fc1.__qualname__}/{subs.linear_fc2.__qualname__})" if subs else ""

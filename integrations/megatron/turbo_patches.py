@@ -315,6 +315,19 @@ def _rope(ctx) -> str:
     return "attention/MLA apply_rotary_pos_emb -> turbo.ops.apply_rotary_pos_emb (full-dim bshd RoPE)"
 
 
+def _needs_mla(ctx) -> str | None:
+    return None if ctx.cfg.model.mla is not None else "no MLA"
+
+
+@REGISTRY.register("turbo.mla_qkv",
+                   "megatron.core.transformer.multi_latent_attention.MLASelfAttention.get_query_key_value_tensors",
+                   TESTED, feature="mla_qkv", condition=_needs_mla,
+                   probe=_needs_op("ops.apply_rotary_pos_emb", "ops.mla_key_value"))  # fmt: skip
+def _mla_qkv(ctx) -> str:
+    ctx.spec.mla_qkv = True
+    return "MLASelfAttention -> TurboMLASelfAttention (query / key / value from two turbo kernels each way)"
+
+
 # ---- FP8: owned by the plugin (Megatron-Core without TE ignores config.fp8 and rejects MoE FP8) -----------
 
 _FP8_GRANULARITY = {"tensorwise": "TENSORWISE", "rowwise": "ROWWISE", "blockwise": "BLOCKWISE"}

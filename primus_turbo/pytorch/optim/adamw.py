@@ -220,7 +220,10 @@ class AdamW(torch.optim.AdamW):
                 torch._foreach_mul_(device_grads, grad_scale.reshape(()).to(device_grads[0].device))
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": params}
                   for group, params in zip(self.param_groups, fallback) if params]  # fmt: skip
-        inner = torch.optim.AdamW(groups)
+        # built on a placeholder, then given the groups: torch's constructor refuses non-leaf parameters,
+        # which frameworks step legitimately (Megatron's DistributedOptimizer: views of its fp32 buffer)
+        inner = torch.optim.AdamW([torch.zeros(())])
+        inner.param_groups = groups
         inner.state = self.state
         inner.step()
 

@@ -237,6 +237,27 @@ def test_moments_made_by_a_framework_initializer_step_from_zero(device):
         assert_close(p, q, torch.float32)
 
 
+def test_non_leaf_parameters_as_megatron_assigns_them(device):
+    """Megatron's DistributedOptimizer builds its AdamW, then assigns param_groups of views of one fp32 buffer
+    (non-leaf tensors, which torch's constructor refuses): both the kernel and the torch path step them."""
+    for amsgrad in (False, True):
+        bases = [torch.randn(120, device=device, requires_grad=True) for _ in range(2)]
+        views = [[b[:50], b[50:]] for b in bases]
+        opts = []
+        for cls, vs in ((AdamW, views[0]), (torch.optim.AdamW, views[1])):
+            opt = cls([torch.zeros(1, device=device, requires_grad=True)], amsgrad=amsgrad, **KW)
+            opt.param_groups[0]["params"] = vs
+            opts.append(opt)
+        bases[1].data.copy_(bases[0].data)
+        for v0, v1 in zip(*views):
+            v0.grad = torch.randn(v0.shape, device=device)
+            v1.grad = v0.grad.clone()
+        for opt in opts:
+            opt.step()
+        assert opts[0].turbo_steps == (0 if amsgrad else 2)
+        assert_close(bases[0].detach(), bases[1].detach(), torch.float32)
+
+
 def test_moments_in_another_layout_step_through_torch(device):
     """A moment that is not contiguous (e.g. loaded so) cannot go through the kernel's flat table: that
     parameter steps through torch's AdamW, the others through the kernel, all correct."""
