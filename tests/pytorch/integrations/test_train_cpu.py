@@ -103,22 +103,28 @@ def test_mla_recipe_runs_with_turbo_off_and_on(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "feature, marker",
-    [("dispatch", "TurboLocalTokenDispatcher"), ("embedding", "F.embedding -> turbo.ops.embedding"),
-     ("rope", "apply_rotary_pos_emb -> turbo.ops.apply_rotary_pos_emb"),
-     ("mla_qkv", "MLASelfAttention -> TurboMLASelfAttention")],
+    "feature, marker, extra",
+    [
+        ("dispatch", "TurboLocalTokenDispatcher", ()),
+        ("embedding", "F.embedding -> turbo.ops.embedding", ()),
+        ("rope", "apply_rotary_pos_emb -> turbo.ops.apply_rotary_pos_emb", ()),
+        ("mla_qkv", "MLASelfAttention -> TurboMLASelfAttention", ()),
+        ("mla_qkv", "MLASelfAttention -> TurboMLASelfAttention", ("model.mla.q_lora_rank=48",)),
+    ],
+    ids=["dispatch", "embedding", "rope", "mla_qkv", "mla_qkv-q_lora"],
 )
-def test_feature_trains_the_same_trajectory_as_the_stock_path(tmp_path, feature, marker):
+def test_feature_trains_the_same_trajectory_as_the_stock_path(tmp_path, feature, marker, extra):
     """turbo.dispatch at ep=1 (TurboLocalTokenDispatcher: no host sync, no identity re-sort; experts read the
     device counts) vs Megatron's MoEAlltoAllTokenDispatcher, turbo.embedding (the word-embedding gradient
     straight into DDP's main_grad) vs F.embedding + DDP's add, and turbo.rope (MLA's RoPE as one op) vs
     Megatron's eager RoPE, turbo.mla_qkv (MLA's query / key / value from two turbo kernels) vs Megatron's
-    split / rope / cat: same losses and gradient norms (fp32). This checks the wiring (the flag installs
-    the op and training matches); at init RoPE barely moves a 3-step loss, so its numerics are test_rope's."""
+    split / rope / cat (q projected directly and through q_lora_rank): same losses and gradient norms
+    (fp32). This checks the wiring (the flag installs the op and training matches); at init RoPE barely
+    moves a 3-step loss, so its numerics are test_rope's."""
     rows = {}
     for flag in ("true", "false"):
         metrics = tmp_path / f"{flag}.jsonl"
-        overrides = ("train.steps=3", f"turbo.{feature}={flag}", f"train.metrics_file={metrics}")
+        overrides = ("train.steps=3", f"turbo.{feature}={flag}", f"train.metrics_file={metrics}", *extra)
         rc, out, _ = torchrun(*TINY_MLA, *overrides, nproc=1)
         assert rc == 0, out[-3000:]
         assert (marker in out) == (flag == "true"), out[-3000:]
