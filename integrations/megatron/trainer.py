@@ -19,6 +19,8 @@ from primus_turbo.integrations.common import checkpoint as ckpt
 from primus_turbo.integrations.common.data import TokenBatches
 from primus_turbo.integrations.common.metrics import StepMetrics, check_finite, model_flops_per_token
 from primus_turbo.integrations.common.patch_registry import PatchError, format_report
+from primus_turbo.integrations.megatron import turbo_optimizer
+from primus_turbo.integrations.megatron.turbo_optimizer import sub_optimizers
 
 
 def log0(msg: str) -> None:
@@ -79,7 +81,6 @@ def build_run(cfg: DictConfig, device: torch.device) -> Run:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from primus_turbo.integrations.megatron import turbo_optimizer
     from primus_turbo.integrations.megatron.model import build_gpt_model, build_transformer_config
     from primus_turbo.integrations.megatron.patches import apply_megatron_patches
     from primus_turbo.integrations.megatron.spec_provider import TurboSpecProvider
@@ -221,11 +222,6 @@ def train_step(run: Run, step: int) -> tuple[float, object]:
     return (pair[0] / pair[1]).item(), grad_norm
 
 
-def _sub_optimizers(optimizer) -> list:
-    """Megatron chains one optimizer per parameter family (dense, expert) when both exist."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
 def use_fused_adam(optimizer) -> int:
     """Switch Megatron's torch Adam(W) fallback to torch's fused implementation; returns the groups switched.
 
@@ -240,7 +236,7 @@ def use_fused_adam(optimizer) -> int:
 
     supported = set(_get_fused_kernels_supported_devices())
     switched = 0
-    for sub in _sub_optimizers(optimizer):
+    for sub in sub_optimizers(optimizer):
         inner = getattr(sub, "optimizer", None)
         if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or inner.state:  # not turbo's AdamW
             continue
@@ -257,7 +253,7 @@ def use_fused_adam(optimizer) -> int:
 def _checkpoint_state(run: Run) -> tuple[dict, dict]:
     tensors = {k: v for k, v in run.model.module.state_dict().items() if isinstance(v, torch.Tensor)}
     inner_states = []
-    for o, sub in enumerate(_sub_optimizers(run.optimizer)):
+    for o, sub in enumerate(sub_optimizers(run.optimizer)):
         # bf16 training: the fp32 master shards live outside the model (fp32: they are the model params).
         for g, group in enumerate(getattr(sub, "shard_fp32_from_float16_groups", None) or []):
             for i, param in enumerate(group):
@@ -292,7 +288,7 @@ def maybe_resume(run: Run) -> None:
     if objects["world_size"] != dist.get_world_size():
         raise RuntimeError(f"checkpoint world size {objects['world_size']} != {dist.get_world_size()}")
     run.model.module.load_state_dict(tensors, strict=False)
-    for sub, state in zip(_sub_optimizers(run.optimizer), objects["inner_optimizers"], strict=True):
+    for sub, state in zip(sub_optimizers(run.optimizer), objects["inner_optimizers"], strict=True):
         sub.optimizer.load_state_dict(state)
     run.scheduler.load_state_dict(objects["scheduler"])
     torch.set_rng_state(objects["rng_cpu"])

@@ -72,7 +72,8 @@ def _owner_of(params: list[torch.Tensor]) -> TurboAdamW | None:
     return None
 
 
-def _sub_optimizers(optimizer) -> list:
+def sub_optimizers(optimizer) -> list:
+    """Megatron chains one optimizer per parameter family (dense, expert) when both exist."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
@@ -81,7 +82,7 @@ def use_turbo_adamw(optimizer) -> tuple[int, int]:
     DistributedOptimizer, register its master-to-model casts with the step. Returns (optimizers switched,
     casts fused)."""
     switched = fused = 0
-    for sub in _sub_optimizers(optimizer):
+    for sub in sub_optimizers(optimizer):
         inner = getattr(sub, "optimizer", None)
         if type(inner) is not torch.optim.AdamW or inner.state:
             continue
