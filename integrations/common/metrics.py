@@ -161,3 +161,53 @@ def check_finite(loss: float, step: int) -> None:
             f"loss is {loss} at step {step}: stopping (lower train.lr, check the data, or resume from the "
             "last checkpoint)"
         )
+
+
+class DeferredMetrics:
+    """Step metrics read back one step late (the sync-free steps of both trainers): ``queue`` copies (loss,
+    grad norm[, stop flag]) to pinned memory without blocking and records a timing event behind them, then
+    hands the step queued before to ``record(step, loss, grad_norm, seconds, extra)`` once its event has
+    completed (``seconds``: the GPU time between the previous recorded event and this one, per step; None for
+    the first). ``flush`` records the last one. ``stop_requested`` turns True once a recorded step's ``stop``
+    (e.g. a SIGTERM flag all-reduced with the loss) was positive. On a CPU nothing runs ahead: the values are
+    read at once and the host clock times the steps."""
+
+    def __init__(self):
+        self._pending = None  # (step, host [loss, grad_norm, stop], end marker, extra)
+        self._last = None  # (step, end marker) of the last recorded step
+        self.stop_requested = False
+
+    def queue(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, extra, record, stop=None) -> None:
+        parts = [loss, grad_norm] + ([] if stop is None else [stop])
+        values = torch.stack([t.detach().float().reshape(()) for t in parts])
+        if values.is_cuda:
+            host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        else:
+            host, end = values, time.perf_counter()
+        pending, self._pending = self._pending, (step, host, end, extra)
+        if pending is not None:
+            self._resolve(pending, record)
+
+    def flush(self, record) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._resolve(pending, record)
+
+    def _resolve(self, pending, record) -> None:
+        step, host, end, extra = pending
+        if isinstance(end, torch.cuda.Event):
+            end.synchronize()  # this step's work only: later steps stay queued
+        seconds = None
+        if self._last is not None:
+            last_step, last_end = self._last
+            elapsed = (
+                last_end.elapsed_time(end) / 1e3 if isinstance(end, torch.cuda.Event) else end - last_end
+            )
+            seconds = elapsed / max(step - last_step, 1)
+        self._last = (step, end)
+        loss, grad_norm, *stop = host.tolist()
+        self.stop_requested |= bool(stop and stop[0] > 0)
+        record(step, loss, grad_norm, seconds, extra)

@@ -173,6 +173,7 @@ def _fix_mla_core_attention(ctx) -> str:
 def apply_megatron_patches(cfg: DictConfig, spec) -> list:
     """Run the registry for ``cfg`` with ``spec`` (a TurboSpecProvider); returns the report rows."""
     from primus_turbo.integrations.megatron import (
+        sync_free,
         turbo_layers,
         turbo_optimizer,
         turbo_patches,  # noqa: F401  (registers the turbo entries)
@@ -182,5 +183,6 @@ def apply_megatron_patches(cfg: DictConfig, spec) -> list:
     turbo_layers.FP8_GROUPED_CONFIG = None
     turbo_layers.ASYNC_TP = False  # set again by the turbo.async_tp entry
     turbo_optimizer.ENABLED = False  # set again by the turbo.optimizer entry
+    sync_free.ENABLED = False  # set again by the turbo.sync_free_step entry
     ctx = MegatronPatchContext(cfg=cfg, spec=spec)
     return apply_patches(REGISTRY, ctx, cfg.turbo, megatron.core.__version__)

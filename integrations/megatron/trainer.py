@@ -17,9 +17,14 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from primus_turbo.integrations.common import checkpoint as ckpt
 from primus_turbo.integrations.common.data import TokenBatches
-from primus_turbo.integrations.common.metrics import StepMetrics, check_finite, model_flops_per_token
+from primus_turbo.integrations.common.metrics import (
+    DeferredMetrics,
+    StepMetrics,
+    check_finite,
+    model_flops_per_token,
+)
 from primus_turbo.integrations.common.patch_registry import PatchError, format_report
-from primus_turbo.integrations.megatron import turbo_optimizer
+from primus_turbo.integrations.megatron import sync_free, turbo_optimizer
 from primus_turbo.integrations.megatron.turbo_optimizer import sub_optimizers
 
 
@@ -171,7 +176,11 @@ def _forward_step_func(run: Run, step: int):
 
     def forward_step(data_iterator, model):
         microbatch = next(data_iterator)
-        tokens = run.batches.batch(step, microbatch, dp_rank).to(run.device, non_blocking=True)
+        tokens = run.batches.batch(step, microbatch, dp_rank)
+        if sync_free.ENABLED:  # pinned, no host wait
+            tokens = sync_free.to_device(tokens, run.device)
+        else:
+            tokens = tokens.to(run.device, non_blocking=True)
         batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": position_ids}
         if cp > 1:  # Megatron's zigzag: chunks r and 2cp-1-r of 2cp, as its RoPE slicing expects
             batch = get_batch_on_this_cp_rank(batch)
@@ -191,8 +200,10 @@ def _forward_step_func(run: Run, step: int):
     return forward_step
 
 
-def train_step(run: Run, step: int) -> tuple[float, object]:
-    """One optimizer step over ``num_microbatches``; returns (mean loss over DP ranks, grad norm)."""
+def train_step(run: Run, step: int, stop: bool | None = None) -> tuple[torch.Tensor, object]:
+    """One optimizer step over ``num_microbatches``; returns ([loss sum, ranks with a loss(, stop flags)]
+    summed over the world, on the device, not read back) and the grad norm (Megatron's float, or a device
+    tensor with turbo.sync_free_step). ``stop``: this rank's SIGTERM flag, reduced with the loss."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from primus_turbo.integrations.megatron import turbo_layers
 
@@ -213,13 +224,14 @@ def train_step(run: Run, step: int) -> tuple[float, object]:
     _, grad_norm, _ = run.optimizer.step()
     run.scheduler.step(increment=1)
     # Loss lives on the last pipeline stage; sum it and the number of contributing ranks over the world.
+    flags = [] if stop is None else [torch.full((), float(stop), device=run.device)]
     if losses:
         mean_loss = torch.stack([x["lm loss"].float() for x in losses]).mean().to(run.device)
-        pair = torch.stack([mean_loss, torch.ones((), device=run.device)])
+        reduced = torch.stack([mean_loss, torch.ones((), device=run.device), *flags])
     else:
-        pair = torch.zeros(2, device=run.device)
-    dist.all_reduce(pair)
-    return (pair[0] / pair[1]).item(), grad_norm
+        reduced = torch.stack([torch.zeros((), device=run.device)] * 2 + flags)
+    dist.all_reduce(reduced)
+    return reduced, grad_norm
 
 
 def use_fused_adam(optimizer) -> int:
@@ -325,26 +337,46 @@ def train(cfg: DictConfig) -> dict:
     sigterm = ckpt.SigtermFlag()
     tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_length
     losses, step = [], run.start_step
+    # turbo.sync_free_step: nothing read back in the step; loss, norm and the SIGTERM flag one step later
+    deferred = DeferredMetrics() if sync_free.ENABLED else None
+
+    def record(step: int, loss: float, grad_norm, seconds: float | None, extra: dict) -> None:
+        check_finite(loss, step)
+        losses.append(loss)
+        if seconds is None:  # the first deferred step: host time since it started
+            seconds = time.perf_counter() - extra["start"]
+        if step == run.start_step + 1 and cfg.turbo.enabled:
+            log0(f"turbo report: op backends in step {step}: {backends_used()}")
+        if step % t.log_interval == 0 or step == t.steps:
+            metrics.record(step, loss, seconds, tokens_per_step, extra["lr"], grad_norm)
+
     try:
         for step in range(run.start_step + 1, t.steps + 1):
             start = time.perf_counter()
-            loss, grad_norm = train_step(run, step)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-            check_finite(loss, step)
-            losses.append(loss)
-            if step == run.start_step + 1 and cfg.turbo.enabled:
-                log0(f"turbo report: op backends in step {step}: {backends_used()}")
-            if step % t.log_interval == 0 or step == t.steps:
+            if deferred is None:
+                reduced, grad_norm = train_step(run, step)
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
                 lr = run.optimizer.param_groups[0]["lr"]
-                metrics.record(step, loss, seconds, tokens_per_step, lr, grad_norm)
-            stop = sigterm.should_stop(device)
+                record(step, (reduced[0] / reduced[1]).item(), grad_norm, seconds, {"lr": lr})
+                stop = sigterm.should_stop(device)
+            else:
+                reduced, grad_norm = train_step(run, step, stop=sigterm.received)
+                if not isinstance(grad_norm, torch.Tensor):  # e.g. clip_grad=0: Megatron's float 0.0
+                    grad_norm = torch.full((), float(grad_norm or 0.0), device=device)
+                extra = {"lr": run.optimizer.param_groups[0]["lr"], "start": start}
+                deferred.queue(step, reduced[0] / reduced[1], grad_norm, extra, record, stop=reduced[2])
+                stop = deferred.stop_requested  # all-reduced: every rank stops after the same step
             periodic = t.ckpt_dir and t.save_interval and step % t.save_interval == 0
             if t.ckpt_dir and (stop or periodic or (t.save_at_end and step == t.steps)):
+                if deferred is not None:
+                    deferred.flush(record)
                 save(run, step)
             if stop:
                 log0(f"SIGTERM: stopped after step {step}")
                 break
+        if deferred is not None:
+            deferred.flush(record)
     finally:
         metrics.close()
         sigterm.restore()

@@ -43,15 +43,22 @@ def install_clip() -> None:
 def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad: bool = False):
     """Megatron's clip with the same arguments. When one turbo AdamW holds every parameter that has a
     gradient, the factor becomes that optimizer's next ``grad_scale`` (the gradients are not written);
-    otherwise Megatron's own multiply."""
+    otherwise Megatron's own multiply (for a device norm from turbo.sync_free_step: one foreach multiply by
+    the factor computed on the device)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     with_grad = [p for p in params if p.grad is not None]
     owner = None if use_decoupled_grad or not with_grad else _owner_of(with_grad)
+    device_norm = isinstance(total_norm, torch.Tensor)  # turbo.sync_free_step's norm, never read back
+    if owner is None and device_norm and with_grad and not use_decoupled_grad:
+        grads = [p.grad for p in with_grad]  # Megatron's multiply, by min(1, factor) computed on the device
+        torch._foreach_mul_(grads, _clip_factor(max_norm, total_norm, grads[0].device).reshape(()))
+        return None
     if owner is None:
-        return _STOCK_CLIP(params, max_norm, total_norm, use_decoupled_grad)
+        norm = float(total_norm) if device_norm else total_norm
+        return _STOCK_CLIP(params, max_norm, norm, use_decoupled_grad)
     device = with_grad[0].grad.device
-    if isinstance(total_norm, torch.Tensor):  # device norm: the factor stays on the device, no host read
-        scale = (max_norm / (total_norm.to(device, torch.float32) + 1.0e-6)).clamp(max=1.0).reshape(1)
+    if device_norm:  # the factor stays on the device, no host read
+        scale = _clip_factor(max_norm, total_norm, device)
     else:
         clip_coeff = max_norm / (total_norm + 1.0e-6)
         if clip_coeff >= 1.0:
@@ -59,6 +66,12 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled
         scale = torch.full((1,), clip_coeff, dtype=torch.float32, device=device)
     owner.set_next_grad_scale(scale)
     return None
+
+
+def _clip_factor(max_norm: float, total_norm: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``min(1, max_norm / (norm + 1e-6))`` as a one-element fp32 tensor on ``device`` (Megatron clips only
+    below 1; a multiply by exactly 1.0 changes nothing)."""
+    return (max_norm / (total_norm.to(device, torch.float32) + 1.0e-6)).clamp(max=1.0).reshape(1)
 
 
 def _owner_of(params: list[torch.Tensor]) -> TurboAdamW | None:

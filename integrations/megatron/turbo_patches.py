@@ -406,3 +406,15 @@ def _optimizer(ctx) -> str:
     turbo_optimizer.install_clip()
     turbo_optimizer.ENABLED = True
     return "torch AdamW -> turbo.optim.AdamW (clip factor and master-to-model cast in the step)"
+
+
+@REGISTRY.register("turbo.sync_free_step", "megatron.core.optimizer.optimizer.get_grad_norm_fp32", TESTED,
+                   feature="sync_free_step")  # fmt: skip
+def _sync_free_step(ctx) -> str:
+    """The step without host syncs (``sync_free``): the gradient norm and clip factor stay on the GPU, the
+    batches are pinned, the trainer reads loss, norm and the SIGTERM flag back one step later."""
+    from primus_turbo.integrations.megatron import sync_free
+
+    sync_free.install()
+    sync_free.ENABLED = True
+    return "grad norm and clip on the GPU, batches pinned, loss / norm read back one step later (event-timed)"

@@ -21,10 +21,9 @@ this step against TorchTitan's.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed._functional_collectives as funcol
+from primus_turbo.integrations.common.metrics import DeferredMetrics  # noqa: F401  (re-exported for the tests)
 
 from primus_turbo.pytorch.optim import AdamW as TurboAdamW
 
@@ -64,50 +63,6 @@ def staged_batches(batches, device: torch.device):
         input_dict = {k: stage_to_device(v, device) if isinstance(v, torch.Tensor) else v
                       for k, v in input_dict.items()}  # fmt: skip
         yield input_dict, stage_to_device(labels, device)
-
-
-class DeferredMetrics:
-    """Step metrics read back one step late: ``queue`` copies (loss, grad norm) to pinned memory without
-    blocking and records a timing event behind them, then hands the step queued before to ``record(step, loss,
-    grad_norm, seconds, extra)`` once its event has completed (``seconds``: the GPU time between the previous
-    recorded event and this one, per step; None for the first). ``flush`` records the last one."""
-
-    def __init__(self):
-        self._pending = None  # (step, host [loss, grad_norm], end marker, extra)
-        self._last = None  # (step, end marker) of the last recorded step
-
-    def queue(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, extra, record) -> None:
-        values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
-        if values.is_cuda:
-            host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-        else:  # CPU: nothing runs ahead; the host clock is the step's end
-            host, end = values, time.perf_counter()
-        pending, self._pending = self._pending, (step, host, end, extra)
-        if pending is not None:
-            self._resolve(pending, record)
-
-    def flush(self, record) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._resolve(pending, record)
-
-    def _resolve(self, pending, record) -> None:
-        step, host, end, extra = pending
-        if isinstance(end, torch.cuda.Event):
-            end.synchronize()  # this step's work only: later steps stay queued
-        seconds = None
-        if self._last is not None:
-            last_step, last_end = self._last
-            elapsed = (
-                last_end.elapsed_time(end) / 1e3 if isinstance(end, torch.cuda.Event) else end - last_end
-            )
-            seconds = elapsed / max(step - last_step, 1)
-        self._last = (step, end)
-        loss, grad_norm = host.tolist()
-        record(step, loss, grad_norm, seconds, extra)
 
 
 def train_step(trainer, data_iterator) -> None:

@@ -20,7 +20,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from primus_turbo.integrations.common.data import TokenBatches
-from primus_turbo.integrations.common.metrics import StepMetrics, check_finite, model_flops_per_token
+from primus_turbo.integrations.common.metrics import (
+    DeferredMetrics,
+    StepMetrics,
+    check_finite,
+    model_flops_per_token,
+)
 from primus_turbo.integrations.common.patch_registry import PatchError
 from primus_turbo.integrations.torchtitan import sync_free
 from primus_turbo.integrations.torchtitan.job_config import (
@@ -81,7 +86,7 @@ class TurboMetricsProcessor:
         self.losses: list[float] = []
         self._last_log = time.perf_counter()
         self._last_step = 0
-        self._deferred = sync_free.DeferredMetrics()
+        self._deferred = DeferredMetrics()
 
     def should_log(self, step: int) -> bool:
         return step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps

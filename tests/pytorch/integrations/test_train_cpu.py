@@ -331,6 +331,36 @@ def test_megatron_torch_adam_fallback_is_switched_to_fused_adam():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_megatron_sync_free_step_trains_the_same_trajectory_as_the_synced_loop(tmp_path, device):
+    """turbo.sync_free_step (grad norm and clip on the device, metrics read back one step later) against the
+    synced loop, with a clip that scales every step: the same losses and gradient norms, every step logged
+    (the last one by the flush), with turbo.optimizer on (the factor goes into the turbo AdamW step) and off
+    (the device factor multiplies the gradients, against the synced loop with Megatron's clip)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rows = {}
+    for sync_free, optimizer in (("false", "true"), ("true", "true"), ("false", "false"), ("true", "false")):
+        metrics = tmp_path / f"{sync_free}_{optimizer}.jsonl"
+        overrides = ("train.steps=3", "train.dtype=bf16", "train.clip_grad=0.05",
+                     f"turbo.optimizer={optimizer}", f"turbo.sync_free_step={sync_free}",
+                     f"train.metrics_file={metrics}")  # fmt: skip
+        rc, out, _ = torchrun(*TINY_MLA, *overrides, nproc=1, gpu=device == "cuda")
+        assert rc == 0, out[-3000:]
+        active = re.search(r"turbo\.sync_free_step\s+active", out) is not None
+        assert active == (sync_free == "true"), out[-3000:]
+        rows[sync_free, optimizer] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows["true", "true"]] == [1, 2, 3]
+    assert rows["true", "true"][0]["grad_norm"] > 0.1  # the clip (max 0.05) scales every step
+    rel = 1e-5 if device == "cpu" else 1e-4
+    for optimizer in ("true", "false"):
+        for on, off in zip(rows["true", optimizer], rows["false", optimizer], strict=True):
+            assert on["loss"] == pytest.approx(off["loss"], rel=rel), rows
+            assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=rel), rows
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_grad_norm_fix_matches_megatron_fallback_without_host_syncs(device):
     # fix.grad_norm_no_sync: Megatron's TE/Apex-less l2 norm built torch.tensor() from one CUDA norm per
     # gradient (a host sync per parameter and step); the replacement keeps the norm on the device.
