@@ -38,8 +38,10 @@ def test_device_norm_equals_megatrons_float(megatron_world, norm_type):
     assert isinstance(got, torch.Tensor) and got.shape == () and got.dtype == torch.float32
     assert isinstance(want, float)
     assert got.item() == pytest.approx(want, rel=1e-6)
-    ref = max(g.abs().max().item() for g in grads if g.numel()) if norm_type == math.inf else math.sqrt(
-        sum(g.double().square().sum().item() for g in grads)
+    ref = (
+        max(g.abs().max().item() for g in grads if g.numel())
+        if norm_type == math.inf
+        else math.sqrt(sum(g.double().square().sum().item() for g in grads))
     )
     assert got.item() == pytest.approx(ref, rel=1e-6)
     # other norm types: Megatron's own function (a host float)
