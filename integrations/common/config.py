@@ -157,6 +157,11 @@ def _check_data_and_schedule(cfg: DictConfig, dp: int) -> None:
     _require(not cfg.resume or t.ckpt_dir, "resume=true needs train.ckpt_dir")
     threads = t.get("autograd_threads", False)
     _require(isinstance(threads, bool), f"train.autograd_threads={threads!r}: expected true or false")
+    gc_interval = t.get("gc_interval", 0)
+    _require(
+        isinstance(gc_interval, int) and not isinstance(gc_interval, bool) and gc_interval >= 0,
+        f"train.gc_interval={gc_interval!r}: expected an integer >= 0 (0 = Python's automatic collection)",
+    )
 
 
 def _check_turbo(cfg: DictConfig) -> None:

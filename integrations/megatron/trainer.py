@@ -7,6 +7,7 @@ One function per stage, called in order by ``train``; read top to bottom.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import time
 import warnings
@@ -350,9 +351,16 @@ def train(cfg: DictConfig) -> dict:
         if step % t.log_interval == 0 or step == t.steps:
             metrics.record(step, loss, seconds, tokens_per_step, extra["lr"], grad_norm)
 
+    gc_interval = int(t.get("gc_interval", 0) or 0)
+    if gc_interval:  # collections at fixed steps instead of whenever allocation counts say (step-time spikes)
+        gc.collect()
+        gc.freeze()
+        gc.disable()
     try:
         for step in range(run.start_step + 1, t.steps + 1):
             start = time.perf_counter()
+            if gc_interval and step % gc_interval == 0:
+                gc.collect()
             if deferred is None:
                 reduced, grad_norm = train_step(run, step)
                 torch.cuda.synchronize()
@@ -378,6 +386,9 @@ def train(cfg: DictConfig) -> dict:
         if deferred is not None:
             deferred.flush(record)
     finally:
+        if gc_interval:
+            gc.enable()
+            gc.unfreeze()
         metrics.close()
         sigterm.restore()
     if losses:
