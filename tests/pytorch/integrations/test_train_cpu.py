@@ -208,6 +208,46 @@ def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
     assert resumed[4] == pytest.approx(full[4], rel=1e-5, abs=1e-6), (full, resumed)
 
 
+@pytest.mark.parametrize("sync_free", ["true", "false"])
+def test_sigterm_stops_after_a_whole_step_and_saves_it(tmp_path, sync_free):
+    """SIGTERM in the middle of a run: the loop finishes the step in flight (with turbo.sync_free_step the
+    flag travels with the loss and is read one step later, so one more step completes), saves that step, logs
+    every step up to it and exits 0. One process started as torchrun would (env://), signalled directly."""
+    import signal
+    import subprocess
+
+    from dist_utils import free_port
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(CUDA_VISIBLE_DEVICES="", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+    cmd = [sys.executable, "train.py", *TINY_MLA, "train.steps=200", f"train.ckpt_dir={ckpt}",
+           f"train.metrics_file={metrics}", f"turbo.sync_free_step={sync_free}",
+           "train.progress=false"]  # fmt: skip
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=pipe, stderr=subprocess.STDOUT, text=True)
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("step 3/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out.extend(proc.stdout)
+        rc = proc.wait(timeout=240)
+    finally:
+        proc.kill()
+    text = "".join(out)
+    assert rc == 0, text[-3000:]
+    stopped = re.search(r"SIGTERM: stopped after step (\d+)", text)
+    assert stopped, text[-3000:]
+    last = int(stopped.group(1))
+    assert 3 <= last < 200
+    assert (ckpt / "latest").read_text().strip() == str(last) and (ckpt / f"step_{last}").is_dir()
+    assert list(_losses(metrics)) == list(range(1, last + 1))  # every step logged, the deferred last one too
+
+
 def test_unavailable_turbo_feature_under_strict_stops_with_the_flag():
     # async-TP serves bf16 linears; under precision=fp8 the turbo linears run the FP8 GEMMs instead
     rc, out, _ = torchrun("recipe=tiny_dense", "parallel.tp=2", "parallel.sequence_parallel=true",
