@@ -23,6 +23,12 @@ Triton path stores the updated value twice; the torch path copies after its step
 
 ``AdamW.adopt(opt)`` turns an existing ``torch.optim.AdamW`` (state included) into this class in place, for
 frameworks that build their own optimizer.
+
+Host cost: the first step of a group sets up its state, buckets and device tables; once the whole group has
+stepped through the kernel, later steps reuse that plan after a few attribute reads per parameter (the same
+parameters, gradients at the same addresses in the same dtype and layout, the same state entries and copies,
+step counters unchanged by anyone else), else rebuild it. The step counters of a plan are views of one CPU
+tensor per launch (``state_dict`` hands out copies).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class AdamW(torch.optim.AdamW):
         self._copies: dict[torch.Tensor, torch.Tensor] = {}
         self._copies_fresh = False
         self._tables: dict[tuple, tuple[list[int], torch.Tensor]] = {}  # launch tables by group and bucket
+        self._plans: dict[int, _Plan] = {}  # per group index: its launches, reused while they hold
 
     @classmethod
     def adopt(cls, optimizer: torch.optim.AdamW) -> AdamW:
@@ -114,6 +121,16 @@ class AdamW(torch.optim.AdamW):
         fresh, self._copies_fresh = self._copies_fresh, False
         return fresh
 
+    def state_dict(self):
+        """torch's, with each step counter its own tensor (the step keeps them as views of one tensor per
+        launch: saved as views they would each carry that whole tensor)."""
+        state_dict = super().state_dict()
+        state_dict["state"] = {
+            k: {**s, "step": s["step"].clone()} if isinstance(s.get("step"), torch.Tensor) and s["step"]._base
+            is not None else s for k, s in state_dict["state"].items()
+        }  # fmt: skip
+        return state_dict
+
     def set_next_grad_scale(self, grad_scale: torch.Tensor | None) -> None:
         """``grad_scale`` for the next ``step()`` called without one (for callers that step through a
         container, e.g. TorchTitan's OptimizersContainer, which passes no arguments)."""
@@ -135,14 +152,22 @@ class AdamW(torch.optim.AdamW):
         fallback = []
         interpret = triton_interpret_enabled()
         for index, group in enumerate(self.param_groups):
-            fast, slow = [], []
             group_fast = _group_fast(group)
+            plan = self._plans.get(index)
+            if group_fast and plan is not None and plan.holds(group["params"], self.state, self._copies):
+                self._run(plan, group, grad_scale)  # steady state: no per-parameter set-up
+                fallback.append([])
+                continue
+            self._plans.pop(index, None)
+            fast, slow = [], []
             for p in group["params"]:
                 if p.grad is not None:
                     (fast if group_fast and _fast(p, interpret) else slow).append(p)
             fallback.append(slow)
             if fast:
-                self._kernel_step(index, group, fast, slow, grad_scale)
+                plan = self._kernel_step(index, group, fast, slow, grad_scale)
+                if not slow and len(fast) == len(group["params"]):  # the whole group: kept for next steps
+                    self._plans[index] = plan
         if any(fallback):
             self._torch_step(fallback, grad_scale)
             for params in fallback:
@@ -152,11 +177,9 @@ class AdamW(torch.optim.AdamW):
         self._copies_fresh = bool(self._copies)
         return loss
 
-    def _kernel_step(self, index: int, group: dict, params: list, slow: list, grad_scale) -> None:
+    def _kernel_step(self, index: int, group: dict, params: list, slow: list, grad_scale) -> _Plan | None:
         """The group's kernel parameters in one launch per (device, dtypes, step count); parameters whose two
-        moments differ in dtype or are not contiguous (e.g. loaded so) join ``slow``."""
-        from primus_turbo.triton.optim.adamw_kernel import adamw_table, launch_adamw
-
+        moments differ in dtype or are not contiguous (e.g. loaded so) join ``slow``. Returns the plan run."""
         kept, states = [], []
         for p in params:
             state = self.state[p]
@@ -174,33 +197,56 @@ class AdamW(torch.optim.AdamW):
             kept.append(p)
             states.append(state)
         if not kept:
-            return
-        steps = [state["step"] for state in states]
-        torch._foreach_add_(steps, 1.0)
+            return None
+        plan = self._plan(index, kept, states)
+        self._run(plan, group, grad_scale)
+        return plan
+
+    def _plan(self, index: int, params: list, states: list) -> _Plan:
+        """Group ``params`` by (device, dtypes, step count); each bucket's step counters become views of one
+        CPU tensor (one add steps them all) and its addresses one device table."""
+        from primus_turbo.triton.optim.adamw_kernel import adamw_table
+
+        counts = torch.stack([state["step"].reshape(()).float() for state in states]).tolist()
         buckets: dict[tuple, list] = {}
-        for p, state, count in zip(kept, states, torch.stack(steps).tolist(), strict=True):
+        for p, state, count in zip(params, states, counts, strict=True):
             copy = self._copies.get(p)
             copy_dtype = None if copy is None else copy.dtype
-            key = (p.get_device(), p.dtype, p.grad.dtype, state["exp_avg"].dtype, copy_dtype, int(count))
+            key = (p.get_device(), p.dtype, p.grad.dtype, state["exp_avg"].dtype, copy_dtype, count)
             buckets.setdefault(key, []).append((p, state, copy))
-        beta1, beta2 = group["betas"]
+        launches = []
         ranks: dict[tuple, int] = {}  # a table's cache key: the bucket without its step count (which moves)
         for key, items in buckets.items():
             _, *dtypes, count = key
             rank = ranks[key[:-1]] = ranks.get(key[:-1], -1) + 1
-            params, states_, copies = zip(*items, strict=True)
-            device = params[0].device
+            bucket_params, bucket_states, copies = zip(*items, strict=True)
+            steps = torch.full((len(items),), count, dtype=torch.float32)
+            for i, state in enumerate(bucket_states):
+                state["step"] = steps[i]
             rows, blocks, aligned = adamw_table(
-                params, [p.grad for p in params], [s["exp_avg"] for s in states_],
-                [s["exp_avg_sq"] for s in states_], None if dtypes[3] is None else copies,
+                bucket_params, [p.grad for p in bucket_params], [s["exp_avg"] for s in bucket_states],
+                [s["exp_avg_sq"] for s in bucket_states], None if dtypes[3] is None else copies,
             )  # fmt: skip
-            scale = grad_scale.to(device, non_blocking=True) if grad_scale is not None else None
+            device = bucket_params[0].device
+            table = self._device_table((index, *key[:-1], rank), rows, device)
+            launch = _Launch(len(items), blocks, tuple(dtypes), device, aligned, table, steps, int(count))
+            launches.append(launch)
+        return _Plan(self.state, self._copies, params, states, launches)
+
+    def _run(self, plan: _Plan, group: dict, grad_scale) -> None:
+        from primus_turbo.triton.optim.adamw_kernel import launch_adamw
+
+        beta1, beta2 = group["betas"]
+        for launch in plan.launches:
+            launch.steps.add_(1.0)
+            launch.count += 1
+            scale = grad_scale.to(launch.device, non_blocking=True) if grad_scale is not None else None
             launch_adamw(
-                self._device_table((index, *key[:-1], rank), rows, device), len(items), blocks, dtypes, scale,
+                launch.table, launch.num_tensors, launch.blocks, launch.dtypes, scale,
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), step=count, aligned=aligned,
+                weight_decay=float(group["weight_decay"]), step=launch.count, aligned=launch.aligned,
             )  # fmt: skip
-            self.turbo_steps += len(items)
+            self.turbo_steps += launch.num_tensors
 
     def _device_table(self, key, rows: list[int], device: torch.device) -> torch.Tensor:
         """The launch table on ``device``, copied there only when its addresses change (steady state: never;
@@ -226,6 +272,52 @@ class AdamW(torch.optim.AdamW):
         inner.param_groups = groups
         inner.state = self.state
         inner.step()
+
+
+class _Launch:
+    """One launch of a plan: ``num_tensors`` tensors of one (device, dtypes, step count) in ``table``; their
+    step counters are the elements of ``steps`` (CPU), all equal to ``count``."""
+
+    __slots__ = ("num_tensors", "blocks", "dtypes", "device", "aligned", "table", "steps", "count")
+
+    def __init__(self, num_tensors, blocks, dtypes, device, aligned, table, steps, count):
+        self.num_tensors, self.blocks, self.dtypes, self.device = num_tensors, blocks, dtypes, device
+        self.aligned, self.table, self.steps, self.count = aligned, table, steps, count
+
+
+class _Plan:
+    """A whole group's launches, kept across steps while everything they were built from holds: the same
+    parameters (objects and memory) with gradients of the same dtype at the same contiguous memory, the same
+    state entries and moment memory, the same copies, and step counters nobody else moved. Checking that is a
+    few attribute reads per parameter, where building it is the state set-up, the bucketing and the tables."""
+
+    __slots__ = ("state", "copies", "checks", "launches")
+
+    def __init__(self, state, copies, params, states, launches):
+        self.state, self.copies, self.launches = state, copies, launches
+        self.checks = []
+        for p, st in zip(params, states, strict=True):
+            m, v, g = st["exp_avg"], st["exp_avg_sq"], p.grad
+            self.checks.append((p, g.dtype, st, st["step"], m, v, p.data_ptr(), g.data_ptr(), m.data_ptr(),
+                                v.data_ptr()))  # fmt: skip
+
+    def holds(self, params: list, state, copies) -> bool:
+        if state is not self.state or copies is not self.copies or len(params) != len(self.checks):
+            return False
+        for p, (q, g_dtype, st, step, m, v, p_ptr, g_ptr, m_ptr, v_ptr) in zip(params, self.checks):
+            g = p.grad
+            if (
+                p is not q or g is None or g.dtype is not g_dtype or g.is_sparse or not g.is_contiguous()
+                or g.data_ptr() != g_ptr or p.data_ptr() != p_ptr or not p.is_contiguous()
+                or state.get(p) is not st or st.get("step") is not step or st.get("exp_avg") is not m
+                or st.get("exp_avg_sq") is not v or m.data_ptr() != m_ptr or v.data_ptr() != v_ptr
+            ):  # fmt: skip
+                return False
+        for launch in self.launches:  # e.g. a checkpoint load writing the counters in place
+            low, high = torch.aminmax(launch.steps)
+            if low.item() != launch.count or high.item() != launch.count:
+                return False
+        return True
 
 
 def _by_device(tensors):
