@@ -177,19 +177,29 @@ class DeferredMetrics:
         self._last = None  # (step, end marker) of the last recorded step
         self.stop_requested = False
 
-    def queue(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, extra, record, stop=None) -> None:
+    def queue(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, extra, record, stop=None,
+              start=None) -> None:  # fmt: skip
+        """``start``: for a step with no recorded step before it, a ``marker()`` taken when it began (else its
+        ``seconds`` is None)."""
         parts = [loss, grad_norm] + ([] if stop is None else [stop])
         values = torch.stack([t.detach().float().reshape(()) for t in parts])
         if values.is_cuda:
             host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
             host.copy_(values, non_blocking=True)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
         else:
-            host, end = values, time.perf_counter()
-        pending, self._pending = self._pending, (step, host, end, extra)
+            host = values
+        pending, self._pending = self._pending, (step, host, self.marker(values.device), extra, start)
         if pending is not None:
             self._resolve(pending, record)
+
+    @staticmethod
+    def marker(device: torch.device):
+        """A point on the timeline: a CUDA event recorded now on a GPU, the host clock on a CPU."""
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def flush(self, record) -> None:
         pending, self._pending = self._pending, None
@@ -197,17 +207,20 @@ class DeferredMetrics:
             self._resolve(pending, record)
 
     def _resolve(self, pending, record) -> None:
-        step, host, end, extra = pending
+        step, host, end, extra, start = pending
         if isinstance(end, torch.cuda.Event):
             end.synchronize()  # this step's work only: later steps stay queued
         seconds = None
         if self._last is not None:
             last_step, last_end = self._last
-            elapsed = (
-                last_end.elapsed_time(end) / 1e3 if isinstance(end, torch.cuda.Event) else end - last_end
-            )
-            seconds = elapsed / max(step - last_step, 1)
+            seconds = self._elapsed(last_end, end) / max(step - last_step, 1)
+        elif start is not None:
+            seconds = self._elapsed(start, end)
         self._last = (step, end)
         loss, grad_norm, *stop = host.tolist()
         self.stop_requested |= bool(stop and stop[0] > 0)
         record(step, loss, grad_norm, seconds, extra)
+
+    @staticmethod
+    def _elapsed(first, last) -> float:
+        return first.elapsed_time(last) / 1e3 if isinstance(last, torch.cuda.Event) else last - first

@@ -341,11 +341,9 @@ def train(cfg: DictConfig) -> dict:
     # turbo.sync_free_step: nothing read back in the step; loss, norm and the SIGTERM flag one step later
     deferred = DeferredMetrics() if sync_free.ENABLED else None
 
-    def record(step: int, loss: float, grad_norm, seconds: float | None, extra: dict) -> None:
+    def record(step: int, loss: float, grad_norm, seconds: float, extra: dict) -> None:
         check_finite(loss, step)
         losses.append(loss)
-        if seconds is None:  # the first deferred step: host time since it started
-            seconds = time.perf_counter() - extra["start"]
         if step == run.start_step + 1 and cfg.turbo.enabled:
             log0(f"turbo report: op backends in step {step}: {backends_used()}")
         if step % t.log_interval == 0 or step == t.steps:
@@ -369,11 +367,14 @@ def train(cfg: DictConfig) -> dict:
                 record(step, (reduced[0] / reduced[1]).item(), grad_norm, seconds, {"lr": lr})
                 stop = sigterm.should_stop(device)
             else:
+                first = step == run.start_step + 1
+                begin = DeferredMetrics.marker(device) if first else None  # the first step's own time
                 reduced, grad_norm = train_step(run, step, stop=sigterm.received)
                 if not isinstance(grad_norm, torch.Tensor):  # e.g. clip_grad=0: Megatron's float 0.0
                     grad_norm = torch.full((), float(grad_norm or 0.0), device=device)
-                extra = {"lr": run.optimizer.param_groups[0]["lr"], "start": start}
-                deferred.queue(step, reduced[0] / reduced[1], grad_norm, extra, record, stop=reduced[2])
+                extra = {"lr": run.optimizer.param_groups[0]["lr"]}
+                loss = reduced[0] / reduced[1]
+                deferred.queue(step, loss, grad_norm, extra, record, stop=reduced[2], start=begin)
                 stop = deferred.stop_requested  # all-reduced: every rank stops after the same step
             periodic = t.ckpt_dir and t.save_interval and step % t.save_interval == 0
             if t.ckpt_dir and (stop or periodic or (t.save_at_end and step == t.steps)):

@@ -99,6 +99,33 @@ def test_deferred_metrics_carry_the_stop_flag_one_step_late():
     assert rows == [1, 2, 3] and deferred.stop_requested
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_deferred_metrics_time_the_first_step_from_its_start_marker(device):
+    """The first step has no step before it: given a marker taken when it began, its time runs from there to
+    its end (not to when it is read back, a step later); without one it stays None."""
+    import time
+
+    from primus_turbo.integrations.common.metrics import DeferredMetrics
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    device = torch.device(device)
+    rows = []
+    for start in (True, False):
+        deferred = DeferredMetrics()
+        begin = DeferredMetrics.marker(device) if start else None
+        if device.type == "cuda":
+            torch.cuda._sleep(20_000_000)  # ~10-20 ms of GPU time
+        else:
+            time.sleep(0.02)
+        one = torch.ones((), device=device)
+        deferred.queue(1, one, one, {}, lambda *r: rows.append(r[3]), start=begin)
+        if device.type == "cpu":
+            time.sleep(0.2)  # between the first step's end and its read-back: not part of its time
+        deferred.queue(2, one, one, {}, lambda *r: rows.append(r[3]))
+    assert 0.005 < rows[0] < 0.15 and rows[1] is None, rows
+
+
 @pytest.fixture
 def nccl_world():
     if not torch.cuda.is_available():
