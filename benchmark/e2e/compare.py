@@ -30,8 +30,10 @@ TorchTitan's stock rows run with its per-block torch.compile (framework.compile=
 issue 9 names. Turbo rows run eager unless framework.compile=... is given, which then applies to every row.
 
 Writes DIR/report.md (table + failures with their log tails), DIR/results.json, DIR/report.png (when
-matplotlib is installed), DIR/runs/<config>.{log,jsonl}. Exit code 0 when every configuration that ran
-succeeded, 1 if not.
+matplotlib is installed), DIR/runs/<config>.{log,jsonl}. Where nvidia-smi is installed, each configuration's
+GPUs are sampled every 250 ms (DIR/runs/<config>.smi.csv) and the report lists the median SM clock and power
+over the timed steps and how often the power cap held the clock (gpu_telemetry.py). Exit code 0 when every
+configuration that ran succeeded, 1 if not.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import gpu_telemetry  # noqa: E402
 from plot import write_plot  # noqa: E402
 from report import RunResult, load_metrics, summarize, write_report  # noqa: E402
 
@@ -232,7 +235,8 @@ def execute(run: RunResult, cmd: list[str], timeout: float, warmup: int) -> None
         Path(run.profile_path).unlink(missing_ok=True)
         env.update(E2E_PROFILE_OUT=run.profile_path, E2E_PROFILE_WAIT=str(warmup))
     start, timed_out = time.perf_counter(), False
-    with open(run.log_path, "w") as log:
+    telemetry = gpu_telemetry.Sampler(Path(run.metrics_path).with_suffix(".smi.csv"))
+    with open(run.log_path, "w") as log, telemetry:
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -250,6 +254,10 @@ def execute(run: RunResult, cmd: list[str], timeout: float, warmup: int) -> None
     run.seconds = time.perf_counter() - start
     text = Path(run.log_path).read_text(errors="replace")
     run.rows = load_metrics(run.metrics_path)
+    window = gpu_telemetry.timed_window(run.rows, warmup)
+    if window is not None:  # the GPUs this run used: torchrun's ranks take devices 0 .. nproc-1
+        samples = gpu_telemetry.parse(telemetry.path)
+        run.gpu = gpu_telemetry.summarize(samples, *window, gpus=_nproc(cmd))
     if run.profile_path and Path(run.profile_path).exists():
         run.profile = json.loads(Path(run.profile_path).read_text())
     backends = re.search(r"turbo report: op backends in step \d+: (.*)", text)
@@ -262,6 +270,13 @@ def execute(run: RunResult, cmd: list[str], timeout: float, warmup: int) -> None
     if run.returncode == 0:
         run.error = "exited 0 but wrote no metrics rows"
     run.error_tail = error_tail(text)
+
+
+def _nproc(cmd: list[str]) -> int | None:
+    for arg in cmd:
+        if arg.startswith("--nproc_per_node="):
+            return int(arg.split("=", 1)[1])
+    return None
 
 
 def reuse_previous(run: RunResult, steps: int) -> bool:

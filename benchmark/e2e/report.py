@@ -42,6 +42,7 @@ class RunResult:
     profile: dict | None = None  # profile_entry.py summary: top ops by self time per step
     rows: list[dict] = dataclasses.field(default_factory=list)
     seed: int | None = None  # train.seed of this run (compare.py seeds=...); None: the recipe's
+    gpu: dict | None = None  # gpu_telemetry.summarize over the timed steps (GPU runs with nvidia-smi)
 
     @property
     def label(self) -> str:
@@ -361,6 +362,13 @@ def write_report(
     if parity:
         lines += _parity_section(parity_summary(results))
     lines += ["![step time and loss](report.png)" if not plot_note else f"Plot: {plot_note}", ""]
+    sampled = [r for r in results if r.gpu]
+    if sampled:
+        from gpu_telemetry import describe
+
+        lines += ["## GPU clock and power during the timed steps (nvidia-smi, every 250 ms)", ""]
+        lines += [f"- {r.label}: {describe(r.gpu)}" for r in sampled]
+        lines.append("")
     lines += _profile_section(results)
     backends = [r for r in results if r.backends]
     if backends:
