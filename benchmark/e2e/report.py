@@ -1,7 +1,8 @@
 """Report writer for benchmark/e2e/compare.py: per-configuration summaries, report.md, results.json.
 
 Input is the train.py JSONL metrics schema (integrations/common/metrics.py, one row per step):
-``step, loss, step_time_ms, tokens_per_s_per_gpu, tflops_per_gpu, mfu, max_mem_gb, lr, grad_norm, time``.
+``step, loss, step_time_ms, tokens_per_s_per_gpu, tflops_per_gpu, mfu, max_mem_gb, lr, grad_norm, time``
+(and ``host_wait_ms`` from the sync-free loops on a GPU: the host's wait for that step's GPU work).
 Step times are medians over the steps after ``warmup`` (the first steps carry Triton compiles, autotune
 and allocator growth). A configuration that failed, timed out or was skipped keeps its row with the reason.
 """
@@ -86,6 +87,7 @@ def summarize(rows: list[dict], warmup: int) -> dict:
         "tokens_per_s_per_gpu": _median([r["tokens_per_s_per_gpu"] for r in timed]),
         "tflops_per_gpu": _median([r["tflops_per_gpu"] for r in timed]),
         "mfu": _median([r.get("mfu") for r in timed]),
+        "host_wait_ms": _median([r.get("host_wait_ms") for r in timed]),
         "max_mem_gb": max(r.get("max_mem_gb") or 0.0 for r in rows),
         "final_loss": rows[-1]["loss"],
         "smoothed_final_loss": smoothed_final_loss(rows),
@@ -342,6 +344,38 @@ def _profile_section(results: list[RunResult], top: int = 10) -> list[str]:
     return lines
 
 
+HOST_BOUND_MS = 1.0  # a step whose host waited less than this for the GPU was paced by the host
+
+
+def host_slack_section(results: list[RunResult], warmup: int) -> list[str]:
+    """How long the host waited for each timed step's GPU work (the sync-free loops' ``host_wait_ms``): the
+    median, and the timed steps with under HOST_BOUND_MS of wait (host-paced) with their median step time next
+    to the others' (a host-paced step that is slower says the host, not the GPU, set its time)."""
+    lines = []
+    for r in results:
+        timed = [row for row in r.rows if row["step"] > warmup and row.get("host_wait_ms") is not None]
+        if not timed:
+            continue
+        paced = [row for row in timed if row["host_wait_ms"] < HOST_BOUND_MS]
+        other = [row for row in timed if row["host_wait_ms"] >= HOST_BOUND_MS]
+        line = (
+            f"- {r.label}: median wait {_median([row['host_wait_ms'] for row in timed]):.1f} ms per step; "
+            f"{len(paced)} of {len(timed)} timed steps host-paced (< {HOST_BOUND_MS:g} ms)"
+        )
+        if paced and other:
+            line += (
+                f", their median step {_median([row['step_time_ms'] for row in paced]):.1f} ms vs "
+                f"{_median([row['step_time_ms'] for row in other]):.1f} ms for the rest"
+            )
+        lines.append(line)
+    if not lines:
+        return []
+    return [
+        "## Host slack (sync-free loops): the host's wait for a step's GPU work after issuing the next", "",
+        *lines, "",
+    ]  # fmt: skip
+
+
 def write_report(
     out_dir: str | Path, results: list[RunResult], warmup: int, meta: dict, parity: bool = False,
     plot_note: str = "",
@@ -369,6 +403,7 @@ def write_report(
         lines += ["## GPU clock and power during the timed steps (nvidia-smi, every 250 ms)", ""]
         lines += [f"- {r.label}: {describe(r.gpu)}" for r in sampled]
         lines.append("")
+    lines += host_slack_section(results, warmup)
     lines += _profile_section(results)
     backends = [r for r in results if r.backends]
     if backends:

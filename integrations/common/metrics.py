@@ -102,7 +102,11 @@ class StepMetrics:
             except ImportError:
                 print("metrics: tensorboard is not installed; train.tensorboard_dir ignored", flush=True)
 
-    def record(self, step: int, loss: float, step_seconds: float, tokens: int, lr: float, grad_norm) -> dict:
+    def record(
+        self, step: int, loss: float, step_seconds: float, tokens: int, lr: float, grad_norm,
+        host_wait_ms: float | None = None,
+    ) -> dict:  # fmt: skip
+        """``host_wait_ms``: the sync-free loops' host slack (``DeferredMetrics.host_wait_ms``)."""
         tokens_per_gpu = tokens / self.world_size / step_seconds
         tflops = tokens_per_gpu * self.flops_per_token / 1e12
         if torch.cuda.is_available():
@@ -119,6 +123,7 @@ class StepMetrics:
             "max_mem_gb": max_mem_gb,
             "lr": lr,
             "grad_norm": None if grad_norm is None else float(grad_norm),
+            "host_wait_ms": host_wait_ms,
             "time": time.time(),
         }
         if self.is_writer:
@@ -170,12 +175,18 @@ class DeferredMetrics:
     completed (``seconds``: the GPU time between the previous recorded event and this one, per step; None for
     the first). ``flush`` records the last one. ``stop_requested`` turns True once a recorded step's ``stop``
     (e.g. a SIGTERM flag all-reduced with the loss) was positive. On a CPU nothing runs ahead: the values are
-    read at once and the host clock times the steps."""
+    read at once and the host clock times the steps.
+
+    ``host_wait_ms`` (set before each ``record`` call): how long the host, having issued the next step, waited
+    for the recorded step's GPU work to finish: the host's slack. Near 0 means the host sets the pace (its
+    Python and launch work per step is as long as the GPU's step); None on a CPU. A flushed step's wait is the
+    whole queue draining."""
 
     def __init__(self):
         self._pending = None  # (step, host [loss, grad_norm, stop], end marker, extra)
         self._last = None  # (step, end marker) of the last recorded step
         self.stop_requested = False
+        self.host_wait_ms: float | None = None
 
     def queue(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, extra, record, stop=None,
               start=None) -> None:  # fmt: skip
@@ -208,8 +219,11 @@ class DeferredMetrics:
 
     def _resolve(self, pending, record) -> None:
         step, host, end, extra, start = pending
+        self.host_wait_ms = None
         if isinstance(end, torch.cuda.Event):
+            t0 = time.perf_counter()
             end.synchronize()  # this step's work only: later steps stay queued
+            self.host_wait_ms = (time.perf_counter() - t0) * 1e3
         seconds = None
         if self._last is not None:
             last_step, last_end = self._last

@@ -347,7 +347,8 @@ def train(cfg: DictConfig) -> dict:
         if step == run.start_step + 1 and cfg.turbo.enabled:
             log0(f"turbo report: op backends in step {step}: {backends_used()}")
         if step % t.log_interval == 0 or step == t.steps:
-            metrics.record(step, loss, seconds, tokens_per_step, extra["lr"], grad_norm)
+            wait = deferred.host_wait_ms if deferred is not None else None
+            metrics.record(step, loss, seconds, tokens_per_step, extra["lr"], grad_norm, host_wait_ms=wait)
 
     gc_interval = int(t.get("gc_interval", 0) or 0)
     if gc_interval:  # collections at fixed steps instead of whenever allocation counts say (step-time spikes)

@@ -107,9 +107,9 @@ class TurboMetricsProcessor:
     def _record_deferred(self, step, loss, grad_norm, seconds, extra_metrics) -> None:
         if seconds is None:  # the first queued step: host time since the last record
             seconds = (time.perf_counter() - self._last_log) / max(step - self._last_step, 1)
-        self._record(step, loss, seconds, grad_norm, extra_metrics)
+        self._record(step, loss, seconds, grad_norm, extra_metrics, self._deferred.host_wait_ms)
 
-    def _record(self, step, loss, seconds, grad_norm, extra_metrics) -> None:
+    def _record(self, step, loss, seconds, grad_norm, extra_metrics, host_wait_ms=None) -> None:
         check_finite(loss, step)
         self.losses.append(loss)
         if step == 1 and self.cfg.turbo.enabled:
@@ -118,7 +118,7 @@ class TurboMetricsProcessor:
             log0(f"turbo report: op backends in step {step}: {backends_used()}")
         tokens = self.cfg.data.global_batch_size * self.cfg.model.seq_length
         lr = (extra_metrics or {}).get("lr", 0.0)
-        self.step_metrics.record(step, loss, seconds, tokens, lr, grad_norm)
+        self.step_metrics.record(step, loss, seconds, tokens, lr, grad_norm, host_wait_ms=host_wait_ms)
         self.ntokens_since_last_log = 0
         self.data_loading_times.clear()
         self._last_log, self._last_step = time.perf_counter(), step
