@@ -178,9 +178,10 @@ class DeferredMetrics:
     read at once and the host clock times the steps.
 
     ``host_wait_ms`` (set before each ``record`` call): how long the host, having issued the next step, waited
-    for the recorded step's GPU work to finish: the host's slack. Near 0 means the host sets the pace (its
-    Python and launch work per step is as long as the GPU's step); None on a CPU. A flushed step's wait is the
-    whole queue draining."""
+    for the recorded step's GPU work to finish; None on a CPU. Above 0 only when the host ran a whole step
+    ahead. 0 either because the host sets the pace or because its run-ahead is capped below a step (the CUDA
+    launch queue: a deepseek_moe_fp8 step issues ~2,500 launches); a flushed step's wait (nothing left to
+    issue) is the host's lead over the GPU at that point, which tells the two apart."""
 
     def __init__(self):
         self._pending = None  # (step, host [loss, grad_norm, stop], end marker, extra)
