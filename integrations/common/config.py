@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 FP8_FORMATS = ("auto", "hybrid", "e4m3")  # auto: e4m3 for blockwise (DeepSeek-V3's recipe), else hybrid
+FP8_EXPERT_RECIPES = ("same", "tensorwise", "rowwise", "blockwise")  # same: fp8.recipe (delayed: tensorwise)
 FP8_WGRAD = ("bf16", "fp8")  # bf16: weight gradients from the high-precision tensors (Float8QuantConfig)
 DTYPES = ("auto", "bf16", "fp32")
 DATA_KINDS = ("synthetic", "text")
@@ -116,6 +117,10 @@ def _check_precision(cfg: DictConfig) -> None:
     _require(wgrad in FP8_WGRAD, f"fp8.wgrad={wgrad!r}: expected one of {FP8_WGRAD}")
     fmt = cfg.fp8.get("format", "auto")
     _require(fmt in FP8_FORMATS, f"fp8.format={fmt!r}: expected one of {FP8_FORMATS}")
+    experts = cfg.fp8.get("expert_recipe", "same")
+    _require(
+        experts in FP8_EXPERT_RECIPES, f"fp8.expert_recipe={experts!r}: expected one of {FP8_EXPERT_RECIPES}"
+    )
     if not cfg.fp8.enabled:
         return
     if not torch.cuda.is_available():
@@ -207,6 +212,18 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     _check_precision(cfg)
     _check_data_and_schedule(cfg, dp)
     _check_turbo(cfg)
+
+
+def fp8_expert_recipe(fp8_cfg) -> str:
+    """The scaling recipe of the experts' grouped GEMMs: ``fp8.expert_recipe``, or for ``same`` the linears'
+    ``fp8.recipe`` (``delayed`` runs the experts with current tensorwise scaling: grouped FP8 has no amax
+    history)."""
+    experts = fp8_cfg.get("expert_recipe", "same")
+    if experts not in FP8_EXPERT_RECIPES:
+        raise ValueError(f"fp8.expert_recipe={experts!r}: expected one of {FP8_EXPERT_RECIPES}")
+    if experts != "same":
+        return experts
+    return "tensorwise" if fp8_cfg.recipe == "delayed" else fp8_cfg.recipe
 
 
 def fp8_format_name(recipe: str, fmt: str = "auto") -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
-from primus_turbo.integrations.common.config import fp8_format_name
+from primus_turbo.integrations.common.config import fp8_expert_recipe, fp8_format_name
 from primus_turbo.integrations.megatron import turbo_layers, turbo_moe, turbo_ops
 from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_moe, _needs_op
 
@@ -365,27 +365,36 @@ def _fp8(ctx) -> str:
         ScalingStrategy,
     )
 
-    recipe = ctx.cfg.fp8.recipe
-    hp_wgrad = ctx.cfg.fp8.get("wgrad", "bf16") == "bf16"
+    fp8 = ctx.cfg.fp8
+    recipe, experts = fp8.recipe, fp8_expert_recipe(fp8)
+    hp_wgrad = fp8.get("wgrad", "bf16") == "bf16"
     wgrad = "; weight gradients in bf16" if hp_wgrad else ""
-    fmt = Format[fp8_format_name(recipe, ctx.cfg.fp8.get("format", "auto"))]
+
+    def current(name: str) -> Float8QuantConfig:
+        fmt = Format[fp8_format_name(name, fp8.get("format", "auto"))]
+        granularity = ScalingGranularity[_FP8_GRANULARITY[name]]
+        return Float8QuantConfig(format=fmt, granularity=granularity, high_precision_wgrad=hp_wgrad)
+
+    def describe(config: Float8QuantConfig) -> str:
+        return f"FP8 {config.format.value} {config.granularity.value} {config.strategy.name.lower()} scaling"
+
     if recipe == "delayed":
         # Linears keep a per-module amax history (DelayedScalingState); grouped_gemm_fp8 has no delayed
-        # scaling, so the experts use current tensorwise scaling.
+        # scaling, so the experts use current scaling (tensorwise unless fp8.expert_recipe says otherwise).
+        fmt = Format[fp8_format_name(recipe, fp8.get("format", "auto"))]
         turbo_layers.FP8_CONFIG = Float8QuantConfig(
             format=fmt, strategy=ScalingStrategy.DELAYED, high_precision_wgrad=hp_wgrad
         )
-        turbo_layers.FP8_GROUPED_CONFIG = Float8QuantConfig(format=fmt, high_precision_wgrad=hp_wgrad)
-        return (
-            f"linears: FP8 {fmt.value} TENSORWISE delayed scaling; experts: FP8 {fmt.value} TENSORWISE "
-            "current scaling" + wgrad
-        )
-    granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
-    turbo_layers.FP8_CONFIG = Float8QuantConfig(
-        format=fmt, granularity=granularity, high_precision_wgrad=hp_wgrad
+    else:
+        turbo_layers.FP8_CONFIG = current(recipe)
+    same = experts == recipe
+    turbo_layers.FP8_GROUPED_CONFIG = turbo_layers.FP8_CONFIG if same else current(experts)
+    if same:
+        return f"turbo linears/experts run FP8 GEMMs: {describe(turbo_layers.FP8_CONFIG)}" + wgrad
+    return (
+        f"linears: {describe(turbo_layers.FP8_CONFIG)}; experts: {describe(turbo_layers.FP8_GROUPED_CONFIG)}"
+        + wgrad
     )
-    turbo_layers.FP8_GROUPED_CONFIG = turbo_layers.FP8_CONFIG
-    return f"turbo linears/experts run FP8 GEMMs: {fmt.value} {granularity.value} current scaling" + wgrad
 
 
 def _needs_torch_adam(ctx) -> str | None:

@@ -69,6 +69,7 @@ class TurboOptions:
     fp8_recipe: str | None = None  # None = bf16; tensorwise | rowwise | blockwise | delayed
     fp8_wgrad: str = "bf16"  # bf16 | fp8 (bf16: Float8QuantConfig.high_precision_wgrad)
     fp8_format: str = "auto"  # auto | hybrid | e4m3 (common.config.fp8_format_name)
+    fp8_expert_recipe: str = "same"  # same | tensorwise | rowwise | blockwise: the experts' grouped GEMMs
     tp: int = 1
     ep: int = 1
     cp: int = 1
@@ -91,7 +92,9 @@ def options_from_cfg(cfg) -> TurboOptions:
                                        "rope")}  # fmt: skip
     fp8 = cfg.fp8.recipe if cfg.fp8.enabled else None
     wgrad, fmt = cfg.fp8.get("wgrad", "bf16"), cfg.fp8.get("format", "auto")
-    return TurboOptions(**flags, fp8_recipe=fp8, fp8_wgrad=wgrad, fp8_format=fmt, tp=p.tp, ep=p.ep, cp=p.cp)
+    experts = cfg.fp8.get("expert_recipe", "same")
+    return TurboOptions(**flags, fp8_recipe=fp8, fp8_wgrad=wgrad, fp8_format=fmt, fp8_expert_recipe=experts,
+                        tp=p.tp, ep=p.ep, cp=p.cp)  # fmt: skip
 
 
 def set_options(options: TurboOptions | None) -> None:
@@ -105,6 +108,7 @@ class TitanPatchContext:
     model: nn.Module
     options: TurboOptions
     fp8_config: object = None
+    fp8_expert_config: object = None  # the experts' (fp8.expert_recipe); fp8_config unless it differs
     notes: dict = field(default_factory=dict)
 
     def modules_of(self, cls, exact: bool = True) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -161,13 +165,24 @@ def _fp8_probe(ctx) -> str | None:
 def _fp8(ctx) -> str:
     from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
 
-    recipe = ctx.options.fp8_recipe
-    granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
-    fmt = Format[fp8_format_name(recipe, ctx.options.fp8_format)]
-    hp_wgrad = ctx.options.fp8_wgrad == "bf16"
-    ctx.fp8_config = Float8QuantConfig(format=fmt, granularity=granularity, high_precision_wgrad=hp_wgrad)
+    o = ctx.options
+    hp_wgrad = o.fp8_wgrad == "bf16"
+
+    def current(recipe: str):
+        granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
+        fmt = Format[fp8_format_name(recipe, o.fp8_format)]
+        return Float8QuantConfig(format=fmt, granularity=granularity, high_precision_wgrad=hp_wgrad)
+
+    def describe(config) -> str:
+        return f"{config.format.value} {config.granularity.value} current scaling"
+
+    ctx.fp8_config = current(o.fp8_recipe)
+    experts = o.fp8_expert_recipe
+    ctx.fp8_expert_config = ctx.fp8_config if experts in ("same", o.fp8_recipe) else current(experts)
     wgrad = "; weight gradients in bf16" if hp_wgrad else ""
-    return f"turbo linears/experts run FP8 GEMMs: {fmt.value} {granularity.value} current scaling" + wgrad
+    if ctx.fp8_expert_config is ctx.fp8_config:
+        return f"turbo linears/experts run FP8 GEMMs: {describe(ctx.fp8_config)}" + wgrad
+    return f"linears: FP8 {describe(ctx.fp8_config)}; experts: FP8 {describe(ctx.fp8_expert_config)}" + wgrad
 
 
 # ---- module swaps ----------------------------------------------------------------------------------------
@@ -277,8 +292,8 @@ def _grouped_gemm(ctx) -> str:
     experts = ctx.modules_of(GroupedExperts)
     for _, _, module in experts:
         module.__class__ = tm.TurboGroupedExperts  # same parameters, new forward
-    tm.EXPERTS_FP8_CONFIG = ctx.fp8_config
-    kind = "grouped_gemm_fp8" if ctx.fp8_config is not None else "grouped_gemm"
+    tm.EXPERTS_FP8_CONFIG = ctx.fp8_expert_config
+    kind = "grouped_gemm_fp8" if ctx.fp8_expert_config is not None else "grouped_gemm"
     return f"{len(experts)} GroupedExperts -> turbo.ops.{kind} (w1/w2/w3 unchanged)"
 
 

@@ -53,6 +53,22 @@ def test_precision_override_and_fp8_recipe_choice():
 
 
 @pytest.mark.parametrize(
+    "recipe, experts, expected",
+    [("rowwise", "same", "rowwise"), ("rowwise", "blockwise", "blockwise"),
+     ("blockwise", "rowwise", "rowwise"), ("delayed", "same", "tensorwise"),
+     ("delayed", "rowwise", "rowwise"), ("tensorwise", "same", "tensorwise")],
+)  # fmt: skip
+def test_fp8_expert_recipe_is_the_linears_unless_given(recipe, experts, expected):
+    from omegaconf import OmegaConf
+    from primus_turbo.integrations.common.config import fp8_expert_recipe
+
+    assert _cfg().fp8.expert_recipe == "same"
+    assert fp8_expert_recipe(OmegaConf.create({"recipe": recipe, "expert_recipe": experts})) == expected
+    with pytest.raises(ValueError, match="fp8.expert_recipe='ROWWISE'"):
+        fp8_expert_recipe(OmegaConf.create({"recipe": recipe, "expert_recipe": "ROWWISE"}))
+
+
+@pytest.mark.parametrize(
     "recipe, fmt, expected",
     [("rowwise", "auto", "HYBRID"), ("tensorwise", "auto", "HYBRID"), ("delayed", "auto", "HYBRID"),
      ("blockwise", "auto", "E4M3"), ("rowwise", "e4m3", "E4M3"), ("blockwise", "hybrid", "HYBRID")],
@@ -99,6 +115,7 @@ def test_unknown_recipe_lists_the_options():
         (["data.global_batch_size=6"], 2, "global_batch_size=6 is not a multiple of micro_batch_size\\*dp"),
         (["fp8.recipe=mxfp8"], 2, "fp8.recipe='mxfp8': expected one of"),
         (["fp8.format=e5m2"], 2, r"fp8.format='e5m2': expected one of \('auto', 'hybrid', 'e4m3'\)"),
+        (["fp8.expert_recipe=delayed"], 2, r"fp8.expert_recipe='delayed': expected one of \('same', 'tens"),
         (["train.dtype=fp16"], 2, "train.dtype='fp16'"),
         (["train.steps=0"], 2, "train.steps=0"),
         (["resume=true"], 2, "resume=true needs train.ckpt_dir"),

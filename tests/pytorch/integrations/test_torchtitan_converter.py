@@ -141,6 +141,13 @@ def test_fp8_recipe_swaps_float8_linears_and_fp8_experts_keeping_head_bf16():
     assert "E4M3 ROWWISE" in {r.name: r.detail for r in rows}["turbo.fp8"]
     assert tm.EXPERTS_FP8_CONFIG.format.name == "E4M3"
     assert all(m.config.format.name == "E4M3" for m in model.modules() if type(m) is tm.TitanFloat8Linear)
+    _, model = build(cfg)  # fp8.expert_recipe=blockwise: the experts' own recipe, the linears keep rowwise
+    rows = conv.convert_model(model, options(cfg, fp8_recipe="rowwise", fp8_expert_recipe="blockwise"))
+    assert "experts: FP8 E4M3 BLOCKWISE" in {r.name: r.detail for r in rows}["turbo.fp8"]
+    experts = tm.EXPERTS_FP8_CONFIG
+    assert experts.granularity.name == "BLOCKWISE" and experts.format.name == "E4M3"
+    linears = [m for m in model.modules() if type(m) is tm.TitanFloat8Linear]
+    assert linears and all(m.config.granularity.name == "ROWWISE" for m in linears)
 
 
 def test_fp8_delayed_is_refused_under_strict():

@@ -252,9 +252,14 @@ def test_spec_provider_switches_per_feature(megatron_world):
     assert subs.linear_fc1 is tl.TurboColumnParallelGroupedLinear
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "delayed"])
-def test_fp8_recipe_drives_turbo_linears_and_experts(megatron_world, recipe):
-    """The plugin-owned FP8 recipe: the registry entry sets the config, the turbo layers run FP8 GEMMs."""
+@pytest.mark.parametrize(
+    "recipe, experts",
+    [("tensorwise", "same"), ("rowwise", "same"), ("blockwise", "same"), ("delayed", "same"),
+     ("rowwise", "blockwise"), ("blockwise", "rowwise"), ("delayed", "rowwise")],
+)  # fmt: skip
+def test_fp8_recipe_drives_turbo_linears_and_experts(megatron_world, recipe, experts):
+    """The plugin-owned FP8 recipe: the registry entry sets the config, the turbo layers run FP8 GEMMs; the
+    experts take fp8.expert_recipe when it is not ``same``."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from omegaconf import OmegaConf
     from primus_turbo.integrations.megatron import turbo_layers as tl
@@ -262,16 +267,25 @@ def test_fp8_recipe_drives_turbo_linears_and_experts(megatron_world, recipe):
     from primus_turbo.integrations.megatron.turbo_patches import _fp8, _fp8_probe
     from test_utils import assert_snr, fp8_snr_gate
 
-    cfg = OmegaConf.create({"fp8": {"enabled": True, "recipe": recipe}, "model": {"moe": {}},
+    cfg = OmegaConf.create({"fp8": {"enabled": True, "recipe": recipe, "expert_recipe": experts},
+                            "model": {"moe": {}},
                             "turbo": {"enabled": True, "gemm": True, "grouped_gemm": True}})  # fmt: skip
     ctx = MegatronPatchContext(cfg=cfg, spec=None)
     assert _fp8_probe(ctx) is None
-    _fp8(ctx)
-    fp8_config = tl.FP8_CONFIG
-    if recipe == "delayed":  # linears: delayed tensorwise; experts: current tensorwise
-        assert fp8_config.strategy.name == "DELAYED" and tl.FP8_GROUPED_CONFIG.strategy.name == "CURRENT"
+    detail = _fp8(ctx)
+    fp8_config, expert_config = tl.FP8_CONFIG, tl.FP8_GROUPED_CONFIG
+    if recipe == "delayed":  # linears: delayed tensorwise; experts: current (tensorwise unless given)
+        assert fp8_config.strategy.name == "DELAYED" and expert_config.strategy.name == "CURRENT"
+        assert expert_config.granularity.name == ("TENSORWISE" if experts == "same" else experts.upper())
+    elif experts == "same":
+        assert fp8_config.granularity.value == recipe.upper() and expert_config is fp8_config
+        assert detail.startswith("turbo linears/experts run FP8 GEMMs")
     else:
-        assert fp8_config.granularity.value == recipe.upper() and tl.FP8_GROUPED_CONFIG is fp8_config
+        assert fp8_config.granularity.name == recipe.upper()
+        assert expert_config.granularity.name == experts.upper()
+        # fp8.format=auto per recipe: E4M3 with blockwise scaling, HYBRID otherwise
+        assert expert_config.format.name == ("E4M3" if experts == "blockwise" else "HYBRID")
+        assert f"experts: FP8 {expert_config.format.value} {experts.upper()}" in detail, detail
     try:
         config = _config()
         init = torch.nn.init.normal_
@@ -285,6 +299,7 @@ def test_fp8_recipe_drives_turbo_linears_and_experts(megatron_world, recipe):
         out_s, (dx_s,) = _forward_backward(stock, x)
         out_t, (dx_t,) = _forward_backward(turbo, x)
         gate = fp8_snr_gate(fp8_config.format)
+        expert_gate = fp8_snr_gate(expert_config.format)
         assert_snr(out_t, out_s, gate, "fp8 linear out")
         assert_snr(dx_t, dx_s, gate, "fp8 linear dgrad")
         assert_snr(turbo.weight.grad, stock.weight.grad, gate, "fp8 linear wgrad")
@@ -293,7 +308,7 @@ def test_fp8_recipe_drives_turbo_linears_and_experts(megatron_world, recipe):
         x = torch.randn(96, 128)
         out, _ = experts(x, [32, 64])
         ref = torch.cat([x[:32] @ experts.weight0.t(), x[32:] @ experts.weight1.t()])
-        assert_snr(out.detach(), ref.detach(), gate, "fp8 experts out")
+        assert_snr(out.detach(), ref.detach(), expert_gate, "fp8 experts out")
         if recipe == "delayed":
             assert (
                 turbo.fp8_delayed_state is not None and stock.state_dict().keys() <= turbo.state_dict().keys()
