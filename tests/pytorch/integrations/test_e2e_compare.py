@@ -531,11 +531,38 @@ def test_loss_gaps_table_per_window_and_clear_errors(tmp_path, capsys):
     assert rows["1-5"] == ["4.0000", "+0.00%"]
     assert rows["6-10"] == ["2.0000", "+5.00%"]
     assert rows["smoothed final"] == ["2.0000", "2.1000"]
+    assert "note:" not in capsys.readouterr().out  # the same steps, no lr recorded: nothing to compare
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(SystemExit):
         loss_gaps.main([ref, str(empty)])
     assert "empty.jsonl: no loss rows" in capsys.readouterr().err
+
+
+def test_loss_gaps_notes_a_run_on_another_learning_rate_schedule(tmp_path, capsys):
+    """Session 29 compared 400-step runs with 500-step references: another cosine schedule at the same steps.
+    Such a run gets a note naming the first step whose lr differs, and the step counts; a run on the
+    reference's schedule gets none."""
+
+    def write(name, steps, lrs):
+        path = tmp_path / name / "runs" / "m.jsonl"
+        path.parent.mkdir(parents=True)
+        rows = [{"step": i + 1, "loss": 2.0, "lr": lrs(i + 1)} for i in range(steps)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    def cosine(total):
+        return lambda step: 1e-4 * 0.5 * (1 + math.cos(math.pi * step / total))
+
+    ref = write("ref", 10, cosine(10))
+    loss_gaps.main([ref, write("same", 10, cosine(10)), write("short", 8, cosine(8)), "--parts", "2"])
+    out = capsys.readouterr().out
+    assert "note: same" not in out
+    assert (
+        "note: short: learning rate differs from the reference's at 8 of 8 common steps (most at step 8: 0 vs"
+        in out
+    )
+    assert "ran to step 8, the reference to step 10" in out
 
 
 def test_find_syncs_groups_sync_warnings_by_their_caller_outside_torch():
