@@ -226,6 +226,20 @@ def fp8_expert_recipe(fp8_cfg) -> str:
     return "tensorwise" if fp8_cfg.recipe == "delayed" else fp8_cfg.recipe
 
 
+def fp8_current_config(recipe: str, fmt: str = "auto", high_precision_wgrad: bool = True):
+    """The current-scaling ``Float8QuantConfig`` of an FP8 recipe name (tensorwise | rowwise | blockwise) with
+    ``fp8.format`` ``fmt`` (see ``fp8_format_name``): what both frameworks' turbo linears and experts run."""
+    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
+
+    if recipe not in ("tensorwise", "rowwise", "blockwise"):
+        raise ValueError(f"fp8 recipe {recipe!r}: current scaling takes tensorwise, rowwise or blockwise")
+    return Float8QuantConfig(
+        format=Format[fp8_format_name(recipe, fmt)],
+        granularity=ScalingGranularity[recipe.upper()],
+        high_precision_wgrad=high_precision_wgrad,
+    )
+
+
 def fp8_format_name(recipe: str, fmt: str = "auto") -> str:
     """The ``primus_turbo`` ``Format`` member an FP8 recipe runs: ``fp8.format`` (hybrid: E4M3 forward
     operands, E5M2 gradients; e4m3: E4M3 everywhere), or for ``auto`` E4M3 with blockwise scaling and

@@ -106,7 +106,7 @@ class StepMetrics:
         self, step: int, loss: float, step_seconds: float, tokens: int, lr: float, grad_norm,
         host_wait_ms: float | None = None,
     ) -> dict:  # fmt: skip
-        """``host_wait_ms``: the sync-free loops' host slack (``DeferredMetrics.host_wait_ms``)."""
+        """``host_wait_ms``: the sync-free loops' read-back wait (``DeferredMetrics.host_wait_ms``)."""
         tokens_per_gpu = tokens / self.world_size / step_seconds
         tflops = tokens_per_gpu * self.flops_per_token / 1e12
         if torch.cuda.is_available():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
-from primus_turbo.integrations.common.config import fp8_expert_recipe, fp8_format_name
+from primus_turbo.integrations.common.config import fp8_current_config, fp8_expert_recipe, fp8_format_name
 from primus_turbo.integrations.megatron import turbo_layers, turbo_moe, turbo_ops
 from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_moe, _needs_op
 
@@ -330,8 +330,6 @@ def _mla_qkv(ctx) -> str:
 
 # ---- FP8: owned by the plugin (Megatron-Core without TE ignores config.fp8 and rejects MoE FP8) -----------
 
-_FP8_GRANULARITY = {"tensorwise": "TENSORWISE", "rowwise": "ROWWISE", "blockwise": "BLOCKWISE"}
-
 
 def _fp8_condition(ctx) -> str | None:
     return None if ctx.cfg.fp8.enabled else "precision=bf16"
@@ -358,22 +356,12 @@ def _fp8_probe(ctx) -> str | None:
 @REGISTRY.register("turbo.fp8", "megatron.core.transformer.transformer_config.TransformerConfig.fp8", TESTED,
                    condition=_fp8_condition, probe=_fp8_probe)  # fmt: skip
 def _fp8(ctx) -> str:
-    from primus_turbo.pytorch.core.low_precision import (
-        Float8QuantConfig,
-        Format,
-        ScalingGranularity,
-        ScalingStrategy,
-    )
+    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingStrategy
 
     fp8 = ctx.cfg.fp8
-    recipe, experts = fp8.recipe, fp8_expert_recipe(fp8)
+    recipe, experts, fmt_name = fp8.recipe, fp8_expert_recipe(fp8), fp8.get("format", "auto")
     hp_wgrad = fp8.get("wgrad", "bf16") == "bf16"
     wgrad = "; weight gradients in bf16" if hp_wgrad else ""
-
-    def current(name: str) -> Float8QuantConfig:
-        fmt = Format[fp8_format_name(name, fp8.get("format", "auto"))]
-        granularity = ScalingGranularity[_FP8_GRANULARITY[name]]
-        return Float8QuantConfig(format=fmt, granularity=granularity, high_precision_wgrad=hp_wgrad)
 
     def describe(config: Float8QuantConfig) -> str:
         return f"FP8 {config.format.value} {config.granularity.value} {config.strategy.name.lower()} scaling"
@@ -381,14 +369,16 @@ def _fp8(ctx) -> str:
     if recipe == "delayed":
         # Linears keep a per-module amax history (DelayedScalingState); grouped_gemm_fp8 has no delayed
         # scaling, so the experts use current scaling (tensorwise unless fp8.expert_recipe says otherwise).
-        fmt = Format[fp8_format_name(recipe, fp8.get("format", "auto"))]
+        fmt = Format[fp8_format_name(recipe, fmt_name)]
         turbo_layers.FP8_CONFIG = Float8QuantConfig(
             format=fmt, strategy=ScalingStrategy.DELAYED, high_precision_wgrad=hp_wgrad
         )
     else:
-        turbo_layers.FP8_CONFIG = current(recipe)
+        turbo_layers.FP8_CONFIG = fp8_current_config(recipe, fmt_name, hp_wgrad)
     same = experts == recipe
-    turbo_layers.FP8_GROUPED_CONFIG = turbo_layers.FP8_CONFIG if same else current(experts)
+    turbo_layers.FP8_GROUPED_CONFIG = (
+        turbo_layers.FP8_CONFIG if same else fp8_current_config(experts, fmt_name, hp_wgrad)
+    )
     if same:
         return f"turbo linears/experts run FP8 GEMMs: {describe(turbo_layers.FP8_CONFIG)}" + wgrad
     return (

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-from primus_turbo.integrations.common.config import fp8_format_name
+from primus_turbo.integrations.common.config import fp8_current_config
 from primus_turbo.integrations.common.patch_registry import PatchRegistry, apply_patches, format_report
 from primus_turbo.integrations.megatron import turbo_ops  # framework-agnostic op lookup
 from primus_turbo.integrations.torchtitan import amp_weights
@@ -46,7 +46,6 @@ TESTED = ("0.2.2",)
 _FEED_FORWARDS = (MoEFeedForward, Llama3FeedForward, Qwen3FeedForward)  # w2(silu(w1(x)) * w3(x))
 CONVERTER_NAME = "primus_turbo"
 REGISTRY = PatchRegistry(framework="torchtitan")
-_FP8_GRANULARITY = {"tensorwise": "TENSORWISE", "rowwise": "ROWWISE", "blockwise": "BLOCKWISE"}
 
 
 @dataclass
@@ -163,22 +162,16 @@ def _fp8_probe(ctx) -> str | None:
                    condition=lambda ctx: None if ctx.options.fp8_recipe else "precision=bf16",
                    probe=_fp8_probe)  # fmt: skip
 def _fp8(ctx) -> str:
-    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
-
     o = ctx.options
     hp_wgrad = o.fp8_wgrad == "bf16"
-
-    def current(recipe: str):
-        granularity = ScalingGranularity[_FP8_GRANULARITY[recipe]]
-        fmt = Format[fp8_format_name(recipe, o.fp8_format)]
-        return Float8QuantConfig(format=fmt, granularity=granularity, high_precision_wgrad=hp_wgrad)
 
     def describe(config) -> str:
         return f"{config.format.value} {config.granularity.value} current scaling"
 
-    ctx.fp8_config = current(o.fp8_recipe)
+    ctx.fp8_config = fp8_current_config(o.fp8_recipe, o.fp8_format, hp_wgrad)
     experts = o.fp8_expert_recipe
-    ctx.fp8_expert_config = ctx.fp8_config if experts in ("same", o.fp8_recipe) else current(experts)
+    same = experts in ("same", o.fp8_recipe)
+    ctx.fp8_expert_config = ctx.fp8_config if same else fp8_current_config(experts, o.fp8_format, hp_wgrad)
     wgrad = "; weight gradients in bf16" if hp_wgrad else ""
     if ctx.fp8_expert_config is ctx.fp8_config:
         return f"turbo linears/experts run FP8 GEMMs: {describe(ctx.fp8_config)}" + wgrad

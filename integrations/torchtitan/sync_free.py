@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from primus_turbo.integrations.common.metrics import DeferredMetrics  # noqa: F401  (re-exported for the tests)
 
 from primus_turbo.pytorch.optim import AdamW as TurboAdamW
 

@@ -13,6 +13,7 @@ pytest.importorskip("torchtitan")
 pytest.importorskip("hydra")
 
 from omegaconf import OmegaConf  # noqa: E402
+from primus_turbo.integrations.common.metrics import DeferredMetrics  # noqa: E402
 from primus_turbo.integrations.torchtitan import sync_free as sf  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def test_stock_trainer_when_turbo_or_the_flag_is_off(enabled, sync_free):
 
 def test_deferred_metrics_on_cpu_record_each_step_one_step_late():
     rows = []
-    deferred = sf.DeferredMetrics()
+    deferred = DeferredMetrics()
     for step in (1, 2, 3):
         deferred.queue(
             step, torch.tensor(float(step)), torch.tensor(2.0 * step), {"lr": step}, lambda *r: rows.append(r)
@@ -101,7 +102,7 @@ def test_deferred_metrics_log_each_step_one_step_late_with_gpu_timed_steps():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     rows = []
-    deferred = sf.DeferredMetrics()
+    deferred = DeferredMetrics()
     record = lambda *row: rows.append(row)  # noqa: E731
     for step in range(1, 4):
         torch.cuda._sleep(20_000_000)  # ~10-20 ms of GPU time, whatever the clock
