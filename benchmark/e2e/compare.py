@@ -182,6 +182,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lost_port_race(run: RunResult) -> bool:
+    """A run that failed before its first step because torchrun's rendezvous port was taken between
+    ``free_port`` and the bind (parallel compare.py invocations on one host; seen in session 30)."""
+    return run.status == "failed" and not run.rows and "EADDRINUSE" in run.error
+
+
 def command(run: RunResult, opts: dict, overrides: list[str], runs_dir: Path) -> list[str]:
     if (
         run.framework == "torchtitan"
@@ -327,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         elif run.status == "pending":
             print(f"[{i}/{len(runs)}] {run.label} ...", flush=True)
             execute(run, cmd, timeout, opts["warmup"])
+            if lost_port_race(run):  # another process took the free port before torchrun bound it
+                print(f"[{i}/{len(runs)}] {run.label}: port taken ({run.error}); again", flush=True)
+                run.status, run.error, run.error_tail = "pending", "", ""
+                execute(run, command(run, opts, overrides, runs_dir), timeout, opts["warmup"])
         print(progress(i, len(runs), run, opts["warmup"]), flush=True)
     if dry_run:
         return 0
