@@ -170,12 +170,13 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-# Measured noise floor of the parity metric (results/h100/e2e/deepseek_moe_fp8_2layers_parity_seed4321): a
-# same-init bf16 run whose only change is the weight-gradient accumulation path ended 1.7% away at step 300.
+# Measured noise floor of the parity metric (results/h200/e2e/deepseek_moe_fp8_parity_noise_s30): bf16 runs of
+# one seed that differ only by rounding end 3.3% apart (pooled standard deviation of one run, 500 steps).
 NOISE_NOTE = (
-    "One seed: a same-init bf16 run that differs only in how weight gradients are accumulated ended 1.7% "
-    "away after 300 steps (benchmark/results/h100/e2e/deepseek_moe_fp8_2layers_parity_seed4321), so one "
-    "run's gap cannot resolve a 1% target: pass seeds=a,b,c and read the mean."
+    "One seed: bf16 runs of one seed that differ only by rounding (a repeat, another GEMM kernel) end 3.3% "
+    "apart after 500 deepseek_moe_fp8 steps (standard deviation of one run; "
+    "benchmark/results/h200/e2e/deepseek_moe_fp8_parity_noise_s30), so one run's gap cannot resolve a 1% "
+    "target: pass seeds=a,b,c, repeat the bf16 runs and read benchmark/e2e/parity_spread.py's mean gap."
 )
 
 
