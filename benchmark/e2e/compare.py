@@ -18,6 +18,10 @@ Options (key=value; every other key=value is passed to train.py as a Hydra overr
                          seed and data order; the report adds the final-loss gap (target: fp8 within 1%)
   seeds=a,b,c            every configuration once per train.seed (parity: the gap is the mean over the seeds;
                          one run's gap is within its noise floor, see report.NOISE_NOTE)
+  repeats=N              every configuration N times per seed (default 1; parity: each seed compares the
+                         mean of its runs, and the report gives bf16's own run-to-run spread, the noise floor
+                         of the gap: on GPUs runs that differ only by rounding end apart, 3.3% on H200 for
+                         deepseek_moe_fp8 at 500 steps; on a CPU repeats are bitwise equal)
   stock_fp8=true         also run the stock fp8 rows (they stop at start-up: Megatron-Core has no FP8
                          without Transformer Engine, stock TorchTitan FP8 needs torchao)
   reuse=true             keep a configuration whose DIR/runs/<config>.jsonl already holds all `steps` rows
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import itertools
 import json
 import os
 import platform
@@ -62,7 +67,7 @@ REPO = Path(__file__).resolve().parents[2]
 OPTIONS = {
     "recipe": "tiny_moe", "frameworks": "megatron", "nproc": "1", "precisions": "bf16,fp8", "turbo": "off,on",
     "steps": None, "warmup": "10", "timeout": "1800", "out": None, "parity": "false", "stock_fp8": "false",
-    "dry_run": "false", "reuse": "false", "profile": "false", "seeds": "",
+    "dry_run": "false", "reuse": "false", "profile": "false", "seeds": "", "repeats": "1",
 }  # fmt: skip
 TRUE = ("1", "true", "yes", "on")
 NO_STOCK_FP8 = {
@@ -101,6 +106,9 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
         raise SystemExit(
             f"compare.py: seeds={opts['seeds']}: expected comma-separated integers, e.g. 1,2,3"
         ) from None
+    if not opts["repeats"].isdigit() or int(opts["repeats"]) < 1:
+        raise SystemExit(f"compare.py: repeats={opts['repeats']}: expected a whole number >= 1")
+    opts["repeats"] = int(opts["repeats"])
     if opts["seeds"] and any(o.split("=", 1)[0].lstrip("+") == "train.seed" for o in overrides):
         raise SystemExit("compare.py: give either seeds=... or train.seed=..., not both")
     bad = [v for v in opts["precisions"] if v not in ("bf16", "fp8")]
@@ -164,11 +172,11 @@ def run_metadata(opts: dict, overrides: list[str], device: str | None) -> dict:
 
 def matrix(opts: dict) -> list[RunResult]:
     runs = []
-    for seed in opts.get("seeds") or [None]:
+    for seed, repeat in itertools.product(opts.get("seeds") or [None], range(1, opts.get("repeats", 1) + 1)):
         for framework in opts["frameworks"]:
             for turbo in opts["turbo"]:
                 for precision in opts["precisions"]:
-                    run = RunResult(framework=framework, turbo=turbo == "on", precision=precision, seed=seed)
+                    run = RunResult(framework, turbo == "on", precision, seed=seed, repeat=repeat)
                     stock_fp8 = not run.turbo and precision == "fp8" and framework in NO_STOCK_FP8
                     if stock_fp8 and opts["stock_fp8"].lower() not in TRUE:
                         run.status, run.error = "skipped", NO_STOCK_FP8[framework]

@@ -13,6 +13,9 @@ compared (``bf16``, ``fp8_rowwise``, ...); runs of one family at one seed are re
   single run's final loss, relative), which is how far one run may land from another that differs only by
   rounding. A single FP8-vs-bf16 pair resolves no gap much below ~1.4x that spread.
 
+``compare.py parity=true seeds=a,b repeats=2`` reports the same statistics for the runs it launches; this
+script is for runs made apart (several device calls, other overrides per family).
+
 A run whose step count or learning-rate schedule differs from the first run's is refused: its loss is not
 comparable (loss_gaps.py notes such a run; here it would bias the mean).
 """
@@ -28,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import load_metrics, markdown_table, smoothed_final_loss  # noqa: E402
+from report import load_metrics, markdown_table, pooled_spread, seed_gaps, smoothed_final_loss  # noqa: E402
 
 
 def parse_run(arg: str) -> tuple[str, str, Path]:
@@ -70,28 +73,6 @@ def collect(args: list[str]) -> dict[str, dict[str, list[float]]]:
             )
         table.setdefault(seed, {}).setdefault(family, []).append(smoothed_final_loss(rows))
     return table
-
-
-def seed_gaps(table, family: str, ref: str) -> dict[str, float]:
-    """Relative gap of ``family``'s mean final loss to ``ref``'s, per seed that ran both."""
-    return {
-        seed: statistics.fmean(fams[family]) / statistics.fmean(fams[ref]) - 1
-        for seed, fams in table.items()
-        if family in fams and ref in fams
-    }
-
-
-def pooled_spread(table, ref: str) -> tuple[float | None, int]:
-    """Pooled within-seed standard deviation of one ``ref`` run's final loss, relative to its seed mean, and
-    the degrees of freedom behind it (runs minus seeds, over seeds with at least two runs)."""
-    squares, dof = 0.0, 0
-    for fams in table.values():
-        runs = fams.get(ref, [])
-        if len(runs) >= 2:
-            mean = statistics.fmean(runs)
-            squares += sum((x / mean - 1) ** 2 for x in runs)
-            dof += len(runs) - 1
-    return (math.sqrt(squares / dof), dof) if dof else (None, 0)
 
 
 def report(table, ref: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -44,16 +45,19 @@ class RunResult:
     rows: list[dict] = dataclasses.field(default_factory=list)
     seed: int | None = None  # train.seed of this run (compare.py seeds=...); None: the recipe's
     gpu: dict | None = None  # gpu_telemetry.summarize over the timed steps (GPU runs with nvidia-smi)
+    repeat: int = 1  # compare.py repeats=N: the n-th run of this configuration and seed
 
     @property
     def label(self) -> str:
         seed = "" if self.seed is None else f" seed{self.seed}"
-        return f"{self.framework} {'turbo' if self.turbo else 'stock'} {self.precision}{seed}"
+        again = "" if self.repeat == 1 else f" r{self.repeat}"
+        return f"{self.framework} {'turbo' if self.turbo else 'stock'} {self.precision}{seed}{again}"
 
     @property
     def slug(self) -> str:
         seed = "" if self.seed is None else f"_seed{self.seed}"
-        return f"{self.framework}_{'turbo' if self.turbo else 'stock'}_{self.precision}{seed}"
+        again = "" if self.repeat == 1 else f"_r{self.repeat}"
+        return f"{self.framework}_{'turbo' if self.turbo else 'stock'}_{self.precision}{seed}{again}"
 
 
 def load_metrics(path: str | Path) -> list[dict]:
@@ -180,25 +184,66 @@ NOISE_NOTE = (
 )
 
 
+def parity_runs(results: list[RunResult]) -> dict:
+    """{seed: {"bf16": [runs], "fp8": [runs]}}: successful turbo runs of the first framework with a bf16 run,
+    for the seeds that have both precisions (several runs each with compare.py repeats=N)."""
+    ok = [r for r in results if r.status == "ok" and r.turbo and r.precision in ("bf16", "fp8")]
+    frameworks = [r.framework for r in ok if r.precision == "bf16"]
+    groups: dict = {}
+    for r in ok:
+        if frameworks and r.framework == frameworks[0]:
+            groups.setdefault(r.seed, {}).setdefault(r.precision, []).append(r)
+    return {seed: g for seed, g in groups.items() if "bf16" in g and "fp8" in g}
+
+
 def parity_pairs(results: list[RunResult]) -> list[tuple[RunResult, RunResult]]:
-    """(bf16, fp8) turbo runs of the same framework and seed, both successful: the first framework only."""
-    ok = {(r.framework, r.seed, r.precision): r for r in results if r.status == "ok" and r.turbo}
-    frameworks = [f for f, _, p in ok if p == "bf16"]
-    pairs = [(ok[k], ok[(k[0], k[1], "fp8")]) for k in ok if k[2] == "bf16" and (k[0], k[1], "fp8") in ok]
-    return [pair for pair in pairs if frameworks and pair[0].framework == frameworks[0]]
+    """The first (bf16, fp8) pair of every seed (see ``parity_runs``): the per-window table and the plot."""
+    return [(g["bf16"][0], g["fp8"][0]) for g in parity_runs(results).values()]
+
+
+def seed_gaps(table: dict, family: str, ref: str) -> dict:
+    """``table`` {seed: {family: [final loss per run]}} -> relative gap of ``family``'s mean final loss to
+    ``ref``'s, per seed that ran both."""
+    return {
+        seed: statistics.fmean(fams[family]) / statistics.fmean(fams[ref]) - 1
+        for seed, fams in table.items()
+        if family in fams and ref in fams
+    }
+
+
+def pooled_spread(table: dict, ref: str) -> tuple[float | None, int]:
+    """Pooled within-seed standard deviation of one ``ref`` run's final loss, relative to its seed mean, and
+    the degrees of freedom behind it (runs minus seeds, over seeds with at least two runs), else (None, 0)."""
+    squares, dof = 0.0, 0
+    for fams in table.values():
+        runs = fams.get(ref, [])
+        if len(runs) >= 2:
+            mean = statistics.fmean(runs)
+            squares += sum((x / mean - 1) ** 2 for x in runs)
+            dof += len(runs) - 1
+    return (math.sqrt(squares / dof), dof) if dof else (None, 0)
 
 
 def parity_summary(results: list[RunResult]) -> dict | None:
-    """FP8 vs bf16 final-loss gap (turbo on), per seed and averaged over the seeds that have both runs."""
-    pairs = parity_pairs(results)
-    if not pairs:
+    """FP8 vs bf16 final-loss gap (turbo on): per seed the gap of the fp8 runs' mean to the bf16 runs' mean,
+    averaged over the seeds (with its standard error from two seeds on), and bf16's own run-to-run spread
+    when a seed has repeated bf16 runs."""
+    groups = parity_runs(results)
+    if not groups:
         return None
-    per_seed = []
-    for bf16, fp8 in pairs:
-        ref, got = smoothed_final_loss(bf16.rows), smoothed_final_loss(fp8.rows)
-        per_seed.append({"seed": bf16.seed, "bf16": ref, "fp8": got, "gap": (got - ref) / ref})
-    gap = statistics.fmean(p["gap"] for p in per_seed)
-    bf16, fp8 = pairs[0]
+    table = {
+        seed: {p: [smoothed_final_loss(r.rows) for r in rs] for p, rs in g.items()}
+        for seed, g in groups.items()
+    }
+    gaps = seed_gaps(table, "fp8", "bf16")
+    per_seed = [
+        {"seed": seed, "bf16": statistics.fmean(t["bf16"]), "fp8": statistics.fmean(t["fp8"]),
+         "gap": gaps[seed], "bf16_runs": t["bf16"], "fp8_runs": t["fp8"]}
+        for seed, t in table.items()
+    ]  # fmt: skip
+    gap = statistics.fmean(gaps.values())
+    noise, dof = pooled_spread(table, "bf16")
+    bf16, fp8 = parity_pairs(results)[0]
     steps = min(len(bf16.rows), len(fp8.rows))
     return {
         "framework": bf16.framework,
@@ -208,6 +253,9 @@ def parity_summary(results: list[RunResult]) -> dict | None:
         "bf16_final_loss": statistics.fmean(p["bf16"] for p in per_seed),
         "fp8_final_loss": statistics.fmean(p["fp8"] for p in per_seed),
         "relative_gap": gap,
+        "standard_error": statistics.stdev(gaps.values()) / math.sqrt(len(gaps)) if len(gaps) > 1 else None,
+        "bf16_spread": noise,  # one bf16 run's pooled standard deviation about its seed mean (relative)
+        "bf16_spread_dof": dof,
         "per_seed": per_seed,
         "spread": max(p["gap"] for p in per_seed) - min(p["gap"] for p in per_seed),
         "target": FP8_PARITY_TARGET,
@@ -257,6 +305,9 @@ def _parity_section(parity: dict | None) -> list[str]:
     verdict = "PASS" if parity["pass"] else "FAIL"
     seeds = parity["per_seed"]
     over = f"mean over {len(seeds)} seeds, " if len(seeds) > 1 else ""
+    se = parity.get("standard_error")
+    error = "" if se is None else f" +- {100 * se:.2f}% standard error"
+    repeated = any(len(p["bf16_runs"]) > 1 or len(p["fp8_runs"]) > 1 for p in seeds)
     lines = [
         "## FP8 convergence parity",
         "",
@@ -265,20 +316,36 @@ def _parity_section(parity: dict | None) -> list[str]:
         "",
         f"- bf16: {parity['bf16_final_loss']:.4f}",
         f"- fp8:  {parity['fp8_final_loss']:.4f}",
-        f"- gap:  {100 * parity['relative_gap']:+.2f}% ({over}fp8 vs bf16; target within "
+        f"- gap:  {100 * parity['relative_gap']:+.2f}%{error} ({over}fp8 vs bf16; target within "
         f"+-{100 * parity['target']:.0f}%): **{verdict}**",
         "",
     ]
-    if len(seeds) > 1:
+    if parity.get("bf16_spread") is not None:
+        spread = parity["bf16_spread"]
         lines += [
-            f"Per seed (spread {100 * parity['spread']:.2f} points):",
+            f"bf16's own spread: one bf16 run's final loss lies {100 * spread:.2f}% from its seed's mean "
+            f"(pooled standard deviation, {parity['bf16_spread_dof']} degrees of freedom): two runs that "
+            f"differ only by rounding differ by {100 * math.sqrt(2) * spread:.2f}%. A gap within about twice "
+            "the standard error of zero cannot be told from bf16.",
+            "",
+        ]
+    if len(seeds) > 1 or repeated:
+
+        def runs(values):
+            return " / ".join(f"{v:.4f}" for v in values)
+
+        lines += [
+            f"Per seed (spread {100 * parity['spread']:.2f} points; several runs: their mean is compared):",
             "",
             "| seed | bf16 final loss | fp8 final loss | gap |",
             "|---|---|---|---|",
-            *(f"| {p['seed']} | {p['bf16']:.4f} | {p['fp8']:.4f} | {100 * p['gap']:+.2f}% |" for p in seeds),
+            *(
+                f"| {p['seed']} | {runs(p['bf16_runs'])} | {runs(p['fp8_runs'])} | {100 * p['gap']:+.2f}% |"
+                for p in seeds
+            ),
             "",
         ]
-    else:
+    if len(seeds) == 1 and parity.get("bf16_spread") is None:
         lines += [NOISE_NOTE, ""]
     first = "" if seeds[0]["seed"] is None else f" (seed {seeds[0]['seed']})"
     return lines + [

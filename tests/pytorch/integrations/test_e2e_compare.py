@@ -496,7 +496,9 @@ def test_parity_over_seeds_takes_the_mean_gap_and_lists_each_seed(tmp_path):
     assert math.isclose(parity["relative_gap"], 0.001) and parity["pass"]
     assert math.isclose(parity["spread"], 0.038)
     text = report.write_report(tmp_path, runs, warmup=1, meta={}, parity=True).read_text()
-    assert "+0.10% (mean over 2 seeds" in text and "| 2 | 2.0000 | 1.9640 | -1.80% |" in text
+    # standard error over the seeds: stdev(+2%, -1.8%) / sqrt(2) = 1.9%
+    assert "+0.10% +- 1.90% standard error (mean over 2 seeds" in text
+    assert "| 2 | 2.0000 | 1.9640 | -1.80% |" in text
     assert "megatron turbo fp8 seed2" in text and report.NOISE_NOTE not in text
     one = report.write_report(tmp_path / "one", _flat_pair(None, 1.02), warmup=1, meta={}, parity=True)
     assert report.NOISE_NOTE in one.read_text() and "**FAIL**" in one.read_text()

@@ -3,6 +3,7 @@ on synthetic metrics with hand-computed answers, and its refusals."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -10,7 +11,9 @@ import pytest
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "benchmark", "e2e"))
 
+import compare  # noqa: E402
 import parity_spread  # noqa: E402
+import report  # noqa: E402
 
 
 def _run(tmp_path, name, final, steps=20, lr=1e-3):
@@ -80,3 +83,68 @@ def test_refuses_what_it_cannot_compare(tmp_path, capsys, case, message):
     with pytest.raises(SystemExit) as err:
         parity_spread.main([first, other])
     assert message in str(err.value)
+
+
+# ---- compare.py repeats=N: the same statistics inside the parity report ----------------------------------
+
+
+def _flat(seed, precision, final, repeat=1):
+    row = {"step_time_ms": 100, "tokens_per_s_per_gpu": 1e5, "tflops_per_gpu": 1, "mfu": 0.1, "max_mem_gb": 1}
+    rows = [{**row, "step": s, "loss": final} for s in range(1, 21)]
+    return report.RunResult("megatron", True, precision, status="ok", rows=rows, seed=seed, repeat=repeat)
+
+
+def test_repeats_option_runs_each_configuration_n_times_per_seed(tmp_path):
+    opts, overrides = compare.parse_args(["parity=true", "seeds=1,2", "repeats=2", "steps=4"])
+    runs = compare.matrix(opts)
+    assert [(r.seed, r.repeat, r.precision) for r in runs] == [
+        (1, 1, "bf16"), (1, 1, "fp8"), (1, 2, "bf16"), (1, 2, "fp8"),
+        (2, 1, "bf16"), (2, 1, "fp8"), (2, 2, "bf16"), (2, 2, "fp8"),
+    ]  # fmt: skip
+    slugs = [r.slug for r in runs]
+    assert len(set(slugs)) == 8 and slugs[2] == "megatron_turbo_bf16_seed1_r2" and slugs[0].endswith("seed1")
+    compare.command(runs[2], opts, overrides, tmp_path)
+    assert runs[2].metrics_path.endswith("megatron_turbo_bf16_seed1_r2.jsonl")
+    assert runs[2].label == "megatron turbo bf16 seed1 r2"
+    for bad in ("0", "x", "-1"):
+        with pytest.raises(SystemExit, match=f"repeats={bad}: expected a whole number >= 1"):
+            compare.parse_args([f"repeats={bad}"])
+
+
+def test_parity_report_compares_seed_means_and_gives_the_bf16_spread(tmp_path):
+    """The first test's numbers through compare.py's report: seed 1 bf16 2.0 / 2.2 vs fp8 2.31 (+10%), seed 2
+    1.0 vs 1.05 (+5%): mean +7.5% +- 2.5%, bf16 spread 6.73% per run."""
+    runs = [_flat(1, "bf16", 2.0), _flat(1, "fp8", 2.31), _flat(1, "bf16", 2.2, repeat=2),
+            _flat(2, "bf16", 1.0), _flat(2, "fp8", 1.05)]  # fmt: skip
+    parity = report.parity_summary(runs)
+    assert parity["relative_gap"] == pytest.approx(0.075) and parity["standard_error"] == pytest.approx(0.025)
+    assert parity["bf16_spread"] == pytest.approx(0.0673435, rel=1e-5) and parity["bf16_spread_dof"] == 1
+    assert not parity["pass"]
+    text = report.write_report(tmp_path, runs, warmup=1, meta={}, parity=True).read_text()
+    assert "+7.50% +- 2.50% standard error (mean over 2 seeds" in text
+    assert "lies 6.73% from its seed's mean" in text and "differ by 9.52%" in text
+    assert "| 1 | 2.0000 / 2.2000 | 2.3100 | +10.00% |" in text and report.NOISE_NOTE not in text
+    # one seed, repeated bf16: the measured spread replaces the generic note
+    one = report.write_report(tmp_path / "one", runs[:3], warmup=1, meta={}, parity=True).read_text()
+    assert "lies 6.73% from its seed's mean" in one and report.NOISE_NOTE not in one
+    assert "| 1 | 2.0000 / 2.2000 | 2.3100 | +10.00% |" in one
+
+
+def test_compare_parity_with_repeats_on_a_cpu(tmp_path):
+    """A real run: tiny_moe, 3 steps, bf16 and emulated FP8 twice each; each run has its own files and row."""
+    cmd = [sys.executable, "benchmark/e2e/compare.py", "recipe=tiny_moe", "parity=true", "repeats=2",
+           "steps=3", "warmup=1", "timeout=240", "fp8.emulate=true", "parallel.ep=1",
+           f"out={tmp_path}"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert sorted(p.name for p in (tmp_path / "runs").glob("*.jsonl")) == [
+        "megatron_turbo_bf16.jsonl", "megatron_turbo_bf16_r2.jsonl",
+        "megatron_turbo_fp8.jsonl", "megatron_turbo_fp8_r2.jsonl",
+    ]  # fmt: skip
+    text = (tmp_path / "report.md").read_text()
+    assert "| megatron turbo fp8 r2 | ok |" in text
+    # a CPU repeats bitwise: bf16's spread is exactly zero, and it is reported, not hidden
+    assert "lies 0.00% from its seed's mean" in text
