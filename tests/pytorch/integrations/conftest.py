@@ -27,3 +27,22 @@ def megatron_world():
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     remove_cpu_shims()
+
+
+@pytest.fixture
+def compare_on_cpu():
+    """Run ``benchmark/e2e/compare.py ARGS`` on the CPU (no GPU visible, the Triton interpreter off: the
+    trainers never launch a Triton kernel on a CPU) from the repository root; returns (returncode, output)."""
+    import subprocess
+    import sys
+
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+    def run(args: list[str], timeout: float) -> tuple[int, str]:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        cmd = [sys.executable, "benchmark/e2e/compare.py", *args]
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    return run

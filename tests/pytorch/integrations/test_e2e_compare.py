@@ -8,7 +8,6 @@ FP8 device) and must show up in the table with its error, never dropped.
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -134,15 +133,11 @@ def test_error_line_prefers_the_root_error_over_torchrun_wrapper():
 
 
 @pytest.mark.slow
-def test_compare_runs_the_cpu_matrix_and_reports_every_configuration(tmp_path):
-    cmd = [sys.executable, "benchmark/e2e/compare.py", "recipe=tiny_moe", "nproc=2", "steps=3", "warmup=1",
-           "precisions=bf16,fp8", "timeout=240", f"out={tmp_path}"]  # fmt: skip
+def test_compare_runs_the_cpu_matrix_and_reports_every_configuration(tmp_path, compare_on_cpu):
     # The CPU path on every machine (gloo, no GPU needed; a GPU box runs compare.py on real recipes instead).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out[-3000:]  # turbo fp8 cannot run without an FP8 GPU
+    rc, out = compare_on_cpu(["recipe=tiny_moe", "nproc=2", "steps=3", "warmup=1", "precisions=bf16,fp8",
+                              "timeout=240", f"out={tmp_path}"], timeout=600)  # fmt: skip
+    assert rc == 1, out[-3000:]  # turbo fp8 cannot run without an FP8 GPU
     for i, label in enumerate(["stock bf16", "stock fp8", "turbo bf16", "turbo fp8"], 1):
         assert f"[{i}/4] megatron {label}" in out, out[-3000:]
     table = _table((tmp_path / "report.md").read_text())
@@ -224,16 +219,13 @@ def test_plot_is_drawn_with_matplotlib_and_explained_without(tmp_path):
 
 
 @pytest.mark.slow
-def test_profile_mode_reports_the_top_ops_of_the_profiled_steps(tmp_path):
+def test_profile_mode_reports_the_top_ops_of_the_profiled_steps(tmp_path, compare_on_cpu):
     # One process (EP=1) keeps this cheap: the profile plumbing is under test, not the all-to-all.
-    cmd = [sys.executable, "benchmark/e2e/compare.py", "recipe=tiny_moe", "nproc=1", "parallel.ep=1",
-           "steps=4", "warmup=1", "turbo=on", "precisions=bf16", "profile=true",
-           f"out={tmp_path}"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    out = (proc.stdout + proc.stderr)[-3000:]
-    assert proc.returncode == 0, out
+    args = ["recipe=tiny_moe", "nproc=1", "parallel.ep=1", "steps=4", "warmup=1", "turbo=on",
+            "precisions=bf16", "profile=true", f"out={tmp_path}"]  # fmt: skip
+    rc, out = compare_on_cpu(args, timeout=300)
+    out = out[-3000:]
+    assert rc == 0, out
     profile = json.loads((tmp_path / "runs" / "megatron_turbo_bf16.profile.json").read_text())
     assert profile.get("steps") == 2 and profile["first_step"] == 3, (profile, out)
     assert profile["clock"] == "self CPU time"

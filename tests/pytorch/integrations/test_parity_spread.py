@@ -3,7 +3,6 @@ on synthetic metrics with hand-computed answers, and its refusals."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -130,16 +129,12 @@ def test_parity_report_compares_seed_means_and_gives_the_bf16_spread(tmp_path):
     assert "| 1 | 2.0000 / 2.2000 | 2.3100 | +10.00% |" in one
 
 
-def test_compare_parity_with_repeats_on_a_cpu(tmp_path):
+def test_compare_parity_with_repeats_on_a_cpu(tmp_path, compare_on_cpu):
     """A real run: tiny_moe, 3 steps, bf16 and emulated FP8 twice each; each run has its own files and row."""
-    cmd = [sys.executable, "benchmark/e2e/compare.py", "recipe=tiny_moe", "parity=true", "repeats=2",
-           "steps=3", "warmup=1", "timeout=240", "fp8.emulate=true", "parallel.ep=1",
-           f"out={tmp_path}"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    args = ["recipe=tiny_moe", "parity=true", "repeats=2", "steps=3", "warmup=1", "timeout=240",
+            "fp8.emulate=true", "parallel.ep=1", f"out={tmp_path}"]  # fmt: skip
+    rc, out = compare_on_cpu(args, timeout=900)
+    assert rc == 0, out[-3000:]
     assert sorted(p.name for p in (tmp_path / "runs").glob("*.jsonl")) == [
         "megatron_turbo_bf16.jsonl", "megatron_turbo_bf16_r2.jsonl",
         "megatron_turbo_fp8.jsonl", "megatron_turbo_fp8_r2.jsonl",
