@@ -181,7 +181,13 @@ def sweep_shape(name, experts, rows, n, k, dist, report: io.StringIO) -> None:
     sab = torch.rand(rows, -(-k // 128), device=dev) + 0.5
     swb = torch.rand(experts, -(-k // 128), -(-n // 128), device=dev) * 0.05 + 0.025
     bref = launch_grouped_gemm(a8, wv, out, lens, sab, swb, SCALE_BLOCKWISE).clone()
-    for label, fn, tile in (("ptr 128x128x128 (shipped)", launch_grouped_gemm, None),):
+    blockwise_tiles = (  # BLOCK_N == BLOCK_K == 128: one weight scale per tile and K step
+        ("ptr 128x128x128 (shipped)", launch_grouped_gemm, None),
+        ("ptr 128x128x128/8/3", launch_grouped_gemm, (128, 128, 128, 8, 3)),
+        ("ptr 64x128x128/4/5", launch_grouped_gemm, (64, 128, 128, 4, 5)),
+        ("ptr 64x128x128/4/3", launch_grouped_gemm, (64, 128, 128, 4, 3)),
+    )
+    for label, fn, tile in blockwise_tiles:
         run = lambda fn=fn, tile=tile: fn(a8, wv, out, lens, sab, swb, SCALE_BLOCKWISE, config=_fwd_cfg(tile))  # noqa: E731
         _row(report, f"BLOCKWISE Triton {label}", flop, _try(run, bref), cut_ms)
 
