@@ -102,11 +102,12 @@ class GroupedLinear(nn.Module):
         else:
             y = grouped_gemm(x, w, group_lens, trans_b=True)
         if self.bias is not None:
-            # expert id of every row, on the device (searchsorted: no host sync)
+            # expert id of every row, on the device (searchsorted: no host sync); rows past the last group
+            # (an upper-bound buffer) get id G: a zero bias row, so their output stays zero
             ends = torch.cumsum(group_lens, 0)
             rows = torch.arange(x.shape[0], device=x.device)
-            expert = torch.searchsorted(ends, rows, right=True).clamp_(max=self.num_groups - 1)
-            y = y + self.bias.to(y.dtype)[expert]
+            expert = torch.searchsorted(ends, rows, right=True).clamp_(max=self.num_groups)
+            y = y + torch.nn.functional.pad(self.bias.to(y.dtype), (0, 0, 0, 1))[expert]
         return y
 
     # -- stacked <-> per-expert -----------------------------------------------------------------

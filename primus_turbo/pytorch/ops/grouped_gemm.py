@@ -9,7 +9,7 @@ from primus_turbo.pytorch.core.main_grad import (
     main_grad_block,
     split_for_autograd,
 )
-from primus_turbo.pytorch.core.utils import debug_checks_enabled
+from primus_turbo.pytorch.core.utils import debug_checks_enabled, zero_rows_from
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     cutlass_offsets,
     grouped_gemm_impl,
@@ -175,15 +175,23 @@ def wgrad_into_weights(a, grad_out, group_lens, weights, offs=None) -> None:
             w.grad.add_(grouped_gemm_variable_k_impl(x, a, group_lens, offs))
 
 
+def _dense_one_group(out: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
+    """One expert's dense GEMM output [M, N] with the rows past group_lens[0] zeroed (a sync-free upper-bound
+    buffer, e.g. after TURBO EP dispatch with one local expert: those rows belong to no group and may hold
+    anything). Writes only the tail rows; nothing when group_lens[0] == M."""
+    zero_rows_from(out, None, group_lens[0])
+    return out
+
+
 class GroupedGemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, group_lens, trans_b, main_grad_into, *wgrad_into):
         ctx.trans_b = trans_b
         ctx.wgrad_into = wgrad_into  # the Parameter objects: their .grad is read and written in backward
         ctx.main_grad_into = main_grad_into  # a tuple, not autograd inputs: no edge to the weights
-        if b.shape[0] == 1:  # one expert: a dense GEMM (cuBLAS), group_lens[0] == M by contract
+        if b.shape[0] == 1:  # one expert: a dense GEMM (cuBLAS); rows past group_lens[0] zeroed
             ctx.save_for_backward(a, b, group_lens, None)
-            return a @ (b[0].t() if trans_b else b[0])
+            return _dense_one_group(a @ (b[0].t() if trans_b else b[0]), group_lens)
         # torch._grouped_mm offsets: built once here (a few tiny kernels), reused by dgrad and wgrad
         offs = cutlass_offsets(group_lens, a.shape[0]) if a.is_cuda and a.dtype == torch.bfloat16 else None
         ctx.save_for_backward(a, b, group_lens, offs)
@@ -197,7 +205,7 @@ class GroupedGemmFunction(torch.autograd.Function):
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             if b.shape[0] == 1:
-                grad_a = grad_out @ (b[0] if trans_b else b[0].t())
+                grad_a = _dense_one_group(grad_out @ (b[0] if trans_b else b[0].t()), group_lens)
             else:  # dA = dC @ B_g^T: the same grouped kernel with b read the other way round
                 grad_a = grouped_gemm_impl(grad_out, b, group_lens, not trans_b, offs)
         if ctx.main_grad_into:  # into Megatron's main_grad buffers; b gets no gradient
@@ -218,11 +226,10 @@ class GroupedGemmFunction(torch.autograd.Function):
 
 def grouped_wgrad(a, grad_out, group_lens, trans_b: bool, groups: int, offs=None) -> torch.Tensor:
     """The weight gradient of a grouped GEMM in a's precision: dB_g = A_g^T @ dC_g ([G, K, N]), or
-    dC_g^T @ A_g ([G, N, K]) when trans_b; variable-K over each expert's rows (a dense GEMM for G = 1).
+    dC_g^T @ A_g ([G, N, K]) when trans_b; variable-K over each expert's rows, also for G = 1: a dense GEMM
+    over all rows would take in the rows past group_lens[0] (an upper-bound buffer's, whatever they hold).
     ``offs``: torch._grouped_mm offsets, built here when not given (CUDA bf16)."""
     grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
-    if groups == 1:  # one expert: a dense GEMM, group_lens[0] == M by contract
-        return (grad.t() @ a if trans_b else a.t() @ grad).unsqueeze(0)
     if offs is None and a.is_cuda and a.dtype == torch.bfloat16:
         offs = cutlass_offsets(group_lens, a.shape[0])
     x, y = (grad, a) if trans_b else (a, grad)
@@ -267,7 +274,7 @@ def grouped_gemm(
     a variable-K grouped GEMM; an empty expert's weight gradient is exactly zero).
 
     No host synchronisation on group_lens in forward or backward (CUDA-graph capturable) except
-    with the TORCH backend (the CPU default). G == 1 runs a dense matmul. Checks: shapes, dtypes,
+    with the TORCH backend (the CPU default). G == 1 runs a dense matmul forward and dgrad. Checks: shapes, dtypes,
     devices and G always (no sync); negative lengths, sum(group_lens) > a.shape[0] and a wrong
     group_offs only with PRIMUS_TURBO_DEBUG_CHECKS=1 (they need a sync). Without it, inconsistent
     lengths give wrong values but never out-of-bounds accesses or uninitialised output rows.

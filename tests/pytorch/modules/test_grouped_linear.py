@@ -37,6 +37,30 @@ def test_grouped_linear_matches_reference(backend, bias, device):
     assert torch.count_nonzero(layer.weight.grad[lens == 0]) == 0
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+def test_grouped_linear_rows_past_the_groups_stay_zero_with_bias(groups, device):
+    """An upper-bound buffer (sum(group_lens) < rows): the rows past the last group belong to no expert, so
+    their output is zero (no expert's bias), their input gradient is zero and no bias gradient comes from
+    them."""
+    GlobalBackendManager.set_grouped_gemm_backend("TORCH" if device.type == "cpu" else "TRITON")
+    M, IN, OUT = 40, 16, 24
+    layer = GroupedLinear(groups, IN, OUT, bias=True, device=device, dtype=torch.float32)
+    lens = torch.tensor([12, 0, 9][:groups], device=device)
+    used = int(lens.sum())
+    x = torch.randn(M, IN, device=device, requires_grad=True)
+    y = layer(x, lens)
+    assert torch.count_nonzero(y[used:]) == 0
+    expert = torch.repeat_interleave(torch.arange(groups, device=device), lens)
+    ref = grouped_gemm_ref(x[:used], layer.weight, lens, trans_b=True) + layer.bias.detach().double()[expert]
+    assert_close(y[:used], ref, torch.float32, msg="y")
+    grad = torch.randn(M, OUT, device=device)
+    y.backward(grad)
+    ref_db = torch.zeros(groups, OUT, dtype=torch.float64, device=device)
+    ref_db.index_add_(0, expert, grad[:used].double())
+    assert_close(layer.bias.grad, ref_db, torch.float32, msg="bias grad")
+    assert torch.count_nonzero(x.grad[used:]) == 0
+
+
 def test_grouped_linear_fp8(device):
     GlobalBackendManager.set_grouped_gemm_backend("TRITON")
     G, M, IN, OUT = 3, 64, 128, 64

@@ -131,6 +131,34 @@ def test_grouped_gemm_rows_past_the_groups_are_zero_and_skipped(backend, device)
     assert torch.count_nonzero(a.grad[30:]) == 0, backend
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_grouped_gemm_one_group_with_rows_past_it(backend, trans_b, device):
+    """G == 1 (one local expert, e.g. EP = number of experts) over an upper-bound buffer: the dense fast path
+    must honour group_lens[0] < M like the grouped kernels: zero output and input-gradient rows past it, and
+    a weight gradient without them, even when those rows hold NaN (an uninitialised receive buffer)."""
+    GlobalBackendManager.set_grouped_gemm_backend(backend)
+    M, K, N, used = 48, 32, 16, 20
+    a0 = torch.randn(M, K, dtype=torch.bfloat16, device=device)
+    a0[used:] = float("nan")
+    a = a0.requires_grad_()
+    shape = (1, N, K) if trans_b else (1, K, N)
+    b = torch.randn(shape, dtype=torch.bfloat16, device=device, requires_grad=True)
+    lens = torch.tensor([used], device=device)
+    out = turbo.ops.grouped_gemm(a, b, lens, trans_b=trans_b)
+    w = b.detach()[0].float().t() if trans_b else b.detach()[0].float()
+    assert torch.count_nonzero(out[used:]) == 0 and torch.isfinite(out).all(), backend
+    assert_close(out[:used], (a.detach()[:used].float() @ w).to(out.dtype), torch.bfloat16, msg=backend)
+    grad = torch.randn_like(out)  # non-zero in the tail too: it must not reach b.grad
+    out.backward(grad)
+    af, gf = a.detach()[:used].float(), grad[:used].float()
+    db_ref = (gf.t() @ af) if trans_b else (af.t() @ gf)
+    assert torch.isfinite(b.grad).all(), backend
+    assert_close(b.grad[0], db_ref, torch.bfloat16, msg=f"{backend} wgrad")
+    assert_close(a.grad[:used], gf @ w.t(), torch.bfloat16, msg=f"{backend} dgrad")
+    assert torch.count_nonzero(a.grad[used:]) == 0, backend
+
+
 def test_dispatcher_defaults_and_env(device, monkeypatch):
     G, M, K, N = 2, 32, 16, 16
     a = torch.randn(M, K, dtype=torch.bfloat16, device=device)
