@@ -274,8 +274,8 @@ def grouped_gemm(
     a variable-K grouped GEMM; an empty expert's weight gradient is exactly zero).
 
     No host synchronisation on group_lens in forward or backward (CUDA-graph capturable) except
-    with the TORCH backend (the CPU default). G == 1 runs a dense matmul forward and dgrad. Checks: shapes, dtypes,
-    devices and G always (no sync); negative lengths, sum(group_lens) > a.shape[0] and a wrong
+    with the TORCH backend (the CPU default). G == 1 runs a dense matmul forward and dgrad. Checks: shapes,
+    dtypes, devices and G always (no sync); negative lengths, sum(group_lens) > a.shape[0] and a wrong
     group_offs only with PRIMUS_TURBO_DEBUG_CHECKS=1 (they need a sync). Without it, inconsistent
     lengths give wrong values but never out-of-bounds accesses or uninitialised output rows.
     sum(group_lens) < a.shape[0] is supported (a sync-free upper-bound buffer, e.g. after TURBO EP

@@ -287,6 +287,27 @@ def _body_graph_capture(rank, world, device):
     assert torch.equal(out, eager_out) and torch.equal(tpe, eager_tpe)
 
 
+def _body_bad_indices_debug_checks(rank, world, device, backend_name):
+    """CUDA routing indices are range-checked only with PRIMUS_TURBO_DEBUG_CHECKS=1 (the check syncs)."""
+    import os
+
+    from primus_turbo.pytorch.core.backend import GlobalBackendManager
+
+    GlobalBackendManager.set_moe_dispatch_combine_backend(backend_name)
+    os.environ["PRIMUS_TURBO_DEBUG_CHECKS"] = "1"
+    try:
+        _body_bad_input(rank, world, device)
+    finally:
+        os.environ.pop("PRIMUS_TURBO_DEBUG_CHECKS")
+        GlobalBackendManager.reset()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend_name", ["NCCL", "TURBO"])
+def test_bad_indices_with_debug_checks_2gpu(backend_name):
+    run_distributed(_body_bad_indices_debug_checks, world_size=2, backend="nccl", args=(backend_name,))
+
+
 @pytest.mark.multigpu
 def test_turbo_dispatch_graph_capture_2gpu():
     run_distributed(_body_graph_capture, world_size=2, backend="nccl")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.moe.dispatch_impl import (
     DispatchHandle,
     MoEDispatchCombineDispatcher,
@@ -122,7 +123,9 @@ def _validate(x, x_scale, indices, probs, num_experts, group):
         )
     if indices.shape[1] > num_experts:
         raise ValueError(f"moe_dispatch: topk={indices.shape[1]} > num_experts={num_experts}")
-    if indices.numel() and indices.device.type == "cpu":  # device-side check would need a sync
+    # a device-side check needs a host sync: CUDA indices only with PRIMUS_TURBO_DEBUG_CHECKS=1 (out-of-range
+    # ids would otherwise index out of bounds in the layout's scatter)
+    if indices.numel() and (indices.device.type == "cpu" or debug_checks_enabled()):
         lo, hi = int(indices.min()), int(indices.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"moe_dispatch: indices must be in [-1, {num_experts}), got range [{lo}, {hi}]")
