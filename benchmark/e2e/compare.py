@@ -120,6 +120,11 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
         for default in ("data.kind=text", "data.path=data/sample.txt"):  # each only if the user gave no value
             if not any(o.split("=", 1)[0].lstrip("+") == default.split("=", 1)[0] for o in overrides):
                 overrides.append(default)
+        if "data.path=data/sample.txt" in overrides and opts["steps"] > 100:
+            print(f"compare.py: note: parity on the shipped data/sample.txt (120 KB), {opts['steps']} steps: "
+                  "the model memorizes it within ~100 steps, so late losses say little about FP8 numerics; a "
+                  "larger local corpus: python scripts/build_corpus.py .corpus/corpus.txt --mb 20 && gzip -9 "
+                  ".corpus/corpus.txt, then data.path=.corpus/corpus.txt.gz", file=sys.stderr)  # fmt: skip
     return opts, overrides
 
 

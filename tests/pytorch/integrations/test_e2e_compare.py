@@ -391,14 +391,15 @@ def test_op_census_counts_python_issued_aten_ops_by_site():
 def test_targets_section_names_the_dominant_op_when_a_target_is_missed(tmp_path):
     results = _results()
     text = report.write_report(tmp_path, results, warmup=1, meta={}).read_text()
-    assert "- megatron turbo fp8: speedup 2.50x vs stock bf16 (target >= 1.8x): PASS; MFU 50.0%" in text
+    assert "- megatron turbo fp8: speedup 2.50x vs stock bf16 (target >= 1.8x): PASS; MFU 50.0% of the FP8 " \
+        "peak, 100.0% of the bf16 peak (target >= 40%): PASS" in text
     slow_fp8 = report.RunResult("megatron", True, "fp8", status="ok", rows=_rows(800.0, 0.0))
     slow_fp8.profile = {"clock": "self device time", "steps": 3, "first_step": 3, "total_ms_per_step": 700.0,
                         "top": [{"op": "_grouped_gemm_kernel", "ms_per_step": 300.0, "share": 0.43,
                                  "calls_per_step": 24}]}  # fmt: skip
     lines = report.targets_section([results[0], slow_fp8], warmup=1)
     assert "speedup 1.25x vs stock bf16 (target >= 1.8x): BELOW" in lines[2]  # 1001 / 801
-    assert "MFU 25.0% (target >= 40%): BELOW" in lines[2]
+    assert "MFU 25.0% of the FP8 peak, 50.0% of the bf16 peak (target >= 40%): BELOW" in lines[2]
     assert lines[2].endswith("Dominant op (self device time): _grouped_gemm_kernel at 43%")
     slow_fp8.profile.update(wall_ms_per_step=1400.0, top_host=[])  # a CUDA profile: kernels 700 of 1400 ms
     line = report.targets_section([results[0], slow_fp8], warmup=1)[2]

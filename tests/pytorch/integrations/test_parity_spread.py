@@ -143,3 +143,11 @@ def test_compare_parity_with_repeats_on_a_cpu(tmp_path, compare_on_cpu):
     assert "| megatron turbo fp8 r2 | ok |" in text
     # a CPU repeats bitwise: bf16's spread is exactly zero, and it is reported, not hidden
     assert "lies 0.00% from its seed's mean" in text
+
+
+def test_parity_on_the_shipped_sample_notes_that_it_is_memorized(capsys):
+    compare.parse_args(["parity=true"])  # 500 steps on data/sample.txt
+    assert "memorizes it within ~100 steps" in capsys.readouterr().err
+    for quiet in (["parity=true", "data.path=.corpus/corpus.txt.gz"], ["parity=true", "steps=50"]):
+        compare.parse_args(quiet)
+        assert capsys.readouterr().err == ""
