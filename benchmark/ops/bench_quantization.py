@@ -89,7 +89,10 @@ def run_shape(m: int, k: int, quick: bool = False) -> list[dict]:
     for name, spec, transpose, backend in variants:
         turbo_fn = _quantizer(spec, transpose, backend)
         torch_fn = _quantizer(spec, transpose, "torch")
-        # --quick compiles the plain variants only (each torch.compile costs seconds)
+        # --quick compiles the plain variants only (each torch.compile costs seconds). A fresh dynamo cache
+        # per variant: the variants' lambdas share a code object, so past dynamo's recompile limit (8) the
+        # compiled function ran eager: session 24's 16384x8192 "compile" column equals eager (100-133 GB/s)
+        torch._dynamo.reset()
         compiled = None if (quick and transpose) else torch.compile(torch_fn, dynamic=False)
         out_bytes = x.numel() * (2 if transpose else 1)
         nbytes = x.numel() * 2 + out_bytes
