@@ -58,9 +58,9 @@ def validate_grouped_gemm_args(
             f"{op}: reduction dims differ: a is {tuple(a.shape)} (K={a.shape[1]}) but b is "
             f"{tuple(b.shape)} with trans_b={trans_b} (K={k_b})"
         )
-    if group_lens.dtype != torch.int64 or group_lens.dim() != 1:
+    if group_lens.dtype not in (torch.int64, torch.int32) or group_lens.dim() != 1:
         raise TypeError(
-            f"{op}: group_lens must be a 1-D int64 tensor, got dtype {group_lens.dtype}, "
+            f"{op}: group_lens must be a 1-D int64 (or int32) tensor, got dtype {group_lens.dtype}, "
             f"shape {tuple(group_lens.shape)}"
         )
     if group_lens.shape[0] != b.shape[0]:
@@ -252,7 +252,8 @@ def grouped_gemm(
         a: [sum(M_i), K], bf16/fp16/fp32; rows sorted by group (group g owns rows
             ``[offs_g, offs_g + group_lens[g])``).
         b: [G, K, N], or [G, N, K] with ``trans_b=True`` (the Megatron/TE weight layout).
-        group_lens: [G] int64 on a's device; zero-length groups are fine.
+        group_lens: [G] int64 on a's device; zero-length groups are fine. int32 (e.g. ``token_permute``'s
+            tokens_per_expert) is taken too: cast on the device, no host sync.
         group_offs: optional [G + 1] int64 exclusive cumsum of group_lens (AMD-API compatible);
             every backend derives offsets from group_lens on the device, so it is only validated.
         trans_b: see ``b``.
@@ -288,6 +289,7 @@ def grouped_gemm(
     )
     weights = check_wgrad_into("grouped_gemm", b, trans_b, wgrad_into)
     main_grads = check_main_grad_into("grouped_gemm", b, trans_b, main_grad_into, wgrad_into)
+    group_lens = group_lens.to(torch.int64)  # no-op for int64
     return GroupedGemmFunction.apply(
         a.contiguous(), b.contiguous(), group_lens, bool(trans_b), main_grads, *weights
     )  # fmt: skip

@@ -363,6 +363,7 @@ def grouped_gemm_fp8(
     if b_fp8 is not None:
         b = _check_prequantized(b_fp8, a, trans_b, config)  # never read: no .contiguous() copy
     validate_grouped_gemm_args("grouped_gemm_fp8", a, b, group_lens, group_offs, trans_b, _OUT_DTYPES)
+    group_lens = group_lens.to(torch.int64)  # int32 accepted (token_permute's counts); no-op for int64
     out_dtype = a.dtype if out_dtype is None else out_dtype
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"grouped_gemm_fp8: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")

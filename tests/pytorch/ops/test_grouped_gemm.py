@@ -212,8 +212,12 @@ def test_bad_inputs(device, monkeypatch):
     a = torch.randn(M, K, device=device)
     b = torch.randn(G, K, N, device=device)
     lens = torch.tensor([4, 4, 4], device=device)
+    with pytest.raises(TypeError, match=r"1-D int64 \(or int32\) tensor, got dtype torch.float32"):
+        turbo.ops.grouped_gemm(a, b, lens.float())
     with pytest.raises(TypeError, match="group_lens must be a 1-D int64"):
-        turbo.ops.grouped_gemm(a, b, lens.int())
+        turbo.ops.grouped_gemm(a, b, lens.view(1, 3))
+    # int32 counts (token_permute's tokens_per_expert) are taken as they are: same result as int64
+    assert torch.equal(turbo.ops.grouped_gemm(a, b, lens.int()), turbo.ops.grouped_gemm(a, b, lens))
     with pytest.raises(ValueError, match="group_lens has 2 groups but b has G=3"):
         turbo.ops.grouped_gemm(a, b, lens[:2])
     with pytest.raises(ValueError, match="one device"):

@@ -125,6 +125,11 @@ def test_grouped_gemm_fp8_bad_inputs(device):
         grouped_gemm_fp8(a, b, lens, trans_b=False)
     with pytest.raises(TypeError, match="share one dtype"):
         grouped_gemm_fp8(a.to(torch.float8_e4m3fn), b, lens)
+    with pytest.raises(TypeError, match="group_lens must be a 1-D int64"):
+        grouped_gemm_fp8(a, b, lens.float())
+    # int32 counts (token_permute's tokens_per_expert) are taken as they are: same result as int64
+    int32 = grouped_gemm_fp8(a, b, lens.int(), trans_b=True)
+    assert torch.equal(int32, grouped_gemm_fp8(a, b, lens, trans_b=True))
 
 
 # -- GPU --------------------------------------------------------------------------------------------
