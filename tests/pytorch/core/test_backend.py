@@ -280,3 +280,26 @@ def test_dispatchers_without_cache_default_ask_every_time():
     for _ in range(3):
         _ToyDispatcher.resolve(x=_x(32))
     assert not _ToyDispatcher._default_cache
+
+
+def test_under_cuda_graph_capture_no_autotune_and_no_cached_default(monkeypatch):
+    """While a CUDA graph is being captured nothing may be timed (the candidates' launches would be captured)
+    and a default chosen then is not memoized (probes decline under capture): the in-code default runs."""
+    from primus_turbo.pytorch.core import backend as backend_mod
+
+    GlobalBackendManager.set_auto_tune(True)
+    _ToyDispatcher.clear_cache()
+    _CountingDefault.clear_cache()
+    monkeypatch.setattr(backend_mod, "_is_capturing", lambda: True)
+    try:
+        _ToyDispatcher.dispatch(x=_x(32))
+        assert CALLS == ["slow"] and _ToyDispatcher.last_backend is BackendType.CUBLAS  # the default, untimed
+        assert not _ToyDispatcher._cache
+        assert _CountingDefault.resolve(x=_x(32)) is BackendType.TRITON
+        assert not _CountingDefault._default_cache
+        monkeypatch.setattr(backend_mod, "_is_capturing", lambda: False)
+        CALLS.clear()
+        _ToyDispatcher.dispatch(x=_x(32))  # after capture: tuned and cached as usual
+        assert {"fast", "slow", "ref"} <= set(CALLS) and len(_ToyDispatcher._cache) == 1
+    finally:
+        GlobalBackendManager.reset()
