@@ -164,7 +164,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
                            return_lse=False, sink=None):  # fmt: skip
-    """Attention over packed THD tensors with int32 cu_seqlens; returns out [Tq, Hq, Dv] (and LSE)."""
+    """Attention over packed THD tensors with int32 cu_seqlens; returns out [Tq, Hq, Dv] (and LSE).
+
+    cu_seqlens are checked on the host every call (start 0, non-decreasing, end at the token count, no
+    sequence past max_seqlen): one device->host copy, since a bad one would make the kernels read out of
+    bounds. So a varlen call syncs and cannot be captured in a CUDA graph; ``flash_attn_func`` does neither.
+    """
     _validate(q, k, v, True, window_size, sink, dropout_p)
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(m, int) or m < 0:
