@@ -170,8 +170,10 @@ class GemmFP8Dispatcher(AutoKernelDispatcher):
 
     @classmethod
     def default_backend(cls, a, **kw) -> BackendType:
-        # cuBLAS is at the FP8 roofline for tensorwise/rowwise (~1280 TFLOP/s on H200) and 1198 for
-        # 1x128/128x128 blockwise; TRITON serves whatever cuBLAS cannot (E5M2xE5M2, odd sizes).
+        # cuBLAS: tensorwise ~1280 TFLOP/s on H200, 1x128/128x128 blockwise 1198 (TRITON 0.49x there). For
+        # rowwise TRITON was ahead at both quick-set shapes (fwd incl. quantization 1057 vs 967 and 884 vs 821
+        # TFLOP/s, session 26, gemm_fp8_quick_05abc5c.csv): a default switch waits for the full sweep and an
+        # end-to-end A/B. TRITON serves whatever cuBLAS cannot (E5M2xE5M2, odd sizes).
         if not a.is_cuda:
             return BackendType.TORCH
         if GemmFP8CublasBackend.can_handle(a=a, **kw):
