@@ -589,27 +589,3 @@ def test_find_syncs_groups_sync_warnings_by_their_caller_outside_torch():
     assert site.startswith("tests/pytorch/integrations/test_e2e_compare.py:") and "sync_here" in site, site
     assert "test_find_syncs_groups_sync_warnings" in site, site
 
-
-@pytest.mark.parametrize("error, launches", [
-    ("DistNetworkError: ... port: 50975, code: -98, name: EADDRINUSE, message: address already in use", 2),
-    ("RuntimeError: CUDA out of memory", 1),
-])  # fmt: skip
-def test_a_run_that_lost_its_rendezvous_port_is_launched_once_more_on_a_new_port(
-    monkeypatch, tmp_path, capsys, error, launches
-):
-    calls = []
-
-    def fake_execute(run, cmd, timeout, warmup):
-        calls.append(next(a for a in cmd if a.startswith("--master_port=")))
-        if len(calls) == 1 or "EADDRINUSE" not in error:
-            run.status, run.error, run.returncode = "failed", error, 1
-        else:
-            run.status, run.rows = "ok", _rows(500.0, 0.0, steps=3)
-
-    ports = iter(range(40000, 40010))
-    monkeypatch.setattr(compare, "execute", fake_execute)
-    monkeypatch.setattr(compare, "free_port", lambda: next(ports))
-    argv = ["turbo=on", "precisions=bf16", "steps=3", "warmup=1", f"out={tmp_path}"]
-    assert compare.main(argv) == (0 if launches == 2 else 1)
-    assert calls == ["--master_port=40000", "--master_port=40001"][:launches]
-    assert ("port taken" in capsys.readouterr().out) == (launches == 2)
