@@ -391,8 +391,10 @@ def test_op_census_counts_python_issued_aten_ops_by_site():
 def test_targets_section_names_the_dominant_op_when_a_target_is_missed(tmp_path):
     results = _results()
     text = report.write_report(tmp_path, results, warmup=1, meta={}).read_text()
-    assert "- megatron turbo fp8: speedup 2.50x vs stock bf16 (target >= 1.8x): PASS; MFU 50.0% of the FP8 " \
+    assert (
+        "- megatron turbo fp8: speedup 2.50x vs stock bf16 (target >= 1.8x): PASS; MFU 50.0% of the FP8 "
         "peak, 100.0% of the bf16 peak (target >= 40%): PASS" in text
+    )
     slow_fp8 = report.RunResult("megatron", True, "fp8", status="ok", rows=_rows(800.0, 0.0))
     slow_fp8.profile = {"clock": "self device time", "steps": 3, "first_step": 3, "total_ms_per_step": 700.0,
                         "top": [{"op": "_grouped_gemm_kernel", "ms_per_step": 300.0, "share": 0.43,
@@ -588,4 +590,3 @@ def test_find_syncs_groups_sync_warnings_by_their_caller_outside_torch():
     site = summary["sites"][0]["site"]
     assert site.startswith("tests/pytorch/integrations/test_e2e_compare.py:") and "sync_here" in site, site
     assert "test_find_syncs_groups_sync_warnings" in site, site
-
