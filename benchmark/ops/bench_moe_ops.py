@@ -1,4 +1,4 @@
-"""MoE memory-bound ops: router, permute/unpermute, swiglu_with_probs, in GB/s.
+"""MoE memory-bound ops: router, permute/unpermute, swiglu_with_probs / geglu_with_probs, in GB/s.
 
 turbo (Triton; permute also the csrc TURBO kernel) vs eager PyTorch (Megatron-Core's formulation)
 vs torch.compile of the same eager code, plus a device-copy line (the bandwidth ceiling).
@@ -35,7 +35,7 @@ from primus_turbo.pytorch.kernels.moe.permute_impl import (  # noqa: E402
     build_row_id_map,
 )
 from primus_turbo.pytorch.kernels.moe.router_impl import _score_code, router_forward_eager  # noqa: E402
-from primus_turbo.pytorch.ops.activation import swiglu_with_probs  # noqa: E402
+from primus_turbo.pytorch.ops.activation import geglu_with_probs, swiglu_with_probs  # noqa: E402
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute  # noqa: E402
 from primus_turbo.pytorch.ops.moe.router import fused_topk_routing  # noqa: E402
 
@@ -255,22 +255,25 @@ def bench_permute_convert(t, h, e, k):
     return rows
 
 
-def bench_swiglu(n, inter):
+def bench_glu(n, inter, kind="swiglu"):
+    """``swiglu_with_probs`` (silu) or ``geglu_with_probs`` (exact erf GeLU) vs eager and torch.compile."""
     x = torch.randn(n, 2 * inter, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     p = torch.rand(n, device="cuda", requires_grad=True)
+    act, turbo_fn = (F.silu, swiglu_with_probs) if kind == "swiglu" else (F.gelu, geglu_with_probs)
 
     def eager(a, w):
         g, u = a.chunk(2, dim=-1)
-        return (F.silu(g.float()) * u.float() * w.unsqueeze(-1)).to(a.dtype)
+        return (act(g.float()) * u.float() * w.unsqueeze(-1)).to(a.dtype)
 
+    torch._dynamo.reset()  # one code object for both kinds and every shape: stay clear of the recompile limit
     compiled = torch.compile(eager)
     grad = torch.randn(n, inter, device="cuda", dtype=torch.bfloat16)
     fwd_b = n * 2 * inter * 2 + n * inter * 2 + n * 4
     bwd_b = n * inter * 2 + 2 * (n * 2 * inter * 2) + 2 * n * 4
     ref = eager(x, p)
     rows = []
-    for label, fn in (("swiglu_with_probs/turbo", swiglu_with_probs), ("swiglu_with_probs/eager", eager),
-                      ("swiglu_with_probs/torch.compile", compiled)):  # fmt: skip
+    for label, fn in ((f"{kind}_with_probs/turbo", turbo_fn), (f"{kind}_with_probs/eager", eager),
+                      (f"{kind}_with_probs/torch.compile", compiled)):  # fmt: skip
         f, b, host = _fwd_bwd(fn, (x, p), grad)
         rows.append(_row(label, f"{n}x{2 * inter}", x.dtype, _check(fn(x, p), ref), fwd_b, f, bwd_b, b,
                          host))  # fmt: skip
@@ -295,7 +298,8 @@ def main():
         rows += bench_router(t, e, k, g, kg)
         rows += bench_permute(t, h, e, k)
         rows += bench_permute_convert(t, h, e, k)
-        rows += bench_swiglu(t * k, inter)
+        rows += bench_glu(t * k, inter, "swiglu")
+        rows += bench_glu(t * k, inter, "geglu")
     path = out_dir(args) / ("bench_moe_ops_quick.csv" if args.quick else "bench_moe_ops.csv")
     write_csv(path, rows, MEMORY_COLUMNS + ["host fwd us"])
     print_table(rows, MEMORY_COLUMNS + ["host fwd us"])
