@@ -151,7 +151,7 @@ def wgrad_into_main_grads(a, grad_out, group_lens, weights, offs=None) -> None:
     grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
     block = main_grad_block(weights)
     if block is None:
-        accumulate_into_main_grads_(weights, grouped_wgrad(a, grad, group_lens, True, len(weights), offs))
+        accumulate_into_main_grads_(weights, grouped_wgrad(a, grad, group_lens, True, offs))
         return
     out, reverse = block
     grouped_gemm_variable_k_into_(grad, a, group_lens, out, True, offs, reverse)
@@ -211,20 +211,20 @@ class GroupedGemmFunction(torch.autograd.Function):
         if ctx.main_grad_into:  # into Megatron's main_grad buffers; b gets no gradient
             wgrad_into_main_grads(a, grad_out, group_lens, ctx.main_grad_into, offs)
         elif ctx.needs_input_grad[1]:
-            grad_b = grouped_wgrad(a, grad_out, group_lens, trans_b, b.shape[0], offs)
+            grad_b = grouped_wgrad(a, grad_out, group_lens, trans_b, offs)
         weights = ctx.wgrad_into
         if not weights:
             return grad_a, grad_b, None, None, None
         if torch.is_grad_enabled():  # create_graph: the weights' gradients must stay differentiable
             wgrad = grad_b
             if wgrad is None:
-                wgrad = grouped_wgrad(a, grad_out, group_lens, True, b.shape[0], offs)
+                wgrad = grouped_wgrad(a, grad_out, group_lens, True, offs)
             return grad_a, grad_b, None, None, None, *split_for_autograd(wgrad, weights)
         wgrad_into_weights(a, grad_out, group_lens, weights, offs)
         return grad_a, grad_b, None, None, None, *(None for _ in weights)
 
 
-def grouped_wgrad(a, grad_out, group_lens, trans_b: bool, groups: int, offs=None) -> torch.Tensor:
+def grouped_wgrad(a, grad_out, group_lens, trans_b: bool, offs=None) -> torch.Tensor:
     """The weight gradient of a grouped GEMM in a's precision: dB_g = A_g^T @ dC_g ([G, K, N]), or
     dC_g^T @ A_g ([G, N, K]) when trans_b; variable-K over each expert's rows, also for G = 1: a dense GEMM
     over all rows would take in the rows past group_lens[0] (an upper-bound buffer's, whatever they hold).

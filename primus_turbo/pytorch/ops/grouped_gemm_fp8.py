@@ -268,7 +268,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         elif fused_into:  # the bf16 wgrad summed into the weights' .grad inside the GEMM
             wgrad_into_weights(qa_t, grad_out, group_lens, weights)
         elif ctx.hp_wgrad:
-            grad_b = grouped_wgrad(qa_t, grad_out, group_lens, trans_b, groups).to(ctx.b_dtype)
+            grad_b = grouped_wgrad(qa_t, grad_out, group_lens, trans_b).to(ctx.b_dtype)
         elif wgrad_needed:
             wmode = SCALE_TENSORWISE if mode == SCALE_TENSORWISE else SCALE_ROWWISE
             if wmode == SCALE_TENSORWISE:
