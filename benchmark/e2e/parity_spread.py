@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from loss_gaps import schedule_note  # noqa: E402
 from report import load_metrics, markdown_table, pooled_spread, seed_gaps, smoothed_final_loss  # noqa: E402
 
 
@@ -51,10 +52,6 @@ def parse_run(arg: str) -> tuple[str, str, Path]:
     return family, seed, p
 
 
-def schedule(rows: list[dict]) -> tuple[int, tuple]:
-    return len(rows), tuple(round(r.get("lr") or 0.0, 12) for r in rows)
-
-
 def collect(args: list[str]) -> dict[str, dict[str, list[float]]]:
     """{seed: {family: [final loss per run]}} in the order given."""
     table: dict[str, dict[str, list[float]]] = {}
@@ -65,11 +62,11 @@ def collect(args: list[str]) -> dict[str, dict[str, list[float]]]:
         if not rows:
             raise SystemExit(f"parity_spread: run {arg!r}: no metrics rows in {path}")
         if first is None:
-            first = (arg, schedule(rows))
-        elif schedule(rows) != first[1]:
+            first = (arg, rows)
+        elif schedule_note(arg, first[1], rows) is not None:  # loss_gaps.py's same-schedule check
             raise SystemExit(
                 f"parity_spread: run {arg!r} ran {len(rows)} steps or another learning-rate schedule than "
-                f"{first[0]!r} ({first[1][0]} steps): final losses are not comparable"
+                f"{first[0]!r} ({len(first[1])} steps): final losses are not comparable"
             )
         table.setdefault(seed, {}).setdefault(family, []).append(smoothed_final_loss(rows))
     return table
