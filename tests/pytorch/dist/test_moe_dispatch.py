@@ -311,3 +311,31 @@ def test_bad_indices_with_debug_checks_2gpu(backend_name):
 @pytest.mark.multigpu
 def test_turbo_dispatch_graph_capture_2gpu():
     run_distributed(_body_graph_capture, world_size=2, backend="nccl")
+
+
+def _body_turbo_size_mismatch_debug_checks(rank, world, device):
+    """TURBO: after a wide dispatch sized the workspace, rank 0 dispatches a narrower hidden size (it fits the
+    workspace, so no rank grows it). PRIMUS_TURBO_DEBUG_CHECKS=1 compares the sizes on every call: both ranks
+    raise instead of reading each other's rows at a different layout (or hanging)."""
+    import os
+
+    from primus_turbo.pytorch.core.backend import GlobalBackendManager
+    from primus_turbo.pytorch.ops.moe.dispatch import moe_dispatch
+
+    GlobalBackendManager.set_moe_dispatch_combine_backend("TURBO")
+    os.environ["PRIMUS_TURBO_DEBUG_CHECKS"] = "1"
+    try:
+        x, ind, p = _inputs(rank, device)
+        moe_dispatch(x, ind, p, NUM_EXPERTS)  # same size on both ranks: creates the workspace
+        narrow = x[:, : HIDDEN // 2].contiguous() if rank == 0 else x
+        with pytest.raises(ValueError, match="ranks need different workspace sizes"):
+            moe_dispatch(narrow, ind, p, NUM_EXPERTS)
+        torch.cuda.synchronize()
+    finally:
+        os.environ.pop("PRIMUS_TURBO_DEBUG_CHECKS")
+        GlobalBackendManager.reset()
+
+
+@pytest.mark.multigpu
+def test_turbo_size_mismatch_with_debug_checks_2gpu():
+    run_distributed(_body_turbo_size_mismatch_debug_checks, world_size=2, backend="nccl")

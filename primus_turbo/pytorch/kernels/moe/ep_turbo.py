@@ -27,6 +27,7 @@ import torch.distributed as dist
 import triton
 
 from primus_turbo.pytorch.core.backend import BackendType
+from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.moe.dispatch_impl import DispatchHandle
 from primus_turbo.pytorch.kernels.moe.permute_impl import moe_unpermute_fwd
 
@@ -89,15 +90,11 @@ def _workspace(group, nbytes: int, device):
 
     name = group.group_name
     cur = _workspaces.get(name)
-    if cur is None or cur[0].numel() < nbytes:
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            try:
-                enable(name)
-            except Exception:
-                pass
-        # Allocation is collective: check every rank asks for the same size first (a host sync, only
-        # when the workspace is created or grows), so mismatched ranks raise instead of hanging.
+    grow = cur is None or cur[0].numel() < nbytes
+    # Allocation is collective: check every rank asks for the same size first (a host sync), so mismatched
+    # ranks raise instead of hanging. Only when the workspace is created or grows, unless
+    # PRIMUS_TURBO_DEBUG_CHECKS=1 checks every call: a mismatch where only one rank grows would hang there.
+    if grow or debug_checks_enabled():
         sizes = [None] * dist.get_world_size(group)
         dist.all_gather_object(sizes, nbytes, group=group)
         if len(set(sizes)) != 1:
@@ -105,6 +102,13 @@ def _workspace(group, nbytes: int, device):
                 f"moe_dispatch (TURBO): ranks need different workspace sizes {sizes} (hidden size, topk, "
                 "dtype or PRIMUS_TURBO_EP_MAX_TOKENS differ across ranks)"
             )
+    if grow:
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            try:
+                enable(name)
+            except Exception:
+                pass
         if cur is not None:  # kernels queued on the old workspace may still run: keep it alive
             _retired.append(cur)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
