@@ -96,6 +96,9 @@ def router_fwd_kernel(
             kept = tl.sum(tl.where((gcols == g)[None, :], keep_group, 0), axis=1)
             keep = tl.where((gid == g)[None, :], kept[:, None], keep)
         sel = tl.where(keep > 0, sel, neg_inf)
+    # Valid columns stay above -inf (chosen ones drop to -inf), so every round picks a new column also where
+    # fewer than K scores are finite (-inf logits, groups ruled out): K distinct experts, as torch.topk.
+    sel = tl.where(col_ok[None, :], tl.maximum(sel, -3.4028234663852886e38), neg_inf)
 
     chosen = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(K):

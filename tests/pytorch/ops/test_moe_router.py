@@ -120,6 +120,41 @@ def test_router_matches_megatron(device):
     assert_close(probs, ref_probs, torch.float32)
 
 
+def test_router_group_semantics_match_megatron(device):
+    """num_groups without topk_groups routes over all experts (Megatron limits groups only when group_topk is
+    set), and topk need not be a multiple of topk_groups (a group scores its top topk // topk_groups)."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    logits = torch.randn(48, 16, device=device)
+    for k, groups, kg in ((4, 4, None), (6, 4, 4), (5, 4, 2)):
+        ref_probs, ref_map = moe_utils.topk_routing_with_score_function(
+            logits, k, num_groups=groups, group_topk=kg, score_function="sigmoid"
+        )
+        probs, routing_map = fused_topk_routing(
+            logits, k, score_function="sigmoid", num_groups=groups, topk_groups=kg, norm_topk=True
+        )
+        assert torch.equal(routing_map, ref_map), (k, groups, kg)
+        assert_close(probs, ref_probs, torch.float32)
+    with pytest.raises(ValueError, match=r"topk=1 must be in \[topk_groups=2"):
+        fused_topk_routing(logits, 1, num_groups=4, topk_groups=2)
+
+
+def test_router_picks_distinct_experts_where_fewer_than_topk_scores_are_finite(device):
+    """Masked experts (-inf logits) on a row, fewer finite ones than topk: the chosen experts are still
+    distinct (the finite ones first, then the lowest masked ids); the routing map has topk entries a row:
+    a repeated id would send a token to one expert twice and leave a permuted row unwritten."""
+    logits = torch.randn(6, 8, device=device)
+    logits[:, 1:] = float("-inf")  # one finite expert (0) per row
+    logits[3, 5] = 0.5  # two on row 3
+    for kw in ({}, {"num_groups": 4, "topk_groups": 2}):
+        probs, routing_map, idx = fused_topk_routing(logits, 3, return_indices=True, **kw)
+        assert torch.equal(routing_map.sum(-1), torch.full((6,), 3, device=device)), kw
+        assert all(len(set(row)) == 3 for row in idx.tolist()), idx
+        assert (idx[:, 0] == torch.where(torch.arange(6, device=device) == 3, 5, 0)).all()
+        assert torch.equal(routing_map.gather(1, idx), torch.ones_like(idx, dtype=torch.bool))
+        assert_close(probs.sum(-1), torch.ones(6, device=device), torch.float32)  # masked experts get 0
+        assert (probs[routing_map & torch.isinf(logits)] == 0).all()
+
+
 def test_norm_topk_renormalises_the_chosen_scores_before_scaling(device):
     logits = torch.randn(64, 16, device=device)
     for score, pre in (("sigmoid", False), ("softmax", True)):

@@ -51,11 +51,10 @@ def _validate_routing(logits, topk, score_function, num_groups, topk_groups, exp
             raise ValueError(
                 f"fused_topk_routing: topk_groups={topk_groups} must be in [1, num_groups={num_groups}]"
             )
-        if topk % topk_groups != 0 or topk > topk_groups * (num_experts // num_groups):
+        if not topk_groups <= topk <= topk_groups * (num_experts // num_groups):
             raise ValueError(
-                f"fused_topk_routing: topk={topk} must be a multiple of topk_groups={topk_groups} "
-                f"and at most "
-                f"topk_groups * experts per group = {topk_groups * (num_experts // num_groups)}"
+                f"fused_topk_routing: topk={topk} must be in [topk_groups={topk_groups}, "
+                f"topk_groups * experts per group = {topk_groups * (num_experts // num_groups)}]"
             )
     if expert_bias is not None:
         if not isinstance(expert_bias, torch.Tensor) or tuple(expert_bias.shape) != (num_experts,):
@@ -93,8 +92,8 @@ def fused_topk_routing(
     *,
     score_function: str = "softmax",
     use_pre_softmax: bool = False,
-    num_groups: int | None = 1,
-    topk_groups: int | None = 1,
+    num_groups: int | None = None,
+    topk_groups: int | None = None,
     scaling_factor: float | None = 1.0,
     expert_bias: torch.Tensor | None = None,
     norm_topk: bool = False,
@@ -109,7 +108,9 @@ def fused_topk_routing(
             ``use_pre_softmax`` softmax over all experts first) or "sigmoid", as in Megatron-Core.
         num_groups / topk_groups: DeepSeek-V3 group-limited routing: experts form ``num_groups``
             contiguous groups; per token only the ``topk_groups`` groups with the largest sum of
-            their top ``topk // topk_groups`` scores are eligible.
+            their top ``topk // topk_groups`` scores are eligible. As in Megatron-Core, routing is
+            group-limited only when both are set (``num_groups`` without ``topk_groups`` routes over
+            all experts).
         scaling_factor: multiplies the probs (DeepSeek-V3 routed_scaling_factor).
         expert_bias: [num_experts] aux-loss-free balancing bias; added to the selection scores only,
             the probs are computed from the unbiased scores.
@@ -122,8 +123,9 @@ def fused_topk_routing(
         (probs, routing_map) or (probs, routing_map, topk_indices): probs is [T, E] in the logits
         dtype with zeros off-route, routing_map is [T, E] bool.
     """
+    if not topk_groups:  # Megatron's group_limited_topk runs only when group_topk is set
+        num_groups, topk_groups = 1, 1
     num_groups = num_groups or 1
-    topk_groups = topk_groups or 1
     scaling = 1.0 if scaling_factor is None else float(scaling_factor)
     _validate_routing(logits, topk, score_function, num_groups, topk_groups, expert_bias)
     if not isinstance(norm_topk, bool):
