@@ -105,6 +105,11 @@ class Buffer:
         if handle is not None:
             from primus_turbo.pytorch.ops.moe.dispatch import _dispatch_cached
 
+            if x_scale is not None:  # the cached layouts move one row tensor; scales would need a second one
+                raise ValueError(
+                    "Buffer.dispatch: a cached dispatch (handle=...) takes a bf16/fp16/fp32 x; for FP8 "
+                    "(x, x_scale) dispatch with topk_idx and the layout instead"
+                )
             return _dispatch_cached(x, handle), None, None, None, None, _event(async_finish)
         if topk_idx is None:
             raise ValueError("Buffer.dispatch: topk_idx is required without a handle")

@@ -68,8 +68,9 @@ class TokenDispatcher(nn.Module):
         exact = handle is not None and handle.num_recv_routes is not None
         if exact:
             num_out = handle.num_recv_routes
-        # With an upper bound, the rows after the last group are zeroed, since FP8 experts quantize the
-        # whole buffer (a tensorwise amax or column scales would read garbage).
+        # With an upper bound (after a TURBO dispatch, or without EP where a -1 index drops a route), the rows
+        # after the last group are zeroed, since FP8 experts quantize the whole buffer (a tensorwise amax or
+        # column scales would read garbage).
         expert_in, expert_probs, row_id_map, tokens_per_expert = token_permute(
             x,
             indices,
@@ -77,7 +78,7 @@ class TokenDispatcher(nn.Module):
             num_out,
             pad_multiple=self.pad_multiple,
             num_experts=self.num_local_experts,
-            zero_fill=handle is not None and not exact,
+            zero_fill=not exact,
         )
         self._state = {"shape": shape, "handle": handle, "row_id_map": row_id_map, "probs": probs}
         return expert_in, tokens_per_expert, expert_probs

@@ -50,7 +50,7 @@ class _GLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, act):
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        x2 = x.reshape(lead.numel(), x.shape[-1]).contiguous()  # not -1: the last dim may be 0
         p = probs.reshape(-1).contiguous() if probs is not None else None
         out = glu_fwd(x2, p, act)
         ctx.save_for_backward(x2, p)

@@ -196,6 +196,23 @@ def _body_deep_ep_megatron(rank, world, device):
     assert_close(probs.grad, torch.where(indices >= 0, (owners + 1).float(), 0.0), torch.float32)
 
 
+def _body_deep_ep_cached_fp8(rank, world, device):
+    """deep_ep.Buffer: a cached dispatch (handle=) of an FP8 (x, x_scale) pair raises (the cached layouts move
+    one row tensor), instead of returning the rows without their scales."""
+    from primus_turbo.pytorch.deep_ep import Buffer
+
+    x, indices, probs = _inputs(rank, device)
+    buf = Buffer(dist.group.WORLD, 0, 0)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(indices, NUM_EXPERTS)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    *_, handle, _ = buf.dispatch(x, topk_idx=indices, topk_weights=probs, **layout)
+    assert torch.equal(buf.dispatch(x, handle=handle)[0].cpu(), _expected_recv(rank, world, device)[0])
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-6) / 448
+    xq = (x / scale).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"a cached dispatch \(handle=...\) takes a bf16/fp16/fp32 x"):
+        buf.dispatch((xq, scale), handle=handle)
+
+
 def _body_one_rank_receives_nothing(rank, world, device, backend_name):
     """Every route goes to rank 0's experts (collapsed early routing): rank 1 receives zero rows."""
     from primus_turbo.pytorch.core.backend import GlobalBackendManager
@@ -225,6 +242,7 @@ def _body_all(rank, world, device, backend_name):
     _body_bad_sizes(rank, world, device)
     _body_bad_input(rank, world, device)
     _body_deep_ep_megatron(rank, world, device)
+    _body_deep_ep_cached_fp8(rank, world, device)
 
 
 def test_dispatch_combine_gloo():

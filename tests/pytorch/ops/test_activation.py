@@ -58,6 +58,11 @@ def test_glu_empty(device):
     assert y.shape == (0, 32)
     y.sum().backward()
     assert x.grad.shape == x.shape and p.grad.shape == p.shape
+    x = torch.randn(5, 0, device=device, requires_grad=True)  # no features: [5, 0] out, no reshape error
+    y = swiglu(x)
+    assert y.shape == (5, 0)
+    y.sum().backward()
+    assert x.grad.shape == (5, 0)
 
 
 def test_glu_non_contiguous(device):

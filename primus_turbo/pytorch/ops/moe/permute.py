@@ -53,14 +53,19 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
     elif routing.dtype in (torch.int32, torch.int64):
         if num_experts is None or num_experts < 1:
             raise ValueError(f"{name}: num_experts (>= 1) is required with indices, got {num_experts}")
-        # The range check needs the values on the host: free on CPU, one sync on CUDA, so there it
-        # runs only with PRIMUS_TURBO_DEBUG_CHECKS=1. Without it, out-of-range indices on CUDA are
-        # treated as dropped routes (-1): never an out-of-bounds write or a device assert.
-        check = routing.device.type == "cpu" or debug_checks_enabled()
-        if routing.numel() and not torch.compiler.is_compiling() and check:
+        if routing.numel() and _host_checks(routing):
             lo, hi = int(routing.min()), int(routing.max())
             if lo < -1 or hi >= num_experts:
                 raise ValueError(f"{name}: indices must be in [-1, {num_experts}), got range [{lo}, {hi}]")
+            # one token naming an expert twice would get one row for two routes (a group row left unwritten)
+            ranked = routing.sort(dim=1).values
+            repeated = ((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] >= 0)).any(1)
+            if bool(repeated.any()):
+                row = int(repeated.nonzero()[0, 0])
+                raise ValueError(
+                    f"{name}: token {row} names an expert twice in its indices row {routing[row].tolist()}; "
+                    "each route needs its own expert (-1 for no route)"
+                )
     else:
         raise TypeError(f"{name}: routing dtype {routing.dtype}; accepted bool (routing map) or int32/int64")
     if probs is not None and tuple(probs.shape) != tuple(routing.shape):
@@ -75,7 +80,21 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
         )
     if num_out_tokens is not None and num_out_tokens < 0:
         raise ValueError(f"{name}: num_out_tokens={num_out_tokens} must be >= 0")
+    if num_out_tokens is not None and capacity is None and routing.numel() and _host_checks(routing):
+        routes = int(routing.sum()) if routing.dtype == torch.bool else int((routing >= 0).sum())
+        if num_out_tokens < routes:
+            raise ValueError(
+                f"{name}: num_out_tokens={num_out_tokens} is below the {routes} routed (token, expert) pairs; "
+                "pass their number or an upper bound (with zero_fill=True for the rows past the groups)"
+            )
     return num_experts
+
+
+def _host_checks(routing: torch.Tensor) -> bool:
+    """Value checks read the routing on the host: free on CPU, one sync on CUDA, so there they run only with
+    PRIMUS_TURBO_DEBUG_CHECKS=1. Without it, out-of-range indices on CUDA are treated as dropped routes (-1):
+    never an out-of-bounds write or a device assert."""
+    return not torch.compiler.is_compiling() and (routing.device.type == "cpu" or debug_checks_enabled())
 
 
 def _check_out_dtype(x: torch.Tensor, out_dtype, name: str, arg: str) -> None:
@@ -119,7 +138,9 @@ class _Permute(torch.autograd.Function):
         # the gradients of a converting permute are summed in fp32 and stored in the tokens' dtype
         grad_tokens = moe_unpermute_fwd(grad_out.contiguous(), row_id_map, None, ctx.num_tokens, ctx.in_dtype)
         grad_in_probs = None
-        if grad_probs is not None:
+        if grad_probs is not None and grad_probs.shape[0] == 0:  # no permuted row: nothing to gather
+            grad_in_probs = grad_probs.new_zeros(row_id_map.shape)
+        elif grad_probs is not None:
             idx = row_id_map.clamp(min=0).long()
             # a Python 0.0, not a CPU zero-dim tensor: copying that to the GPU is a host sync per call
             grad_in_probs = torch.where(row_id_map >= 0, grad_probs[idx], 0.0)
@@ -165,12 +186,20 @@ def token_permute(
 
     Args:
         tokens: [T, H].
-        routing: bool routing map [T, E] or int indices [T, K] (-1 = no route).
+        routing: bool routing map [T, E] or int indices [T, K] (-1 = no route; a token names each expert at
+            most once, checked on CPU and with PRIMUS_TURBO_DEBUG_CHECKS=1).
         probs: laid out like ``routing`` ([T, E] dense or [T, K]); carried to the permuted rows.
-        num_out_tokens: number of routed (token, expert) pairs; avoids a host sync for routing maps.
-        pad_multiple: pad every expert group to a multiple of this (zero rows), e.g. 16 / 128 for FP8.
+        num_out_tokens: number of routed (token, expert) pairs, or an upper bound (then see zero_fill);
+            avoids a host sync for routing maps. A smaller value raises on CPU and with
+            PRIMUS_TURBO_DEBUG_CHECKS=1 (on CUDA without it, the routes past it are dropped and
+            tokens_per_expert still counts them).
+        pad_multiple: pad every expert group to a multiple of this (zero rows), e.g. 16 / 128 for FP8;
+            tokens_per_expert then counts the padded group sizes.
         num_experts: required with indices.
-        capacity: per-expert capacity (drop-and-pad mode): output is exactly E * capacity rows.
+        capacity: per-expert capacity (drop-and-pad mode): output is exactly E * capacity rows, expert e's
+            group is rows [e * capacity, (e + 1) * capacity) (kept tokens first, then zero rows), and
+            tokens_per_expert counts the kept tokens (min(routes, capacity)), not the group size: a grouped
+            GEMM over this buffer takes group_lens = capacity for every expert.
         zero_fill: rows after the last expert group (an upper-bound ``num_out_tokens``) are zeros
             (and their probs 0), so a grouped GEMM may cover them, e.g. as part of the last group.
         out_dtype: dtype of the permuted rows (default: the tokens'); fp32 tokens may be permuted straight
@@ -229,7 +258,9 @@ def token_unpermute(
     if num_tokens is not None and num_tokens != row_id_map.shape[0]:
         raise ValueError(f"token_unpermute: num_tokens={num_tokens} != row_id_map rows {row_id_map.shape[0]}")
     probs = merging_probs.contiguous() if merging_probs is not None else None
-    return _Unpermute.apply(permuted_tokens.contiguous(), row_id_map, probs, row_id_map.shape[0], out_dtype)
+    return _Unpermute.apply(
+        permuted_tokens.contiguous(), row_id_map.contiguous(), probs, row_id_map.shape[0], out_dtype
+    )
 
 
 def token_permute_fp8(
