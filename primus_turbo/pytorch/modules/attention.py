@@ -61,6 +61,11 @@ class TurboAttention(nn.Module):
     def _dropout(self) -> float:
         return self.dropout_p if self.training else 0.0
 
+    def _sink(self):
+        """The sink logits in fp32: a whole-model cast (Megatron's Float16Module, ``model.bfloat16()``) casts
+        this parameter too, and the kernels take fp32 sinks (the cast is differentiable)."""
+        return self.sink.float() if self.sink is not None else None
+
     def forward(self, query, key, value, attention_mask=None, packed_seq_params=None, **unused):
         if packed_seq_params is not None:
             return self._forward_varlen(query, key, value, packed_seq_params)
@@ -71,7 +76,7 @@ class TurboAttention(nn.Module):
         else:
             q, k, v = query, key, value
         common = dict(softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window_size,
-                      deterministic=self.deterministic, sink=self.sink,
+                      deterministic=self.deterministic, sink=self._sink(),
                       dropout_p=self._dropout())  # fmt: skip
         if self.ulysses_group is not None or self.ring_group is not None:
             out = flash_attn_usp_func(q, k, v, ulysses_group=self.ulysses_group, ring_group=self.ring_group,
@@ -94,7 +99,7 @@ class TurboAttention(nn.Module):
         out = flash_attn_varlen_func(
             q, k, v, params.cu_seqlens_q, params.cu_seqlens_kv, int(params.max_seqlen_q),
             int(params.max_seqlen_kv), softmax_scale=self.softmax_scale, causal=self.causal,
-            window_size=self.window_size, deterministic=self.deterministic, sink=self.sink,
+            window_size=self.window_size, deterministic=self.deterministic, sink=self._sink(),
             dropout_p=self._dropout(),
         )  # fmt: skip
         return out.reshape(out.shape[0], -1)

@@ -65,8 +65,8 @@ def _dense(q, k, v, sink, softmax_scale, window_left, window_right, dropout_p, g
     dq = torch.matmul(dscores, kt)
     dk = torch.matmul(dscores.transpose(-1, -2), qt)
     b, sk = k.shape[0], k.shape[1]
-    dk = dk.view(b, hk, group, sk, -1).sum(2)
-    dv = dv.view(b, hk, group, sk, -1).sum(2)
+    dk = dk.view(b, hk, group, sk, dk.shape[-1]).sum(2)  # not -1: Sk may be 0
+    dv = dv.view(b, hk, group, sk, dv.shape[-1]).sum(2)
     dsink = None
     if sink is not None:
         dsink = -(torch.exp(sink.float().view(1, hq, 1) - lse) * delta.squeeze(-1)).sum(dim=(0, 2))
@@ -93,6 +93,13 @@ def _per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, sink, args, bwd=None):
         parts.append(
             _dense(q[qs].float()[None], k[ks].float()[None], v[ks].float()[None], sink, *args, bwd=seq_bwd)
         )
+    if not parts:  # no sequence at all (cu_seqlens == [0]): empty results, zero gradients
+        hq = q.shape[1]
+        if bwd is None:
+            empty = q.new_zeros((0, hq, v.shape[-1]), dtype=torch.float32)
+            return empty, q.new_zeros((hq, 0), dtype=torch.float32)
+        dsink = torch.zeros_like(sink, dtype=torch.float32) if sink is not None else None
+        return (*(t.new_zeros(t.shape, dtype=torch.float32) for t in (q, k, v)), dsink)
     if bwd is None:
         return torch.cat([p[0][0] for p in parts], 0), torch.cat([p[1][0] for p in parts], 1)
     dq, dk, dv = (torch.cat([p[i][0] for p in parts], 0) for i in range(3))

@@ -105,8 +105,10 @@ def _validate_cu_seqlens(name: str, cu, total: int, batch: int | None, max_seqle
         )
 
 
-def _window(causal: bool, window_size) -> tuple[int, int]:
-    left, right = int(window_size[0]), int(window_size[1])
+def _window(causal: bool, window_size, span: int) -> tuple[int, int]:
+    """(left, right) for the kernels; a side that reaches past every key (>= Sq + Sk, ``span``) is unbounded
+    (-1), as flash-attn does: the kernels add it to int32 row offsets, where a huge window overflowed."""
+    left, right = (-1 if int(w) >= span else int(w) for w in window_size)
     if causal:
         right = 0 if right < 0 else min(right, 0)
     return left, right
@@ -134,8 +136,11 @@ class _FlashAttnFunction(torch.autograd.Function):
 def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, deterministic,
          return_lse, sink):  # fmt: skip
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    left, right = _window(causal, window_size)
+    left, right = _window(causal, window_size, max_q + max_k)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # the Triton kernels index sink and cu_seqlens as contiguous arrays (a sliced sink read the wrong heads)
+    sink = sink.contiguous() if sink is not None else None
+    cu_q, cu_k = (c.contiguous() if c is not None else None for c in (cu_q, cu_k))
     kw = dict(
         q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
         sink=sink, softmax_scale=scale, window_left=left, window_right=right, dropout_p=float(dropout_p),

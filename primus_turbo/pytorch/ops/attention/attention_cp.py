@@ -49,6 +49,12 @@ def _ring_chunk_ids(ring_size: int, ring_rank: int, causal: bool) -> list[int]:
 def split_sequence_for_cp(x, seq_dim, ring_size=1, ring_rank=0, ulysses_size=1, ulysses_rank=0, causal=True):
     """This rank's shard of a full sequence, in the layout ``flash_attn_usp_func`` expects."""
     n_chunks = 2 * ring_size if causal else ring_size
+    if x.shape[seq_dim] % (n_chunks * ulysses_size):
+        raise ValueError(
+            f"split_sequence_for_cp: the sequence length {x.shape[seq_dim]} must be a multiple of "
+            f"{n_chunks * ulysses_size} ({'2 x ' if causal else ''}ring_size {ring_size} x ulysses_size "
+            f"{ulysses_size}) so that every rank gets an equal shard"
+        )
     chunks = x.chunk(n_chunks, dim=seq_dim)
     local = torch.cat([chunks[i] for i in _ring_chunk_ids(ring_size, ring_rank, causal)], dim=seq_dim)
     return local.chunk(ulysses_size, dim=seq_dim)[ulysses_rank]

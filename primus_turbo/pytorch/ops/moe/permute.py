@@ -53,19 +53,6 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
     elif routing.dtype in (torch.int32, torch.int64):
         if num_experts is None or num_experts < 1:
             raise ValueError(f"{name}: num_experts (>= 1) is required with indices, got {num_experts}")
-        if routing.numel() and _host_checks(routing):
-            lo, hi = int(routing.min()), int(routing.max())
-            if lo < -1 or hi >= num_experts:
-                raise ValueError(f"{name}: indices must be in [-1, {num_experts}), got range [{lo}, {hi}]")
-            # one token naming an expert twice would get one row for two routes (a group row left unwritten)
-            ranked = routing.sort(dim=1).values
-            repeated = ((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] >= 0)).any(1)
-            if bool(repeated.any()):
-                row = int(repeated.nonzero()[0, 0])
-                raise ValueError(
-                    f"{name}: token {row} names an expert twice in its indices row {routing[row].tolist()}; "
-                    "each route needs its own expert (-1 for no route)"
-                )
     else:
         raise TypeError(f"{name}: routing dtype {routing.dtype}; accepted bool (routing map) or int32/int64")
     if probs is not None and tuple(probs.shape) != tuple(routing.shape):
@@ -80,14 +67,32 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
         )
     if num_out_tokens is not None and num_out_tokens < 0:
         raise ValueError(f"{name}: num_out_tokens={num_out_tokens} must be >= 0")
-    if num_out_tokens is not None and capacity is None and routing.numel() and _host_checks(routing):
+    if routing.numel() and _host_checks(routing):
+        _check_values(routing, num_experts, num_out_tokens if capacity is None else None, name)
+    return num_experts
+
+
+def _check_values(routing, num_experts, num_out_tokens, name):
+    if routing.dtype != torch.bool:
+        lo, hi = int(routing.min()), int(routing.max())
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"{name}: indices must be in [-1, {num_experts}), got range [{lo}, {hi}]")
+        # one token naming an expert twice would get one row for two routes (a group row left unwritten)
+        ranked = routing.sort(dim=1).values
+        repeated = ((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] >= 0)).any(1)
+        if bool(repeated.any()):
+            row = int(repeated.nonzero()[0, 0])
+            raise ValueError(
+                f"{name}: token {row} names an expert twice in its indices row {routing[row].tolist()}; "
+                "each route needs its own expert (-1 for no route)"
+            )
+    if num_out_tokens is not None:
         routes = int(routing.sum()) if routing.dtype == torch.bool else int((routing >= 0).sum())
         if num_out_tokens < routes:
             raise ValueError(
-                f"{name}: num_out_tokens={num_out_tokens} is below the {routes} routed (token, expert) pairs; "
-                "pass their number or an upper bound (with zero_fill=True for the rows past the groups)"
+                f"{name}: num_out_tokens={num_out_tokens} is below the {routes} routed (token, expert) "
+                "pairs; pass their number or an upper bound (with zero_fill=True: rows past the groups are 0)"
             )
-    return num_experts
 
 
 def _host_checks(routing: torch.Tensor) -> bool:
