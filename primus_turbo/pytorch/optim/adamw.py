@@ -247,6 +247,7 @@ class AdamW(torch.optim.AdamW):
                 weight_decay=float(group["weight_decay"]), step=launch.count, aligned=launch.aligned,
             )  # fmt: skip
             self.turbo_steps += launch.num_tensors
+        torch.autograd.graph.increment_version(plan.written)
 
     def _device_table(self, key, rows: list[int], device: torch.device) -> torch.Tensor:
         """The launch table on ``device``, copied there only when its addresses change (steady state: never;
@@ -291,10 +292,13 @@ class _Plan:
     state entries and moment memory, the same copies, and step counters nobody else moved. Checking that is a
     few attribute reads per parameter, where building it is the state set-up, the bucketing and the tables."""
 
-    __slots__ = ("state", "copies", "checks", "launches")
+    __slots__ = ("state", "copies", "checks", "launches", "written")
 
     def __init__(self, state, copies, params, states, launches):
         self.state, self.copies, self.launches = state, copies, launches
+        # what the kernels write: their version counters move as an in-place torch step's would, so caches keyed
+        # on ``_version`` (Float8Linear's FP8 weight, autograd's saved-tensor check) see the update
+        self.written = tuple(params) + tuple(copies[p] for p in params if p in copies)
         self.checks = []
         for p, st in zip(params, states, strict=True):
             m, v, g = st["exp_avg"], st["exp_avg_sq"], p.grad

@@ -306,3 +306,31 @@ def test_kernel_compiles_for_sm90():
 
 if __name__ == "__main__":
     _compile_all()
+
+
+@pytest.mark.parametrize("plan", ["first step", "kept plan"])
+def test_step_bumps_the_version_of_what_it_writes(plan, device):
+    """The kernels write parameters (and their 16-bit copies) in place: their ``_version`` moves as a torch
+    step's does, so a Float8Linear with ``cache_weight=True`` re-quantizes the updated weight instead of
+    reusing the FP8 copy of the old one (it did with this optimizer), in the plain and the copies form."""
+    from primus_turbo.pytorch.modules.float8_linear import Float8Linear
+
+    torch.manual_seed(0)
+    lin = Float8Linear(64, 32, bias=False, cache_weight=True, device=device)
+    master = torch.nn.Parameter(torch.randn(32, 64, device=device))
+    copy = torch.zeros(32, 64, device=device, dtype=torch.bfloat16)
+    opt = AdamW([lin.weight, master], lr=0.1)
+    opt.set_param_copies([(master, copy)])
+    x = torch.randn(16, 64, device=device)
+    for step in range(2 if plan == "kept plan" else 1):
+        lin(x).sum().backward()
+        master.grad = torch.randn_like(master)
+        versions = (lin.weight._version, master._version, copy._version)
+        opt.step()
+        assert all(after > before for after, before in zip((lin.weight._version, master._version,
+                                                             copy._version), versions)), step  # fmt: skip
+        lin.weight.grad = None
+    assert opt.turbo_steps > 0  # the kernel path ran
+    cached = lin(x)
+    lin.invalidate_weight_cache()
+    assert torch.equal(cached, lin(x))
