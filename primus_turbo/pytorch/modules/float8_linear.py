@@ -70,16 +70,24 @@ class Float8Linear(Linear):
 
     @classmethod
     def from_float(cls, linear: nn.Linear, config: Float8QuantConfig | None = None) -> Float8Linear:
-        """Wrap an existing nn.Linear (or turbo Linear), sharing its Parameters (no copy)."""
+        """Wrap an existing nn.Linear (or turbo Linear), sharing its Parameters (no copy).
+
+        From a turbo Linear / Float8Linear it keeps ``gradient_accumulation_fusion``, ``cache_weight`` and,
+        when ``config`` is None, its FP8 config (``fp8_config`` or ``config``); and the training mode."""
         if not isinstance(linear, nn.Linear | Linear):
             raise TypeError(f"Float8Linear.from_float: expected an nn.Linear, got {type(linear).__name__}")
+        if config is None:
+            config = getattr(linear, "config", None) or getattr(linear, "fp8_config", None)
         new = cls(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
             config=config,
             device="meta",
+            cache_weight=getattr(linear, "cache_weight", False),
         )
+        new.gradient_accumulation_fusion = getattr(linear, "gradient_accumulation_fusion", False)
+        new.train(linear.training)
         new.weight = linear.weight
         new.bias = linear.bias
         if new.delayed_state is not None:
@@ -107,8 +115,14 @@ class Float8Linear(Linear):
         if config.strategy is ScalingStrategy.DELAYED:
             if self.delayed_state is None:
                 self.delayed_state = DelayedScalingState(config, device=self.weight.device)
-            return gemm_fp8(x2d, self.weight, trans_b=True, config=config, delayed_state=self.delayed_state)
-        return gemm_fp8(x2d, self._quantized_weight(config), trans_b=True, out_dtype=x2d.dtype, config=config)
+            return gemm_fp8(
+                x2d, self.weight, trans_b=True, config=config, delayed_state=self.delayed_state,
+                accumulate_into_main_grad=self._fp8_accumulate(config),
+            )  # fmt: skip
+        return gemm_fp8(
+            x2d, self._quantized_weight(config), trans_b=True, out_dtype=x2d.dtype, config=config,
+            accumulate_into_main_grad=self._fp8_accumulate(config),
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, config={self.config}"

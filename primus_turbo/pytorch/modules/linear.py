@@ -30,7 +30,8 @@ class Linear(nn.Module):
     ``fp8_config`` (a ``Float8QuantConfig``) runs forward, dgrad and wgrad through
     ``turbo.ops.gemm_fp8``; without one, the layer follows ``turbo.fp8_autocast`` (FP8 inside
     ``fp8_autocast(enabled=True)``, high precision otherwise and inside ``enabled=False``).
-    FP8 does not support ``gradient_accumulation_fusion``.
+    With FP8, ``gradient_accumulation_fusion`` needs ``high_precision_wgrad=True`` in the config (the
+    weight gradient is then a bf16 GEMM summed into ``main_grad``); ``gemm_fp8`` says so otherwise.
     """
 
     def __init__(
@@ -82,19 +83,25 @@ class Linear(nn.Module):
             accumulate_into_main_grad=self.gradient_accumulation_fusion,
         )
 
-    def _fp8_matmul(self, x2d: torch.Tensor, config: Float8QuantConfig) -> torch.Tensor:
-        if self.gradient_accumulation_fusion:
+    def _fp8_accumulate(self, config: Float8QuantConfig) -> bool:
+        """``accumulate_into_main_grad`` of an FP8 GEMM (gradient_accumulation_fusion: bf16 wgrad only)."""
+        if self.gradient_accumulation_fusion and not config.high_precision_wgrad:
             raise ValueError(
-                "Linear: gradient_accumulation_fusion is not supported with FP8 (fp8_config/fp8_autocast)"
+                f"{type(self).__name__}: gradient_accumulation_fusion with FP8 needs high_precision_wgrad="
+                "True in the Float8QuantConfig (a bf16 wgrad GEMM then sums into main_grad)"
             )
+        return self.gradient_accumulation_fusion
+
+    def _fp8_matmul(self, x2d: torch.Tensor, config: Float8QuantConfig) -> torch.Tensor:
         state = None
         if config.strategy is ScalingStrategy.DELAYED:
             if self.fp8_delayed_state is None:
                 self.fp8_delayed_state = DelayedScalingState(config, device=self.weight.device)
             state = self.fp8_delayed_state
         return gemm_fp8(
-            x2d, self.weight, trans_b=True, out_dtype=x2d.dtype, config=config, delayed_state=state
-        )
+            x2d, self.weight, trans_b=True, out_dtype=x2d.dtype, config=config, delayed_state=state,
+            accumulate_into_main_grad=self._fp8_accumulate(config),
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

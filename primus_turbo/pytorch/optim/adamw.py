@@ -296,8 +296,8 @@ class _Plan:
 
     def __init__(self, state, copies, params, states, launches):
         self.state, self.copies, self.launches = state, copies, launches
-        # what the kernels write: their version counters move as an in-place torch step's would, so caches keyed
-        # on ``_version`` (Float8Linear's FP8 weight, autograd's saved-tensor check) see the update
+        # what the kernels write: their version counters move as an in-place torch step's would, so caches
+        # keyed on ``_version`` (Float8Linear's FP8 weight, autograd's saved-tensor check) see the update
         self.written = tuple(params) + tuple(copies[p] for p in params if p in copies)
         self.checks = []
         for p, st in zip(params, states, strict=True):

@@ -13,6 +13,7 @@ from primus_turbo.pytorch.core.fp8_autocast import fp8_autocast
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingStrategy
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity as G
 from primus_turbo.pytorch.modules.float8_linear import Float8Linear
+from primus_turbo.pytorch.modules.linear import Linear
 
 
 def _ref(layer, x, grad):
@@ -154,7 +155,7 @@ def test_turbo_linear_fp8_config_and_autocast():
     with pytest.raises(TypeError, match="fp8_config"):
         Linear(64, 32, fp8_config="e4m3")
     fused = Linear(64, 32, fp8_config=cfg, gradient_accumulation_fusion=True)
-    with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion with FP8 needs high_precision_wgrad"):
         fused(x)
 
 
@@ -261,3 +262,37 @@ def test_step_has_no_host_sync_gpu(gran):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("cls", ["Linear", "Float8Linear"])
+def test_fp8_gradient_accumulation_fusion_sums_into_main_grad(cls):
+    """gradient_accumulation_fusion with FP8 (high_precision_wgrad): the weight gradient goes into main_grad,
+    as Megatron DDP expects; Float8Linear ignored the flag (main_grad stayed 0, .grad was set)."""
+    cfg = Float8QuantConfig(high_precision_wgrad=True)
+    torch.manual_seed(0)
+    layer = (
+        Linear(64, 32, bias=False, fp8_config=cfg, gradient_accumulation_fusion=True)
+        if cls == "Linear"
+        else Float8Linear(64, 32, bias=False, config=cfg)
+    )
+    layer.gradient_accumulation_fusion = True
+    layer.weight.main_grad = torch.zeros(32, 64)
+    x, dy = torch.randn(16, 64), torch.randn(16, 32)
+    for _ in range(2):
+        layer(x).backward(dy)
+    assert layer.weight.grad is None
+    assert_snr(layer.weight.main_grad, 2 * dy.double().t() @ x.double(), 40.0, "main_grad")
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion with FP8 needs high_precision_wgrad"):
+        layer.fp8_config = layer.config = Float8QuantConfig()
+        layer(x)
+
+
+def test_from_float_keeps_the_source_settings():
+    cfg = Float8QuantConfig(granularity=G.BLOCKWISE, high_precision_wgrad=True)
+    src = Linear(64, 32, fp8_config=cfg, gradient_accumulation_fusion=True).eval()
+    f8 = Float8Linear.from_float(src)
+    assert f8.config is cfg and f8.gradient_accumulation_fusion and not f8.training
+    again = Float8Linear.from_float(Float8Linear(64, 32, config=cfg, cache_weight=True))
+    assert again.config is cfg and again.cache_weight
+    other = Float8QuantConfig()
+    assert Float8Linear.from_float(src, config=other).config is other  # an explicit config wins
