@@ -107,11 +107,12 @@ class AmaxHistory(torch.nn.Module):
     def amax(self) -> torch.Tensor:
         return self.history.amax() if self.algo == "max" else self.history[0]
 
-    def scale(self, fp8_dtype: torch.dtype) -> torch.Tensor:
-        """Device scalar ``fp8_max / amax`` (1 where the history is all zero)."""
+    def scale(self, fp8_dtype: torch.dtype, power_of_two: bool = False) -> torch.Tensor:
+        """Device scalar ``fp8_max / amax`` (1 where the history is all zero), rounded down to a power of two
+        with ``power_of_two`` (the config's ``power_of_two_scales``)."""
         from primus_turbo.pytorch.kernels.quantization.quantization_impl import scale_from_amax
 
-        return scale_from_amax(self.amax(), fp8_dtype, False)
+        return scale_from_amax(self.amax(), fp8_dtype, power_of_two)
 
     @torch.no_grad()
     def update(self, amax: torch.Tensor) -> None:

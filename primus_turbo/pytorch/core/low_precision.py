@@ -85,10 +85,9 @@ class Float8QuantConfig:
     high_precision_wgrad: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.high_precision_wgrad, bool):
-            raise TypeError(
-                f"Float8QuantConfig.high_precision_wgrad must be a bool, got {self.high_precision_wgrad!r}"
-            )
+        for name in ("high_precision_wgrad", "power_of_two_scales"):  # a string like "false" would be truthy
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Float8QuantConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.format, Format):
             raise TypeError(f"Float8QuantConfig.format must be a Format, got {self.format!r}")
         if not isinstance(self.granularity, ScalingGranularity):
@@ -100,9 +99,13 @@ class Float8QuantConfig:
         if self.granularity is ScalingGranularity.BLOCKWISE:
             if self.block_size is None:
                 object.__setattr__(self, "block_size", 128)
-            elif not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size % 16:
+            elif (
+                not isinstance(self.block_size, int)
+                or not 16 <= self.block_size <= 1024
+                or self.block_size & (self.block_size - 1)
+            ):  # what the kernels tile by
                 raise ValueError(
-                    f"Float8QuantConfig.block_size must be a positive multiple of 16 for BLOCKWISE, "
+                    f"Float8QuantConfig.block_size must be a power of two in [16, 1024] for BLOCKWISE, "
                     f"got {self.block_size!r}"
                 )
         elif self.block_size is not None:
@@ -116,9 +119,9 @@ class Float8QuantConfig:
                     f"Float8QuantConfig: DELAYED scaling supports TENSORWISE granularity only, "
                     f"got {self.granularity.name}"
                 )
-            if self.amax_history_len < 1:
+            if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
                 raise ValueError(
-                    f"Float8QuantConfig.amax_history_len must be >= 1, got {self.amax_history_len}"
+                    f"Float8QuantConfig.amax_history_len must be an int >= 1, got {self.amax_history_len!r}"
                 )
             if self.amax_compute_algo not in ("max", "most_recent"):
                 raise ValueError(

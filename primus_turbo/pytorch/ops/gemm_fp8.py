@@ -70,7 +70,9 @@ def _quantize_physical(p, dtype, config, block, need_t, history: AmaxHistory | N
     kw = {"block_size": block, "power_of_two_scales": config.power_of_two_scales}
     if history is not None:
         if history.initialized:
-            q, s, qt, amax = quantize_fp8_tensorwise_static_impl(p, history.scale(dtype), dtype, need_t)
+            q, s, qt, amax = quantize_fp8_tensorwise_static_impl(
+                p, history.scale(dtype, config.power_of_two_scales), dtype, need_t
+            )
             history.update(amax)
             return (q, s), ((qt, s) if need_t else None)
         history.update(finite_amax(p))
@@ -245,7 +247,7 @@ def gemm_fp8(
         if not isinstance(delayed_state, DelayedScalingState):
             raise ValueError(
                 "delayed_state: DELAYED scaling needs the DelayedScalingState owned by the calling "
-                "module (e.g. Float8Linear); got None"
+                f"module (e.g. Float8Linear); got {type(delayed_state).__name__}"
             )
     else:
         delayed_state = None

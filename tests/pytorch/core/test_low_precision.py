@@ -31,7 +31,11 @@ def test_formats_map_to_dtypes():
     "kwargs, match",
     [
         ({"granularity": ScalingGranularity.ROWWISE, "block_size": 128}, "only used by BLOCKWISE"),
-        ({"granularity": ScalingGranularity.BLOCKWISE, "block_size": 100}, "multiple of 16"),
+        ({"granularity": ScalingGranularity.BLOCKWISE, "block_size": 100}, r"power of two in \[16, 1024\]"),
+        ({"granularity": ScalingGranularity.BLOCKWISE, "block_size": 48}, r"power of two in \[16, 1024\]"),
+        ({"granularity": ScalingGranularity.BLOCKWISE, "block_size": 2048}, r"power of two in \[16, 1024\]"),
+        ({"power_of_two_scales": "false"}, "power_of_two_scales must be a bool"),
+        ({"strategy": ScalingStrategy.DELAYED, "amax_history_len": 2.5}, "amax_history_len must be an int"),
         ({"strategy": ScalingStrategy.DELAYED, "granularity": ScalingGranularity.ROWWISE}, "TENSORWISE"),
         ({"strategy": ScalingStrategy.DELAYED, "amax_compute_algo": "mean"}, "amax_compute_algo"),
         ({"format": "E4M3"}, "Format"),

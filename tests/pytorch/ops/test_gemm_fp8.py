@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -127,6 +128,23 @@ def test_delayed_scaling_uses_history(device):
     ref = big.detach().double() @ b.detach().double().t()
     assert (out.double() - ref).abs().max() > 1.0
     assert state.a.history[0] == (big.detach().abs().max())
+
+
+def test_delayed_scaling_rounds_history_scales_to_powers_of_two(device):
+    """power_of_two_scales holds for every step of DELAYED scaling: the scales taken from the amax history
+    (from the second step on) were not rounded."""
+    import math
+
+    from primus_turbo.pytorch.ops.gemm_fp8 import _quantize_physical
+
+    delayed = _cfg(G.TENSORWISE, Format.E4M3, ScalingStrategy.DELAYED)
+    cfg = dataclasses.replace(delayed, power_of_two_scales=True)
+    state = DelayedScalingState(cfg, device=device)
+    x = torch.randn(32, 64, device=device) * 3
+    for step in range(3):
+        (q, s), _ = _quantize_physical(x, torch.float8_e4m3fn, cfg, None, False, state.a)
+        assert math.log2(float(s)).is_integer(), (step, float(s))
+    assert float(state.a.scale(torch.float8_e4m3fn)) != float(state.a.scale(torch.float8_e4m3fn, True))
 
 
 def test_bad_inputs():
