@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 FP8_FORMATS = ("auto", "hybrid", "e4m3")  # auto: e4m3 for blockwise (DeepSeek-V3's recipe), else hybrid
@@ -19,7 +19,13 @@ DTYPES = ("auto", "bf16", "fp32")
 DATA_KINDS = ("synthetic", "text")
 DISPATCHERS = ("alltoall", "flex")
 TURBO_FEATURES = ("gemm", "grouped_gemm", "attention", "rmsnorm", "router", "permute", "dispatch", "async_tp",
-                  "cross_entropy", "embedding", "rope", "sync_free_step", "optimizer")  # fmt: skip
+                  "cross_entropy", "embedding", "rope", "sync_free_step", "optimizer", "mla_qkv")  # fmt: skip
+# yes/no settings outside turbo.*: a string such as "no" would be truthy
+BOOL_SETTINGS = ("resume", "train.save_at_end", "train.progress", "train.activation_recompute",
+                 "model.untie_embeddings")  # fmt: skip
+# integer settings and their least value
+INT_SETTINGS = (("train.log_interval", 1), ("data.global_batch_size", 1), ("train.warmup_steps", 0),
+                ("train.save_interval", 0))  # fmt: skip
 
 
 def moe_layer_pattern(model_cfg: DictConfig) -> list[int]:
@@ -160,6 +166,16 @@ def _check_data_and_schedule(cfg: DictConfig, dp: int) -> None:
     _require(isinstance(t.steps, int) and t.steps >= 1, f"train.steps={t.steps!r}: expected an integer >= 1")
     _require(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"train.lr={t.lr}, min_lr={t.min_lr}: need 0<=min_lr<=lr")
     _require(not cfg.resume or t.ckpt_dir, "resume=true needs train.ckpt_dir")
+    _require(t.clip_grad >= 0, f"train.clip_grad={t.clip_grad!r}: expected >= 0 (0 = no clipping)")
+    for key, least in INT_SETTINGS:
+        value = OmegaConf.select(cfg, key)
+        _require(
+            isinstance(value, int) and not isinstance(value, bool) and value >= least,
+            f"{key}={value!r}: expected an integer >= {least}",
+        )
+    for key in BOOL_SETTINGS:
+        value = OmegaConf.select(cfg, key, default=False)
+        _require(isinstance(value, bool), f"{key}={value!r}: expected true or false")
     threads = t.get("autograd_threads", False)
     _require(isinstance(threads, bool), f"train.autograd_threads={threads!r}: expected true or false")
     gc_interval = t.get("gc_interval", 0)

@@ -158,6 +158,9 @@ def build_run(cfg: DictConfig, device: torch.device) -> Run:
         end_wd=t.weight_decay,
         wd_incr_steps=t.steps,
         wd_incr_style="constant",
+        # a resume follows this run's config (more train.steps, another lr), not the saved schedule
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
     dp = parallel_state.get_data_parallel_world_size()
     m = cfg.model
@@ -289,6 +292,25 @@ def save(run: Run, step: int) -> None:
     log0(f"checkpoint: saved step {step} to {path}")
 
 
+def _init_optimizer_state(run: Run) -> None:
+    """Create every parameter's Adam state (moments as Megatron's ``init_state_fn`` makes them, and a step
+    counter), so the checkpoint template has the saved state's structure: a fresh optimizer has none, and the
+    resumed run continued with zero moments from the second step after the checkpoint."""
+    for sub in sub_optimizers(run.optimizer):
+        inner = sub.optimizer
+        init_state_fn = getattr(sub, "init_state_fn", None)
+        if init_state_fn is not None:
+            init_state_fn(inner, getattr(sub, "config", None))
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key not in state:
+                        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0)
+
+
 def maybe_resume(run: Run) -> None:
     if not run.cfg.resume:
         return
@@ -296,6 +318,7 @@ def maybe_resume(run: Run) -> None:
     if step is None:
         log0(f"resume: no checkpoint in {run.cfg.train.ckpt_dir}; starting from step 0")
         return
+    _init_optimizer_state(run)  # DCP loads only the entries the template holds: give it every moment
     tensors, objects = _checkpoint_state(run)
     objects = ckpt.load_checkpoint(run.cfg.train.ckpt_dir, step, tensors, objects)
     if objects["world_size"] != dist.get_world_size():
