@@ -136,3 +136,15 @@ def test_split_sequence_for_cp_rejects_uneven_shards():
     with pytest.raises(ValueError, match=r"sequence length 10 must be a multiple of 4 \(2 x ring_size 2"):
         split_sequence_for_cp(x, 1, ring_size=2, ring_rank=0)
     assert split_sequence_for_cp(x, 1, ring_size=5, ring_rank=1, causal=False).shape[1] == 2
+
+
+def test_triton_refuses_more_sequence_head_pairs_than_a_grid_axis_holds(device):
+    """The kernels' grid y axis is (sequence x head): at most 65535 (CUDA's limit). Past it TRITON cannot
+    handle the call (a pinned TRITON raises, auto picks another backend) instead of a failed launch."""
+    from primus_turbo.pytorch.kernels.attention.attention_impl import TritonAttentionBackend
+
+    q = torch.randn(4, 2, 16, dtype=DTYPE, device=device)
+    kw = dict(q=q, k=q[:, :1], v=q[:, :1], dropout_p=0.0)
+    fits = torch.zeros(32768 + 1, dtype=torch.int32, device=device)  # 32768 sequences x 2 heads = 65536
+    assert TritonAttentionBackend.can_handle(**kw, cu_seqlens_q=fits[:32768])
+    assert not TritonAttentionBackend.can_handle(**kw, cu_seqlens_q=fits)

@@ -145,11 +145,22 @@ class TritonAttentionBackend(KernelBackend):
             and q.dtype in dtypes
             and kw["dropout_p"] == 0.0
             and triton_supports_head_dims(q.shape[-1], v.shape[-1])
+            and _triton_grid_rows(kw) <= _MAX_GRID_Y
         )
 
     @staticmethod
     def execute(**kw: Any):
         return _custom_op_fwd(BackendType.TRITON, **kw)
+
+
+# The kernels' grids put (sequence, head) pairs on CUDA's y axis, which holds at most 65535 blocks
+_MAX_GRID_Y = 65535
+
+
+def _triton_grid_rows(kw: dict) -> int:
+    cu = kw["cu_seqlens_q"]
+    batch = kw["q"].shape[0] if cu is None else cu.numel() - 1
+    return batch * kw["q"].shape[-2]
 
 
 def _sdpa_common_ok(kw: dict) -> bool:
