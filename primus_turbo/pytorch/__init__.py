@@ -3,7 +3,7 @@
 from primus_turbo.pytorch import modules, ops, optim
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
 from primus_turbo.pytorch.core.float8_tensor import Float8Tensor
-from primus_turbo.pytorch.core.fp8_autocast import fp8_autocast
+from primus_turbo.pytorch.core.fp8_autocast import fp8_autocast, fp8_checkpoint_context_fn
 from primus_turbo.pytorch.core.low_precision import (
     Float8QuantConfig,
     Format,
@@ -18,6 +18,7 @@ __all__ = [
     "BackendType",
     "Float8Tensor",
     "fp8_autocast",
+    "fp8_checkpoint_context_fn",
     "GlobalBackendManager",
     "Float8QuantConfig",
     "Format",

@@ -12,6 +12,13 @@ The state is a module-level stack (a plain list, so torch.compile traces and gua
 ContextVar graph-breaks under fullgraph). Backward passes run outside the context; modules
 capture the recipe at forward time, so the backward matches the forward.
 
+Activation checkpointing recomputes the forward during backward, outside the block: pass
+``context_fn=turbo.fp8_checkpoint_context_fn`` to ``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=False)`` so the recomputation runs under the state of the original forward. Without it, a
+module that follows the context recomputes in another precision: a CheckpointError, or with
+``use_reentrant=True`` the gradients of another function. Modules with their own config need none of this.
+DELAYED scaling under recomputation pushes each amax twice (the window then covers half as many steps).
+
 Delayed scaling (``ScalingStrategy.DELAYED``, Transformer Engine's DelayedScaling): each quantized
 tensor keeps an ``AmaxHistory`` on device; its scale comes from the history (max over the window or
 the most recent entry) and the current amax is pushed after the cast, all with device ops (no host
@@ -30,6 +37,7 @@ from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 __all__ = [
     "fp8_autocast",
     "fp8_autocast_state",
+    "fp8_checkpoint_context_fn",
     "resolve_fp8_config",
     "FP8AutocastState",
     "AmaxHistory",
@@ -60,6 +68,22 @@ def fp8_autocast(enabled: bool = True, config: Float8QuantConfig | None = None):
         yield
     finally:
         _STACK.pop()
+
+
+def fp8_checkpoint_context_fn():
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, context_fn=...)``:
+    a no-op for the forward, and for the recomputation a context that replays this forward's state."""
+    return contextlib.nullcontext(), _replay(list(_STACK))
+
+
+@contextlib.contextmanager
+def _replay(snapshot: list):
+    saved = list(_STACK)
+    _STACK[:] = snapshot  # in place: the list object is what torch.compile guards on
+    try:
+        yield
+    finally:
+        _STACK[:] = saved
 
 
 def fp8_autocast_state() -> FP8AutocastState | None:
