@@ -76,6 +76,30 @@ class PatchRegistry:
         return wrap
 
 
+_MISSING = object()
+_ORIGINALS: list[tuple[object, str, object]] = []  # (owner, attribute, value before the first patch_attr)
+
+
+def patch_attr(obj, name: str, value) -> None:
+    """``setattr(obj, name, value)`` for a turbo entry, remembering the attribute's original value (once), so
+    ``restore_patched_attrs`` can undo it: a later run in the same process with a feature off gets stock."""
+    if not any(owner is obj and attr == name for owner, attr, _ in _ORIGINALS):
+        _ORIGINALS.append((obj, name, getattr(obj, name, _MISSING)))
+    setattr(obj, name, value)
+
+
+def restore_patched_attrs() -> int:
+    """Undo every ``patch_attr`` (newest first); returns how many attributes it restored."""
+    count = len(_ORIGINALS)
+    while _ORIGINALS:
+        obj, name, original = _ORIGINALS.pop()
+        if original is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, original)
+    return count
+
+
 def target_exists(target: str) -> bool:
     """Whether ``pkg.module.attr[.attr]`` resolves (the longest importable module prefix, then getattr)."""
     parts = target.split(".")

@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 import megatron.core
 import torch
 from omegaconf import DictConfig
-from primus_turbo.integrations.common.patch_registry import PatchRegistry, apply_patches
+from primus_turbo.integrations.common.patch_registry import (
+    PatchRegistry,
+    apply_patches,
+    restore_patched_attrs,
+)
 from primus_turbo.integrations.megatron import turbo_ops
 
 TESTED = ("0.16.1",)
@@ -179,6 +183,7 @@ def apply_megatron_patches(cfg: DictConfig, spec) -> list:
         turbo_patches,  # noqa: F401  (registers the turbo entries)
     )
 
+    restore_patched_attrs()  # an earlier run's turbo entries in this process: back to stock first
     turbo_layers.FP8_CONFIG = None  # set again by the turbo.fp8 entry when precision=fp8
     turbo_layers.FP8_GROUPED_CONFIG = None
     turbo_layers.ASYNC_TP = False  # set again by the turbo.async_tp entry

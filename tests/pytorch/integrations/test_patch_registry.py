@@ -104,3 +104,50 @@ def test_target_exists_and_report_format():
     registry, _ = _registry()
     text = format_report("demo", apply_patches(registry, None, _turbo(), "1.0"))
     assert "turbo report: demo" in text and "turbo.gemm" in text and "active" in text and "swapped" in text
+
+
+def test_patch_attr_is_undone_by_restore_patched_attrs():
+    import types
+
+    from primus_turbo.integrations.common.patch_registry import patch_attr, restore_patched_attrs
+
+    mod = types.SimpleNamespace(f="stock")
+    patch_attr(mod, "f", "turbo")
+    patch_attr(mod, "f", "turbo again")  # the first original is the one kept
+    patch_attr(mod, "g", "new")
+    assert (mod.f, mod.g) == ("turbo again", "new")
+    assert restore_patched_attrs() == 2
+    assert mod.f == "stock" and not hasattr(mod, "g")
+
+
+def test_megatron_turbo_entries_are_undone_when_a_later_run_turns_them_off():
+    """Two runs in one process (hydra_main.run from find_syncs.py, profile_entry.py): the second, with
+    turbo.enabled=false, runs stock Megatron, as its report says, not the first run's turbo functions."""
+    pytest.importorskip("megatron.core")
+    from hydra import compose, initialize_config_dir
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.optimizer import optimizer
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer import attention
+    from megatron.core.transformer.moe import moe_layer, router, token_dispatcher
+    from primus_turbo.integrations.common.patch_registry import restore_patched_attrs
+    from primus_turbo.integrations.hydra_main import RECIPES_DIR
+    from primus_turbo.integrations.megatron.patches import apply_megatron_patches
+    from primus_turbo.integrations.megatron.spec_provider import TurboSpecProvider
+
+    places = [(router, "topk_routing_with_score_function"), (token_dispatcher, "permute"),
+              (moe_layer, "MoEAlltoAllTokenDispatcher"), (LanguageModule, "compute_language_model_loss"),
+              (layers, "F"), (attention, "apply_rotary_pos_emb"),
+              (optimizer, "get_grad_norm_fp32")]  # fmt: skip
+    stock = [getattr(obj, name) for obj, name in places]
+    with initialize_config_dir(config_dir=RECIPES_DIR, version_base="1.3"):
+        on = compose(config_name="config", overrides=["parallel.ep=1"])
+        off = compose(config_name="config", overrides=["parallel.ep=1", "turbo.enabled=false"])
+    try:
+        apply_megatron_patches(on, TurboSpecProvider(on))
+        patched = [name for (obj, name), was in zip(places, stock) if getattr(obj, name) is not was]
+        assert len(patched) >= 6, patched  # the entries this recipe turns on
+        apply_megatron_patches(off, TurboSpecProvider(off))
+        assert [getattr(obj, name) for obj, name in places] == stock
+    finally:
+        restore_patched_attrs()
