@@ -294,9 +294,9 @@ class RowParallelLinear(_ParallelLinearBase):
             device,
             dtype,
         )
+        # Not marked ``sequence_parallel``: its gradient is already the full-sequence sum on every rank (from
+        # the gathered dy); Megatron's finalize_model_grads would all-reduce a marked one's gradient again
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
-        if self.bias is not None:
-            self.bias.sequence_parallel = self.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.weight.shape[1]:

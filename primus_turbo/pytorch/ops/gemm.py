@@ -89,7 +89,8 @@ class GemmFunction(torch.autograd.Function):
                 grad_a = gemm_forward(b, grad, trans_b, True, a.dtype)
             else:
                 grad_a = gemm_forward(grad, b, False, not trans_b, a.dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not ctx.wgrad_into:  # with wgrad_into, b gets none (as documented):
+            # b = w.to(bf16) would otherwise carry the gradient to w a second time through the cast
             weight = ctx.weight if ctx.accumulate_into_main_grad else None
             grad_b = gemm_wgrad(a, grad, trans_a, trans_b, b.dtype, weight)
         if not ctx.wgrad_into:

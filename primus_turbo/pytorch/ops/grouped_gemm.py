@@ -210,8 +210,8 @@ class GroupedGemmFunction(torch.autograd.Function):
                 grad_a = grouped_gemm_impl(grad_out, b, group_lens, not trans_b, offs)
         if ctx.main_grad_into:  # into Megatron's main_grad buffers; b gets no gradient
             wgrad_into_main_grads(a, grad_out, group_lens, ctx.main_grad_into, offs)
-        elif ctx.needs_input_grad[1]:
-            grad_b = grouped_wgrad(a, grad_out, group_lens, trans_b, offs)
+        elif ctx.needs_input_grad[1] and not ctx.wgrad_into:  # with wgrad_into b gets none: a b cast from
+            grad_b = grouped_wgrad(a, grad_out, group_lens, trans_b, offs)  # the weights would pass it twice
         weights = ctx.wgrad_into
         if not weights:
             return grad_a, grad_b, None, None, None
@@ -259,10 +259,10 @@ def grouped_gemm(
         trans_b: see ``b``.
         wgrad_into: optional weights W_1..W_n ([G, N_i, K] leaves that require grad, sum(N_i) = N; needs
             trans_b), e.g. fp32 parameters of which ``b`` is the cast copy (w1 and w3 concatenated): b's
-            gradient goes into their ``.grad`` split along N, in W's dtype: written where ``.grad`` is None,
-            added to it otherwise, summed in fp32 inside the wgrad GEMM (TRITON; CUTLASS / TORCH: the gradient
-            then one add pass; PRIMUS_TURBO_GROUPED_WGRAD_ACCUMULATE_BACKEND). Autograd hands them no
-            gradient (no AccumulateGrad; hooks on them do not fire), except under ``create_graph``.
+            gradient goes into their ``.grad`` split along N (b itself gets none), in W's dtype: written where
+            ``.grad`` is None, added to it otherwise, summed in fp32 inside the wgrad GEMM (TRITON; CUTLASS /
+            TORCH: the gradient then one add pass; PRIMUS_TURBO_GROUPED_WGRAD_ACCUMULATE_BACKEND). Autograd
+            hands them no gradient (no AccumulateGrad, no hooks fire) except under ``create_graph``.
         main_grad_into: optional G weights ([N, K] each, needs trans_b; not with wgrad_into), each with
             an fp32 ``main_grad`` (Megatron's gradient_accumulation_fusion): b[g]'s gradient is added into
             ``weights[g].main_grad`` from the backward itself (G buffers laid out as Megatron's DDP does,

@@ -293,8 +293,8 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             to_weights = split_for_autograd(grad_b, weights)
         elif grad_b is not None:  # the FP8 wgrad: added in one pass
             add_into_grads(weights, grad_b)
-        grad_b = grad_b if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None, None, None, None, None, None, *to_weights
+        # b itself gets none (its gradient went to the weights; a b cast from them would pass it twice)
+        return grad_a, None, None, None, None, None, None, None, *to_weights
 
 
 def _check_config(config) -> Float8QuantConfig:

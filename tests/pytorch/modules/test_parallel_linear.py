@@ -95,6 +95,9 @@ def _gloo_body(rank, world, device, seed):
         _check_layer("row", rank, world, device, seed + 8 + j, torch.bfloat16, True, fp8=cfg)
     # bad input: sequence not divisible by TP, wrong feature size, dtype mix
     row = RowParallelLinear(32, 48, sequence_parallel=True)
+    # its bias gradient is already the full-sequence sum (db above): marked sequence_parallel, Megatron's
+    # finalize_model_grads would all-reduce it over TP once more (tp x the gradient)
+    assert not getattr(row.bias, "sequence_parallel", False)
     with pytest.raises(ValueError, match="not divisible by the TP size"):
         row(torch.randn(5, 2, 16))
     col = ColumnParallelLinear(32, 48, sequence_parallel=True)

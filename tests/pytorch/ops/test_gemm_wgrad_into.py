@@ -31,6 +31,18 @@ def test_weight_gradient_is_written_then_accumulated_into_grad(dtype, device):
     assert_close(w.grad.double() / want.abs().max(), want / want.abs().max(), dtype)
 
 
+def test_a_cast_copy_that_requires_grad_does_not_add_a_second_gradient(device):
+    """b = w.to(bf16) keeps w in b's autograd graph: b's own gradient (documented as none) would reach w.grad
+    through the cast as well, doubling it."""
+    w = torch.nn.Parameter(torch.randn(24, 40, device=device) / 40**0.5)
+    a = torch.randn(33, 40, device=device).to(torch.bfloat16)
+    out = turbo.ops.gemm(a, w.to(torch.bfloat16), trans_b=True, wgrad_into=w)
+    g = torch.randn_like(out)
+    out.backward(g)
+    want = _reference(a, g)
+    assert_close(w.grad.double() / want.abs().max(), want / want.abs().max(), torch.bfloat16)
+
+
 def test_create_graph_hands_the_gradient_to_autograd(device):
     w = torch.nn.Parameter(torch.randn(8, 16, device=device))
     a = torch.randn(5, 16, device=device, requires_grad=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ref.grouped_gemm_ref import make_group_lens
-from test_utils import assert_close
+from test_utils import assert_close, assert_snr
 
 import primus_turbo.pytorch as turbo
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
@@ -107,6 +107,30 @@ def test_fp8_high_precision_wgrad_into_grad(device):
             assert w.grad.dtype == torch.float32
             scale = ref.abs().max()
             assert_close(w.grad / scale, ref / scale, torch.bfloat16, msg=f"hp_wgrad={hp}")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_cast_copy_that_requires_grad_does_not_add_a_second_gradient(fp8, device):
+    """b = cat(w1, w3).to(bf16) keeps the weights in b's autograd graph: b's own gradient (documented as none)
+    would reach their .grad through the cast as well, doubling it."""
+    G, M, K, sizes = 2, 32, 16, [8, 8]
+    lens = make_group_lens(M, G, "balanced", device)
+    w1, w3 = _weights(G, sizes, K, device)
+    a = torch.randn(M, K, device=device).bfloat16()
+    b = torch.cat([w1, w3], dim=1).bfloat16()
+    assert b.requires_grad
+    if fp8:  # the FP8 wgrad (added into .grad in one pass, and returned for b as well)
+        config = Float8QuantConfig(granularity=ScalingGranularity.ROWWISE)
+        out = turbo.ops.grouped_gemm_fp8(a, b, lens, trans_b=True, config=config, wgrad_into=(w1, w3))
+    else:
+        out = turbo.ops.grouped_gemm(a, b, lens, trans_b=True, wgrad_into=(w1, w3))
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    for w, ref in zip((w1, w3), _reference_wgrad(a, grad_out, lens, sizes)):
+        if fp8:
+            assert_snr(w.grad, ref, 20.0, "FP8 wgrad")
+        else:
+            assert_close(w.grad.double() / ref.abs().max(), ref / ref.abs().max(), torch.bfloat16)
 
 
 @pytest.mark.parametrize(
