@@ -13,7 +13,9 @@ Checkpoint compatibility is handled at the state-dict boundary, selected by ``st
 
 * ``"per_expert"`` (default): keys ``weight0 .. weight{G-1}`` ([out, in] each) and ``bias{i}``:
   exactly Megatron-Core ``TEGroupedMLP``'s ``linear_fc1`` / ``linear_fc2`` (TE GroupedLinear)
-  names and shapes, so those checkpoints load and save unchanged.
+  names and shapes, so those checkpoints load unchanged (TE's ``_extra_state``, its FP8 metadata, is
+  dropped on load: this module keeps none), and what it saves has the same weights and biases (no
+  ``_extra_state``: load it into TE with ``strict=False``).
 * ``"stacked"``: keys ``weight`` [G, out, in] / ``bias`` [G, out]: TorchTitan ``GroupedExperts``
   stores ``w1``/``w3`` as [G, hidden, dim] and ``w2`` as [G, dim, hidden], i.e. this very layout
   (out, in) per expert; the TorchTitan adapter renames ``w1 -> <fc1>.weight`` with no transpose.
@@ -146,6 +148,7 @@ class GroupedLinear(nn.Module):
         return state_dict
 
     def _from_any_layout(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected, errors):
+        state_dict.pop(prefix + "_extra_state", None)  # a TE GroupedLinear's FP8 metadata: nothing to load
         for name in ("weight", "bias"):
             per_expert = [f"{prefix}{name}{g}" for g in range(self.num_groups)]
             if all(k in state_dict for k in per_expert):

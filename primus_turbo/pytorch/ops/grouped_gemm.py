@@ -132,14 +132,15 @@ def check_main_grad_into(op: str, b: torch.Tensor, trans_b: bool, main_grad_into
         raise ValueError(f"{op}: main_grad_into needs trans_b=True (b is [G, N, K], weights[g] is [N, K])")
     if len(weights) != b.shape[0]:
         raise ValueError(f"{op}: main_grad_into has {len(weights)} weights; b has G={b.shape[0]} (dim 0)")
-    main_grad = getattr(weights[0], "main_grad", None)  # the others: main_grad_block checks their shapes
-    is_tensor = isinstance(main_grad, torch.Tensor)
-    if not is_tensor or main_grad.shape != b.shape[1:] or main_grad.device != b.device:
-        got = f"{tuple(main_grad.shape)} on {main_grad.device}" if is_tensor else "none"
-        raise ValueError(
-            f"{op}: main_grad_into[0].main_grad must be a tensor of shape {tuple(b.shape[1:])} on {b.device} "
-            f"(Megatron DDP allocates it); got {got}"
-        )
+    for i, w in enumerate(weights):  # every one: the FP8 path writes them flat, unchecked, in backward
+        main_grad = getattr(w, "main_grad", None)
+        is_tensor = isinstance(main_grad, torch.Tensor)
+        if not is_tensor or main_grad.shape != b.shape[1:] or main_grad.device != b.device:
+            got = f"{tuple(main_grad.shape)} on {main_grad.device}" if is_tensor else "none"
+            raise ValueError(
+                f"{op}: main_grad_into[{i}].main_grad must be a tensor of shape {tuple(b.shape[1:])} on "
+                f"{b.device} (Megatron DDP allocates it); got {got}"
+            )
     return weights
 
 
@@ -289,7 +290,7 @@ def grouped_gemm(
     )
     weights = check_wgrad_into("grouped_gemm", b, trans_b, wgrad_into)
     main_grads = check_main_grad_into("grouped_gemm", b, trans_b, main_grad_into, wgrad_into)
-    group_lens = group_lens.to(torch.int64)  # no-op for int64
+    group_lens = group_lens.to(torch.int64).contiguous()  # no-op for int64; the kernels index it flat
     return GroupedGemmFunction.apply(
         a.contiguous(), b.contiguous(), group_lens, bool(trans_b), main_grads, *weights
     )  # fmt: skip

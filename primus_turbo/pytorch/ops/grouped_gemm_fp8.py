@@ -350,6 +350,11 @@ def grouped_gemm_fp8(
         main_grad_into: as in :func:`grouped_gemm` (the bf16 wgrad of ``config.high_precision_wgrad`` sums
             into the main_grads inside the GEMM; the FP8 wgrad is added in one pass).
 
+    Rows of ``a`` past sum(group_lens) (an upper-bound buffer) must be zeros or no larger than the real
+    rows, unlike :func:`grouped_gemm`, where they may hold anything: they enter TENSORWISE's amax and the
+    column scales of the wgrad's FP8 copy, so large finite values there coarsen the real rows' quantization
+    (NaN / inf are skipped). ``token_permute(zero_fill=True)`` and ``TokenDispatcher`` give zeros.
+
     Sync-free like grouped_gemm (CUDA-graph capturable) except with the TORCH backend, the CPU
     default; PRIMUS_TURBO_DEBUG_CHECKS=1 enables the host-syncing value checks on group_lens.
     Backends (PRIMUS_TURBO_GROUPED_GEMM_BACKEND, precision key ``fp8``): CUTLASS
@@ -363,7 +368,7 @@ def grouped_gemm_fp8(
     if b_fp8 is not None:
         b = _check_prequantized(b_fp8, a, trans_b, config)  # never read: no .contiguous() copy
     validate_grouped_gemm_args("grouped_gemm_fp8", a, b, group_lens, group_offs, trans_b, _OUT_DTYPES)
-    group_lens = group_lens.to(torch.int64)  # int32 accepted (token_permute's counts); no-op for int64
+    group_lens = group_lens.to(torch.int64).contiguous()  # int32 accepted; the kernels index it flat
     out_dtype = a.dtype if out_dtype is None else out_dtype
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"grouped_gemm_fp8: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")

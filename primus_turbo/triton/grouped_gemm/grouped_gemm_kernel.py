@@ -44,8 +44,9 @@ def _group_schedule(group_lens_ptr, G, M, BLOCK_G: tl.constexpr, BLOCK_M: tl.con
     gidx = tl.arange(0, BLOCK_G)
     lens = tl.load(group_lens_ptr + gidx, mask=gidx < G, other=0)
     lens = tl.maximum(lens, 0)
-    ends = tl.minimum(tl.cumsum(lens, axis=0), M)  # clamp: never touch rows >= M
-    starts = ends - tl.minimum(lens, ends)
+    inclusive = tl.cumsum(lens, axis=0)
+    ends = tl.minimum(inclusive, M)  # clamp: never touch rows >= M
+    starts = tl.minimum(inclusive - lens, M)  # (with sum(lens) > M a group past M is empty, not moved back)
     starts = tl.where(gidx < G, starts, 0)
     covered = tl.max(tl.where(gidx < G, ends, 0), axis=0)
     # the tail lane G zero-fills rows [covered, M)

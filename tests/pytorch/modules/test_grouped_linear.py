@@ -89,6 +89,10 @@ def test_state_dict_megatron_per_expert_layout(device):
     assert sorted(stacked.state_dict()) == ["bias", "weight"]
     layer.load_state_dict({k: v + 1 for k, v in stacked.state_dict().items()})
     assert torch.equal(layer.weight, stacked.weight + 1)
+    # a TE GroupedLinear checkpoint carries _extra_state (its FP8 metadata): dropped, strict load still works
+    other.weight.data.add_(1.0)
+    layer.load_state_dict({**other.state_dict(), "_extra_state": None})
+    assert torch.equal(layer.weight, other.weight)
 
 
 def test_torchtitan_stacked_helpers(device):

@@ -115,10 +115,13 @@ class GroupedGemmCutlassBackend(KernelBackend):
         if not (_is_sm90_plus(a) or a.device.type == "cpu"):
             return False
         n = b.shape[1] if trans_b else b.shape[2]
-        return a.shape[1] % 8 == 0 and n % 8 == 0 and min(a.shape[0], a.shape[1], n) > 0
+        return a.shape[1] % 8 == 0 and n % 8 == 0  # (0 included: an empty problem is answered directly)
 
     @staticmethod
     def execute(a, b, group_lens, trans_b, offs=None, **kw):
+        n = b.shape[1] if trans_b else b.shape[2]
+        if min(a.shape[0], a.shape[1], n) == 0:  # e.g. an EP rank that received no token
+            return a.new_zeros(a.shape[0], n)
         offs = _offsets(group_lens, a.shape[0], offs)
         return zero_tail(torch._grouped_mm(a, _b_view(b, trans_b), offs=offs), offs)
 
@@ -196,10 +199,12 @@ class VariableKCutlassBackend(KernelBackend):
             return False
         if not (_is_sm90_plus(x) or x.device.type == "cpu"):
             return False
-        return x.shape[1] % 8 == 0 and y.shape[1] % 8 == 0 and min(x.shape[0], x.shape[1], y.shape[1]) > 0
+        return x.shape[1] % 8 == 0 and y.shape[1] % 8 == 0  # (0 included: answered directly)
 
     @staticmethod
     def execute(x, y, group_lens, offs=None, **kw):
+        if min(x.shape[0], x.shape[1], y.shape[1]) == 0:  # no row (or an empty operand): dW = 0
+            return x.new_zeros(group_lens.numel(), x.shape[1], y.shape[1])
         out = torch._grouped_mm(x.t(), y, offs=_offsets(group_lens, x.shape[0], offs))
         if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9:
             return out  # sm_90 CUTLASS writes exact zeros for empty groups: no extra pass over dW
