@@ -108,7 +108,7 @@ class Linear(nn.Module):
             raise ValueError(
                 f"Linear: input's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}"
             )
-        out = self._matmul(x.reshape(-1, self.in_features))
+        out = self._matmul(x.reshape(x.shape[:-1].numel(), self.in_features))  # not -1: in_features may be 0
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)

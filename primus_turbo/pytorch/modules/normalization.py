@@ -1,5 +1,7 @@
-"""``RMSNorm``: drop-in for ``torch.nn.RMSNorm(hidden_size)`` and Megatron's RMSNorm (same ``weight``
-parameter name and shape, so state dicts load either way) over ``turbo.ops.rmsnorm``."""
+"""``RMSNorm``: a replacement for ``torch.nn.RMSNorm(hidden_size)`` and Megatron's RMSNorm (same ``weight``
+parameter name and shape, so state dicts load either way) over ``turbo.ops.rmsnorm``. Its default ``eps`` is
+1e-6; torch's default is ``finfo(dtype).eps`` and Megatron's ``layernorm_epsilon`` 1e-5: pass the model's eps
+to get the same numbers."""
 
 from __future__ import annotations
 

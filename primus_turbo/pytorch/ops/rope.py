@@ -70,10 +70,15 @@ def apply_rotary_pos_emb(
     if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _FLOAT_DTYPES:
         got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"apply_rotary_pos_emb: t must be a 4-D [S, B, H, D] float tensor, got {got}")
-    if not isinstance(nope_dim, int) or not 0 <= nope_dim < t.shape[-1]:
+    if isinstance(nope_dim, bool) or not isinstance(nope_dim, int) or not 0 <= nope_dim < t.shape[-1]:
         raise ValueError(f"apply_rotary_pos_emb: nope_dim={nope_dim!r} must be an int in [0, {t.shape[-1]})")
     seq, dim = t.shape[0], t.shape[-1] - nope_dim
-    if not isinstance(freqs, torch.Tensor) or freqs.numel() != seq * dim or freqs.shape[0] != seq:
+    if (
+        not isinstance(freqs, torch.Tensor)
+        or freqs.numel() != seq * dim
+        or freqs.shape[0] != seq
+        or freqs.shape[-1] != dim  # e.g. [S, D / 2, 2] has the size but not the layout
+    ):
         got = tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__
         raise ValueError(
             f"apply_rotary_pos_emb: freqs must be [S, 1, 1, D] or [S, D] with S={seq}, D={dim} (t's last "

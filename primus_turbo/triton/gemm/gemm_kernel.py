@@ -199,7 +199,7 @@ def gemm_persistent_kernel(
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
     num_tiles = num_pid_m * num_pid_n
     tile_id_c = start_pid - NUM_SMS
-    offs_k_base = tl.arange(0, BLOCK_K)
+    offs_k_base = tl.arange(0, BLOCK_K).to(tl.int64)
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
         # grouped order: GROUP_M row-tiles walk the columns together (B tiles reused from L2)
@@ -211,8 +211,9 @@ def gemm_persistent_kernel(
         offs_bn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # Clamp out-of-range rows/cols to row 0 instead of masking: loads stay unmasked in M/N and
         # the epilogue store mask drops the garbage.
-        offs_am = tl.where(offs_am < M, offs_am, 0)
-        offs_bn = tl.where(offs_bn < N, offs_bn, 0)
+        # int64: offsets times strides pass 2^31 elements for operands that large (e.g. an LM head's logits)
+        offs_am = tl.where(offs_am < M, offs_am, 0).to(tl.int64)
+        offs_bn = tl.where(offs_bn < N, offs_bn, 0).to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             offs_k = ki * BLOCK_K + offs_k_base
@@ -227,8 +228,8 @@ def gemm_persistent_kernel(
         group_size_m = min(num_pid_m - group_id * GROUP_M, GROUP_M)
         pid_m = group_id * GROUP_M + (tile_id_c % group_size_m)
         pid_n = (tile_id_c % (GROUP_M * num_pid_n)) // group_size_m
-        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_cm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_cn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
         c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)

@@ -82,3 +82,15 @@ def test_linear_torch_compile(device):
     x = torch.randn(3, 7, 32, device=device)
     compiled = torch.compile(mod, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), mod(x))
+
+
+def test_linear_with_no_input_features_matches_nn_linear():
+    """in_features = 0 (torch.nn.Linear takes it: the output is the bias); a reshape to (-1, 0) failed."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "Initializing zero-element tensors is a no-op"
+        mod, ref = turbo.modules.Linear(0, 5), torch.nn.Linear(0, 5)
+    ref.load_state_dict(mod.state_dict())
+    x = torch.randn(2, 3, 0)
+    assert torch.equal(mod(x), ref(x))

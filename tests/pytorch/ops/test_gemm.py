@@ -299,6 +299,23 @@ def test_triton_pointer_every_config(idx, dtype, device):
     assert_close(out, a.double() @ b.double(), dtype, msg=f"config {idx}")
 
 
+def test_triton_pointer_kernel_offsets_past_2_to_the_31(device):
+    """Row offsets times strides past 2^31 elements (an operand that large, e.g. an LM head's logits): the
+    pointer kernel's int32 products wrapped (a segfault in the interpreter, wrong memory on a GPU). Three rows
+    of a [3, 16] view with row stride 2^30 + 1 over a lazily allocated buffer (only they are touched)."""
+    stride = 2**30 + 1
+    buf = torch.empty(2 * stride + 16, dtype=torch.bfloat16, device=device)
+    a = buf.as_strided((3, 16), (stride, 1))  # misaligned: the pointer kernel, not TMA
+    a.copy_(torch.randn(3, 16, device=device).bfloat16())
+    b = torch.randn(16, 8, device=device).bfloat16()
+    GlobalBackendManager.set_gemm_backend("TRITON")
+    try:
+        out = turbo.ops.gemm(a, b)
+    finally:
+        GlobalBackendManager.reset()
+    assert_close(out, a.double() @ b.double(), torch.bfloat16)
+
+
 def test_triton_tma_preconditions(device):
     # K=20 bf16: a row stride of 40 bytes is not 16-byte aligned -> pointer kernel; forcing TMA errors.
     a, b = _logical(16, 32, 20, False, False, torch.bfloat16, device)

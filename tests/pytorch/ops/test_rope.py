@@ -138,6 +138,8 @@ BAD = [
     (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 8), torch.zeros(3, 8), nope_dim=-1), "nope_dim=-1"),
     (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 12), torch.zeros(3, 8), nope_dim=2.0), "nope_dim=2.0"),
     (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 12), torch.zeros(3, 8), nope_dim=2), "D=10"),
+    (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 4), torch.zeros(3, 2, 2)), r"\[S, D\] with S=3, D=4"),
+    (lambda: apply_rotary_pos_emb(torch.randn(3, 1, 2, 8), torch.zeros(3, 4), nope_dim=True), "nope_dim=Tr"),
 ]
 
 
