@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from primus_turbo.integrations.common.config import fp8_current_config
-from primus_turbo.integrations.common.patch_registry import PatchRegistry, apply_patches, format_report
+from primus_turbo.integrations.common.patch_registry import (
+    ACTIVE,
+    FALLBACK,
+    PatchError,
+    PatchRegistry,
+    ReportRow,
+    apply_patches,
+    format_report,
+)
 from primus_turbo.integrations.megatron import turbo_ops  # framework-agnostic op lookup
 from primus_turbo.integrations.torchtitan import amp_weights
 from primus_turbo.integrations.torchtitan import turbo_modules as tm
@@ -393,8 +401,31 @@ def convert_model(model: nn.Module, options: TurboOptions) -> list:
     tm.EXPERTS_FP8_CONFIG = None
     ctx = TitanPatchContext(model=model, options=options)
     rows = apply_patches(REGISTRY, ctx, options, getattr(torchtitan, "__version__", "0.2.2"))
+    rows = _check_fp8_reaches_a_gemm(model, options, rows)
     LAST_REPORT[:] = rows
     return rows
+
+
+def _check_fp8_reaches_a_gemm(model: nn.Module, options: TurboOptions, rows: list) -> list:
+    """precision=fp8 with no FP8 module after the swaps (a dense model with turbo.gemm n/a under tp > 1, or
+    off): fail closed under strict, else say so in the report, instead of training in high precision under
+    an "active" FP8 row."""
+    fp8 = next((r for r in rows if r.name == "turbo.fp8"), None)
+    if fp8 is None or fp8.status != ACTIVE:
+        return rows
+    experts = any(r.name == "turbo.grouped_gemm" and r.status == ACTIVE for r in rows)
+    if any(isinstance(m, tm.TitanFloat8Linear) for m in model.modules()) or (
+        experts and tm.EXPERTS_FP8_CONFIG is not None
+    ):
+        return rows
+    status = {r.name: r.status for r in rows}
+    problem = (
+        f"precision=fp8 but no GEMM runs in FP8: turbo.gemm is {status.get('turbo.gemm')} (TorchTitan keeps "
+        f"its linears under parallel.tp > 1) and turbo.grouped_gemm is {status.get('turbo.grouped_gemm')}"
+    )
+    if options.strict:
+        raise PatchError(f"{problem}. Use precision=bf16, or turbo.strict=false to train in high precision.")
+    return [ReportRow(r.name, FALLBACK, r.target, problem) if r is fp8 else r for r in rows]
 
 
 class PrimusTurboConverter:

@@ -75,6 +75,7 @@ def _deepseek_args(cfg: DictConfig):
 
 
 def _qwen3_args(cfg: DictConfig):
+    from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 
     m = cfg.model
@@ -90,7 +91,7 @@ def _qwen3_args(cfg: DictConfig):
         norm_eps=m.norm_eps, rope_theta=float(m.rotary_base), qk_norm=False, max_seq_len=m.seq_length,
         enable_weight_tying=not m.untie_embeddings, moe_enabled=m.moe is not None,
         moe_inter_dim=m.moe.ffn_hidden_size if m.moe is not None else m.ffn_hidden_size,
-        moe_args=_moe_args(cfg) if m.moe is not None else None,
+        moe_args=_moe_args(cfg) if m.moe is not None else MoEArgs(),  # (its update_from_config reads it)
     )  # fmt: skip
 
 
@@ -195,7 +196,8 @@ def build_job_config(cfg: DictConfig, model_name: str, flavor: str):
     job.lr_scheduler.min_lr_factor = t.min_lr / t.lr
     tr = job.training
     tr.local_batch_size, tr.global_batch_size = d.micro_batch_size, d.global_batch_size
-    tr.seq_len, tr.steps, tr.max_norm = cfg.model.seq_length, t.steps, t.clip_grad
+    # train.clip_grad=0 means no clipping (as on Megatron); TorchTitan's clip would scale every gradient to 0
+    tr.seq_len, tr.steps, tr.max_norm = cfg.model.seq_length, t.steps, t.clip_grad or float("inf")
     tr.dtype, tr.mixed_precision_param = "float32", _training_dtype(cfg)
     par = job.parallelism
     par.tensor_parallel_degree, par.pipeline_parallel_degree = p.tp, p.pp

@@ -67,11 +67,17 @@ class TokenBatchLoader:
 class TurboMetricsProcessor:
     """The part of TorchTitan's MetricsProcessor its Trainer uses, writing our per-step line and JSONL."""
 
-    def __init__(self, cfg: DictConfig, parallel_dims):
+    def __init__(self, cfg: DictConfig, parallel_dims, job_config=None):
+        from torchtitan.components.metrics import _get_metrics_rank
+
         precision = "fp8" if cfg.fp8.enabled else "bf16"
         self.cfg = cfg
+        self._backends_reported = False
+        # the rank that holds the loss: under pipeline parallelism the last stage's first rank (the others
+        # see TorchTitan's placeholder loss, -1 per micro-batch), as TorchTitan's own MetricsProcessor picks
+        metrics_rank = _get_metrics_rank(parallel_dims, job_config) if job_config is not None else 0
         self.step_metrics = StepMetrics(cfg, parallel_dims.world_size, model_flops_per_token(cfg.model),
-                                        precision, dist.get_rank() == 0)  # fmt: skip
+                                        precision, dist.get_rank() == metrics_rank)  # fmt: skip
         self.color = SimpleNamespace(**{c: "" for c in ("blue", "red", "green", "yellow", "cyan", "reset")})
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.device_memory_monitor = SimpleNamespace(
@@ -112,9 +118,10 @@ class TurboMetricsProcessor:
     def _record(self, step, loss, seconds, grad_norm, extra_metrics, host_wait_ms=None) -> None:
         check_finite(loss, step)
         self.losses.append(loss)
-        if step == 1 and self.cfg.turbo.enabled:
+        if not self._backends_reported and self.cfg.turbo.enabled:  # first step run (resumes too)
             from primus_turbo.integrations.megatron.trainer import backends_used
 
+            self._backends_reported = True
             log0(f"turbo report: op backends in step {step}: {backends_used()}")
         tokens = self.cfg.data.global_batch_size * self.cfg.model.seq_length
         lr = (extra_metrics or {}).get("lr", 0.0)
@@ -140,7 +147,7 @@ def _build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **_):
 
 
 def _build_metrics_processor(job_config, parallel_dims, model_args=None, **_):
-    return TurboMetricsProcessor(_ACTIVE["cfg"], parallel_dims)
+    return TurboMetricsProcessor(_ACTIVE["cfg"], parallel_dims, job_config)
 
 
 def _build_loss_fn(job_config, **kwargs):
@@ -229,8 +236,8 @@ def train(cfg: DictConfig) -> dict:
         if trainer is not None:
             trainer.close()
     losses = trainer.metrics_processor.losses
-    if losses:
-        log0(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if losses and trainer.metrics_processor.step_metrics.is_writer:  # holds the loss (PP: last stage)
+        print(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

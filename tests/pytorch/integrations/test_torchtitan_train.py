@@ -175,6 +175,40 @@ def test_checkpoint_resume_continues_and_a_used_ckpt_dir_needs_resume(tmp_path):
     assert rc == 0, out[-4000:]
     assert "Training starts at step 3" in out
     assert sorted(_losses(metrics)) == [3]
+    assert "turbo report: op backends in step 3:" in out  # the first step a resumed run makes
+
+
+def test_tied_dense_model_and_clip_grad_0_train(tmp_path):
+    """Tied embeddings send a dense recipe to TorchTitan's qwen3 model, whose args read moe_args (it crashed
+    on None); train.clip_grad=0 means no clipping, as on Megatron (TorchTitan's clip scaled every gradient to
+    0: the loss never moved)."""
+    metrics = tmp_path / "m.jsonl"
+    rc, out, _ = torchrun("recipe=tiny_dense", "model.untie_embeddings=false", "train.clip_grad=0",
+                          "train.steps=4", f"train.metrics_file={metrics}", nproc=1)  # fmt: skip
+    assert rc == 0, out[-4000:]
+    losses = _losses(metrics)
+    assert losses[4] < losses[1] - 0.05, losses
+
+
+def test_fp8_that_reaches_no_gemm_stops_under_strict():
+    """precision=fp8 on a dense model with turbo.gemm=false (grouped_gemm has no experts): no GEMM would run
+    in FP8 under an 'active' FP8 row: refused, naming the settings."""
+    rc, out, _ = torchrun("recipe=tiny_dense", "precision=fp8", "fp8.emulate=true", "turbo.gemm=false",
+                          "train.steps=1", nproc=1)  # fmt: skip
+    assert rc != 0, out[-4000:]
+    assert "precision=fp8 but no GEMM runs in FP8" in out and "turbo.gemm is off" in out, out[-4000:]
+
+
+def test_pipeline_parallel_logs_the_last_stages_loss(tmp_path):
+    """parallel.pp=2: the loss lives on the last stage; rank 0 (the first stage) saw TorchTitan's placeholder,
+    -1 per micro-batch, and logged -2.0 every step."""
+    metrics = tmp_path / "pp.jsonl"
+    pp = ("recipe=tiny_dense", "parallel.pp=2", "train.steps=2")
+    rc, out, _ = torchrun(*pp, f"train.metrics_file={metrics}", timeout=300)
+    assert rc == 0, out[-4000:]
+    losses = _losses(metrics)
+    assert sorted(losses) == [1, 2] and all(v > 1.0 for v in losses.values()), losses
+    assert re.search(r"done: 2 steps, loss \d", out), out[-2000:]
 
 
 def _median_step_ms(path, first=5):
