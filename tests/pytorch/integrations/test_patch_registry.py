@@ -109,15 +109,21 @@ def test_target_exists_and_report_format():
 def test_patch_attr_is_undone_by_restore_patched_attrs():
     import types
 
+    from primus_turbo.integrations.common import patch_registry
     from primus_turbo.integrations.common.patch_registry import patch_attr, restore_patched_attrs
 
-    mod = types.SimpleNamespace(f="stock")
-    patch_attr(mod, "f", "turbo")
-    patch_attr(mod, "f", "turbo again")  # the first original is the one kept
-    patch_attr(mod, "g", "new")
-    assert (mod.f, mod.g) == ("turbo again", "new")
-    assert restore_patched_attrs() == 2
-    assert mod.f == "stock" and not hasattr(mod, "g")
+    earlier = list(patch_registry._ORIGINALS)  # an earlier test's Megatron patches in this worker: kept
+    patch_registry._ORIGINALS.clear()
+    try:
+        mod = types.SimpleNamespace(f="stock")
+        patch_attr(mod, "f", "turbo")
+        patch_attr(mod, "f", "turbo again")  # the first original is the one kept
+        patch_attr(mod, "g", "new")
+        assert (mod.f, mod.g) == ("turbo again", "new")
+        assert restore_patched_attrs() == 2
+        assert mod.f == "stock" and not hasattr(mod, "g")
+    finally:
+        patch_registry._ORIGINALS[:] = earlier
 
 
 def test_megatron_turbo_entries_are_undone_when_a_later_run_turns_them_off():
@@ -139,6 +145,7 @@ def test_megatron_turbo_entries_are_undone_when_a_later_run_turns_them_off():
               (moe_layer, "MoEAlltoAllTokenDispatcher"), (LanguageModule, "compute_language_model_loss"),
               (layers, "F"), (attention, "apply_rotary_pos_emb"),
               (optimizer, "get_grad_norm_fp32")]  # fmt: skip
+    restore_patched_attrs()  # an earlier test in this process may have left turbo entries applied
     stock = [getattr(obj, name) for obj, name in places]
     with initialize_config_dir(config_dir=RECIPES_DIR, version_base="1.3"):
         on = compose(config_name="config", overrides=["parallel.ep=1"])
