@@ -144,7 +144,7 @@ def test_router_picks_distinct_experts_where_fewer_than_topk_scores_are_finite(d
     a repeated id would send a token to one expert twice and leave a permuted row unwritten."""
     logits = torch.randn(6, 8, device=device)
     logits[:, 1:] = float("-inf")  # one finite expert (0) per row
-    logits[3, 5] = 0.5  # two on row 3
+    logits[3, 5] = logits[3, 0] + 1.0  # two on row 3, expert 5 the larger
     for kw in ({}, {"num_groups": 4, "topk_groups": 2}):
         probs, routing_map, idx = fused_topk_routing(logits, 3, return_indices=True, **kw)
         assert torch.equal(routing_map.sum(-1), torch.full((6,), 3, device=device)), kw
