@@ -5,6 +5,7 @@ torch.matmul (cuBLAS) in the same process on the same inputs.
     python benchmark/ops/bench_gemm.py --quick     # 2 shapes, < 60 s on an H200 incl. Triton compile
     python benchmark/ops/bench_gemm.py             # M in {4096, 8192, 16384} x N, K in
                                                    # {2048, 4096, 7168, 14336} + 8192^3
+    python benchmark/ops/bench_gemm.py --shapes 4096x2048x2048,8192x2048x4096 --rounds 3
 
 Labels: torch.matmul (baseline), CUBLAS, TRITON, TORCH (fp32-upcast reference; full mode runs it on
 8192^3 only, it is not a contender), dispatcher+autotune (PRIMUS_TURBO_AUTO_TUNE semantics: each
@@ -16,6 +17,7 @@ at 8192^3 and the M=8192 shapes.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -46,6 +48,17 @@ def shapes(quick: bool) -> list[tuple[int, int, int]]:
     if quick:
         return [(8192, 8192, 8192), (8192, 4096, 14336)]
     return [(m, n, k) for m in (4096, 8192, 16384) for n in DIMS for k in DIMS] + [(8192, 8192, 8192)]
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"4096x2048x2048,8192x2048x4096"`` -> [(4096, 2048, 2048), (8192, 2048, 4096)]."""
+    try:
+        out = [tuple(int(d) for d in item.lower().split("x")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        out = []
+    if not out or any(len(s) != 3 or min(s) <= 0 for s in out):
+        raise argparse.ArgumentTypeError(f"--shapes: expected MxNxK[,MxNxK...] (sizes > 0), got {text!r}")
+    return out
 
 
 def snr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -116,7 +129,7 @@ def _median_round(rows: list[dict]) -> dict:
     return out
 
 
-def bench_shape(m, n, k, quick: bool, device: str = "cuda") -> list[dict]:
+def bench_shape(m, n, k, quick: bool, device: str = "cuda", rounds: int | None = None) -> list[dict]:
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5).requires_grad_()
     grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -135,7 +148,7 @@ def bench_shape(m, n, k, quick: bool, device: str = "cuda") -> list[dict]:
     # second pass in reverse order). Bring the GPU to its sustained clock first, then time the labels in
     # rounds, rotating which goes first, and keep each label's median round per direction.
     _sustain(lambda: x @ w.T, seconds=2.0 if quick else 0.5)
-    rounds = 3 if quick else 1
+    rounds = rounds or (3 if quick else 1)
     runs: dict[str, list[dict]] = {label: [] for label, _ in labels}
     for r in range(rounds):
         shift = r % len(labels)
@@ -165,17 +178,21 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+    parser = bench_parser(__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK[,MxNxK...]: these only")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per shape (median kept)")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gemm: needs a CUDA device")
     rows = []
-    for m, n, k in shapes(args.quick):
-        rows += bench_shape(m, n, k, args.quick)
+    for m, n, k in args.shapes or shapes(args.quick):
+        rows += bench_shape(m, n, k, args.quick, rounds=args.rounds)
         torch.cuda.empty_cache()
         r = rows[-1]
         fwd, bwd = r["Forward TFLOPS"], r["Backward TFLOPS"]
         print(f"  {m}x{n}x{k}: dispatcher {fwd:.0f} fwd / {bwd:.0f} bwd TFLOP/s", flush=True)
-    write_csv(out_dir(args) / ("gemm_quick.csv" if args.quick else "gemm.csv"), rows, GEMM_COLUMNS)
+    name = "gemm_shapes.csv" if args.shapes else ("gemm_quick.csv" if args.quick else "gemm.csv")
+    write_csv(out_dir(args) / name, rows, GEMM_COLUMNS)
     print_table(rows, ["label", "M", "N", "K", "Check", "Forward TFLOPS", "Backward TFLOPS", "out_snr"])
     lines = summary(rows)
     print()

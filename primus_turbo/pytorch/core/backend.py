@@ -339,14 +339,14 @@ class AutoKernelDispatcher:
                 )
             return pinned
 
-        if cls.autotune and GlobalBackendManager.auto_tune_enabled() and not _is_capturing():
+        if cls.autotune and GlobalBackendManager.auto_tune_enabled():
             key = (precision,) + tuple(cls.make_key(**kwargs))
             with cls._lock:
                 hit = cls._cache.get(key)
                 if hit is not None:
                     cls._cache.move_to_end(key)
-                    return hit
-            best = cls._autotune(**kwargs)
+                    return hit  # also under CUDA-graph capture: a choice made earlier launches no timing
+            best = None if _is_capturing() else cls._autotune(**kwargs)
             if best is not None:
                 with cls._lock:
                     cls._cache[key] = best

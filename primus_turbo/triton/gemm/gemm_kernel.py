@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.launch import launch_autotuned
+
 SMEM_BYTES_SM90 = 227 * 1024
 
 
@@ -305,15 +307,18 @@ def _launch_tma(a, b, c, config: triton.Config | None) -> None:
     a_desc, b_desc, c_desc = desc(a_view), desc(b_view), desc(c)
     cap = num_programs_cap(a.device)
     grid = lambda meta: (min(cap, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
-    args = (a_desc, b_desc, c_desc, M, N, K)
-    flags = {"A_K_MAJOR": a_k_major, "B_K_MAJOR": b_k_major, "NUM_SMS": cap}
+    args = {"a_desc": a_desc, "b_desc": b_desc, "c_desc": c_desc, "M": M, "N": N, "K": K,
+            "A_K_MAJOR": a_k_major, "B_K_MAJOR": b_k_major, "NUM_SMS": cap}  # fmt: skip
     if config is None:
-        gemm_tma_persistent_kernel[grid](*args, **flags)
+        # TMA bases are 16-byte aligned; the descriptors specialize on dtype and box shape only
+        key = None
+        if a.is_cuda:
+            key = (M, N, K, a_k_major, b_k_major, a.dtype, c.dtype, cap, torch.cuda.current_device())
+        launch_autotuned(gemm_tma_persistent_kernel, grid, key, args)
         return
-    set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, "c_desc": c_desc, **flags, **config.kwargs})
-    gemm_tma_persistent_kernel.fn[grid](
-        *args, **flags, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
-    )
+    set_tma_block_shapes({**args, **config.kwargs})
+    gemm_tma_persistent_kernel.fn[grid](**args, **config.kwargs, num_warps=config.num_warps,
+                                         num_stages=config.num_stages)  # fmt: skip
 
 
 def _launch_pointer(a, b, c, config: triton.Config | None) -> None:
@@ -323,14 +328,20 @@ def _launch_pointer(a, b, c, config: triton.Config | None) -> None:
     grid = lambda meta: (min(cap, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
     exact_fp32 = a.device.type != "cuda" or not torch.backends.cuda.matmul.allow_tf32
     precision = "ieee" if (a.dtype == torch.float32 and exact_fp32) else "tf32"
-    args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    flags = {"NUM_SMS": cap, "INPUT_PRECISION": precision}
+    strides = {"stride_am": a.stride(0), "stride_ak": a.stride(1), "stride_bk": b.stride(0),
+               "stride_bn": b.stride(1), "stride_cm": c.stride(0), "stride_cn": c.stride(1)}  # fmt: skip
+    args = {"a_ptr": a, "b_ptr": b, "c_ptr": c, "M": M, "N": N, "K": K, **strides,
+            "NUM_SMS": cap, "INPUT_PRECISION": precision}  # fmt: skip
     if config is None:
-        gemm_persistent_kernel[grid](*args, **flags)
+        key = None
+        if a.is_cuda:  # every value and alignment Triton specializes on
+            aligned = tuple(t.data_ptr() % 16 == 0 for t in (a, b, c))
+            key = (M, N, K, *strides.values(), a.dtype, c.dtype, aligned, precision, cap,
+                   torch.cuda.current_device())  # fmt: skip
+        launch_autotuned(gemm_persistent_kernel, grid, key, args)
         return
-    gemm_persistent_kernel.fn[grid](
-        *args, **flags, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
-    )
+    gemm_persistent_kernel.fn[grid](**args, **config.kwargs, num_warps=config.num_warps,
+                                     num_stages=config.num_stages)  # fmt: skip
 
 
 def gemm_triton(

@@ -301,5 +301,9 @@ def test_under_cuda_graph_capture_no_autotune_and_no_cached_default(monkeypatch)
         CALLS.clear()
         _ToyDispatcher.dispatch(x=_x(32))  # after capture: tuned and cached as usual
         assert {"fast", "slow", "ref"} <= set(CALLS) and len(_ToyDispatcher._cache) == 1
+        monkeypatch.setattr(backend_mod, "_is_capturing", lambda: True)
+        CALLS.clear()
+        _ToyDispatcher.dispatch(x=_x(32))  # captured again: the cached choice runs, nothing is timed
+        assert CALLS == ["fast"] and _ToyDispatcher.last_backend is BackendType.TRITON
     finally:
         GlobalBackendManager.reset()

@@ -218,6 +218,21 @@ def test_gemm_autotune_caches_per_shape(device):
     assert_close(out, gemm_ref(a, b), torch.float32)
 
 
+@pytest.mark.parametrize("trans_a,trans_b", LAYOUTS)
+def test_gemm_autotune_key_describes_the_logical_operands(trans_a, trans_b, device):
+    """make_key reads a's and b's own strides (no transposed views): (M, N, K) and each logical operand's
+    K-major flag as the views A[M, K] = op(a) and B[K, N] = op(b) give them, for a row-sliced a too."""
+    a, b = _operands(24, 40, 56, trans_a, trans_b, torch.bfloat16, device, requires_grad=False)
+    for a_ in (a, a[:, 8:] if trans_a else a[8:]):  # a strided view with a shifted base
+        key = GemmDispatcher.make_key(a=a_, b=b, trans_a=trans_a, trans_b=trans_b, out_dtype=torch.float32)
+        al, bl = (a_.T if trans_a else a_), (b.T if trans_b else b)
+        aligned = a_.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+        expected = (al.shape[0], bl.shape[1], al.shape[1], torch.bfloat16, torch.float32, a.device.type,
+                    al.stride(1) == 1, bl.stride(0) == 1, aligned)  # fmt: skip
+        assert key == expected
+    assert key[0] == 16 and key[6] == (not trans_a) and key[7] == trans_b
+
+
 @pytest.mark.parametrize("triton_ms,expected", [(0.99, "default"), (0.90, "TRITON")])
 def test_gemm_autotune_margin_favours_default(triton_ms, expected, device, monkeypatch):
     a, b = _operands(16, 24, 32, False, False, torch.float32, device, requires_grad=False)

@@ -112,16 +112,18 @@ class GemmDispatcher(AutoKernelDispatcher):
 
     @classmethod
     def make_key(cls, a, b, trans_a, trans_b, out_dtype, **_) -> tuple:
-        al, bl = _logical(a, b, trans_a, trans_b)
+        # From a's and b's own shapes and strides (no transposed views: this runs on every autotuned call)
+        m, k = (a.shape[1], a.shape[0]) if trans_a else (a.shape[0], a.shape[1])
+        n = b.shape[0] if trans_b else b.shape[1]
         return (
-            al.shape[0],
-            bl.shape[1],
-            al.shape[1],
+            m,
+            n,
+            k,
             a.dtype,
             out_dtype,
             a.device.type,
-            al.stride(1) == 1,  # A K-major
-            bl.stride(0) == 1,  # B K-major
+            a.stride(0 if trans_a else 1) == 1,  # logical A[M, K] K-major
+            b.stride(1 if trans_b else 0) == 1,  # logical B[K, N] K-major
             a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0,  # TMA-eligible bases
         )
 

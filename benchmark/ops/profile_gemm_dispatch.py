@@ -1,0 +1,123 @@
+"""Where the bf16 GEMM dispatcher loses to torch.matmul at the small bench shapes: a diagnosis tool.
+
+    python benchmark/ops/profile_gemm_dispatch.py [--out DIR]
+
+1. Host us to issue one call (a 1024^3 GEMM: the GPU time is below the host's, so the loop measures the
+   host), forward and forward+backward, for torch.matmul, turbo pinned CUBLAS, turbo pinned TRITON and the
+   dispatcher with autotune.
+2. At the bench shapes where the dispatcher or TRITON fell below target (session 32, 2x H200): the backend
+   the autotuner picked for each of the three GEMMs (forward, dgrad, wgrad), and each GEMM alone on CUBLAS
+   and TRITON (do_bench median us, the Triton config its autotuner chose).
+
+Writes DIR/profile_gemm_dispatch.txt. Not a benchmark of record (bench_gemm.py is).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import bench_ms, bench_parser, host_ms, out_dir  # noqa: E402
+
+import primus_turbo.pytorch as turbo  # noqa: E402
+from primus_turbo.pytorch.core.backend import GlobalBackendManager  # noqa: E402
+from primus_turbo.pytorch.kernels.gemm.gemm_impl import GemmDispatcher  # noqa: E402
+from primus_turbo.triton.gemm import gemm_kernel  # noqa: E402
+
+SHAPES = [(4096, 2048, 2048), (4096, 2048, 4096), (4096, 4096, 2048), (8192, 2048, 2048), (8192, 2048, 4096)]
+MODES = ("torch", "CUBLAS", "TRITON", "auto")
+
+
+def _mode(mode: str) -> None:
+    GlobalBackendManager.reset()
+    if mode in ("CUBLAS", "TRITON"):
+        GlobalBackendManager.set_gemm_backend(mode)
+    GlobalBackendManager.set_auto_tune(mode == "auto")
+
+
+def _fns(mode, x, w, g):
+    if mode == "torch":
+        fwd = lambda: x @ w.T  # noqa: E731
+    else:
+        fwd = lambda: turbo.ops.gemm(x, w, trans_b=True)  # noqa: E731
+    return fwd, lambda: torch.autograd.grad(fwd(), (x, w), g)
+
+
+def host_table(report: io.StringIO) -> None:
+    x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    report.write("## host us per call, 1024^3 bf16 (the loop issues without a sync)\n\n")
+    report.write("| path | fwd us | fwd+bwd us |\n|---|---|---|\n")
+    for mode in MODES:
+        _mode(mode)
+        fwd, step = _fns(mode, x, w, g)
+        step()
+        f_us = host_ms(fwd, n=300, warmup=20) * 1e3
+        s_us = host_ms(step, n=300, warmup=20) * 1e3
+        report.write(f"| {mode} | {f_us:.1f} | {s_us:.1f} |\n")
+    GlobalBackendManager.reset()
+
+
+def _triton_cfg() -> str:
+    best = getattr(gemm_kernel.gemm_tma_persistent_kernel, "best_config", None)
+    if best is None:
+        return "pointer"
+    kw = best.kwargs
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} w{best.num_warps} s{best.num_stages}"
+
+
+def shape_table(report: io.StringIO) -> None:
+    report.write("\n## per GEMM at the small bench shapes (do_bench median us)\n\n")
+    report.write("| M,N,K | GEMM | autotune pick | CUBLAS us | TRITON us | TRITON / CUBLAS ")
+    report.write("| Triton config |\n")
+    report.write("|---|---|---|---|---|---|---|\n")
+    for m, n, k in SHAPES:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5).requires_grad_()
+        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        # the three GEMMs of nn.Linear as ops.gemm issues them: (a, b, trans_a, trans_b)
+        gemms = {
+            "fwd": (x.detach(), w.detach(), False, True),
+            "dgrad": (g, w.detach(), False, False),
+            "wgrad": (g, x.detach(), True, False),
+        }
+        _mode("auto")
+        torch.autograd.grad(turbo.ops.gemm(x, w, trans_b=True), (x, w), g)
+        picks = {}
+        for name, (a, b, ta, tb) in gemms.items():
+            kw = {"a": a, "b": b, "trans_a": ta, "trans_b": tb, "out_dtype": torch.bfloat16}
+            picks[name] = GemmDispatcher.resolve(**kw).name
+        for name, (a, b, ta, tb) in gemms.items():
+            row = {}
+            for backend in ("CUBLAS", "TRITON"):
+                _mode(backend)
+                fn = lambda a=a, b=b, ta=ta, tb=tb: turbo.ops.gemm(a, b, trans_a=ta, trans_b=tb)  # noqa: E731
+                fn()
+                row[backend] = bench_ms(fn, warmup_ms=10, rep_ms=100)[0] * 1e3
+                if backend == "TRITON":
+                    row["cfg"] = _triton_cfg()
+            report.write(
+                f"| {m}x{n}x{k} | {name} | {picks[name]} | {row['CUBLAS']:.1f} | {row['TRITON']:.1f} | "
+                f"{row['CUBLAS'] / row['TRITON']:.2f}x | {row['cfg']} |\n"
+            )
+    GlobalBackendManager.reset()
+
+
+def main() -> None:
+    args = bench_parser(__doc__).parse_args()
+    report = io.StringIO()
+    report.write(f"# GEMM dispatch diagnosis on {torch.cuda.get_device_name()}\n\n")
+    host_table(report)
+    shape_table(report)
+    text = report.getvalue()
+    print(text)
+    (out_dir(args) / "profile_gemm_dispatch.txt").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
