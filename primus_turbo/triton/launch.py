@@ -70,7 +70,8 @@ def launch_autotuned(
     with _LOCK:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = (kernel, config, tuple(grid(meta)), names) if runnable else None
+        grid3 = (tuple(grid(meta)) + (1, 1))[:3]  # CompiledKernel's runner reads all three dimensions
+        _PLANS[key] = (kernel, config, grid3, names) if runnable else None
 
 
 def clear_launch_plans() -> None:

@@ -66,7 +66,7 @@ def test_the_first_call_autotunes_then_the_compiled_kernel_is_launched_with_ever
     assert launch_plan_count(kernel) == 1 and launch_plan_count() == 1
     launch_autotuned(kernel, _grid, ("n=10",), {"x": "x1", "n": 10, "FLAG": True})
     assert len(kernel.calls) == 1
-    assert kernel.compiled.launches == [((3,), ("x1", 10, True, 4))]  # the config's BLOCK appended
+    assert kernel.compiled.launches == [((3, 1, 1), ("x1", 10, True, 4))]  # the config's BLOCK appended
     assert hooked == [{"x": "x1", "n": 10, "FLAG": True, "BLOCK": 4}]  # the config's pre-hook ran
     launch_autotuned(kernel, _grid, ("n=20",), {"x": "x2", "n": 20, "FLAG": True})  # a new key
     assert len(kernel.calls) == 2 and len(kernel.compiled.launches) == 1
@@ -89,8 +89,8 @@ def test_two_kernels_with_the_same_key_keep_their_own_plans():
     first, second = _Autotuned(_Config(4)), _Autotuned(_Config(8))
     for kernel in (first, second, first, second):
         launch_autotuned(kernel, _grid, ("same",), {"x": "x", "n": 16, "FLAG": True})
-    assert first.compiled.launches == [((4,), ("x", 16, True, 4))]
-    assert second.compiled.launches == [((2,), ("x", 16, True, 8))]
+    assert first.compiled.launches == [((4, 1, 1), ("x", 16, True, 4))]
+    assert second.compiled.launches == [((2, 1, 1), ("x", 16, True, 8))]
 
 
 @pytest.mark.gpu
