@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.backend import (
+    AutoKernelDispatcher,
+    BackendType,
+    GlobalBackendManager,
+    KernelBackend,
+    precision_of_dtype,
+)
 from primus_turbo.pytorch.core.utils import triton_can_run_on
 
 __all__ = ["GemmDispatcher", "gemm_impl", "gemm_forward", "gemm_accumulate_", "SUPPORTED_DTYPES"]
@@ -144,6 +150,39 @@ class GemmDispatcher(AutoKernelDispatcher):
     @classmethod
     def default_backend(cls, a, **_) -> BackendType:
         return BackendType.CUBLAS if a.is_cuda else BackendType.TORCH
+
+    # -- plain calls on cuBLAS ------------------------------------------------------------------------
+    # Forward keys whose forward, dgrad and wgrad all ran on CUBLAS under autotune (recorded by ops.gemm's
+    # backward). Cleared with the autotune cache.
+    _all_cublas: dict[tuple, bool] = {}
+
+    @classmethod
+    def clear_cache(cls) -> None:
+        super().clear_cache()
+        cls._all_cublas.clear()
+
+    @classmethod
+    def plain_call_on_cublas(cls, a, b, trans_a: bool, trans_b: bool) -> tuple[bool, tuple | None]:
+        """(True, _) when all three GEMMs of this call (forward, dgrad, wgrad; output in a's dtype) resolve
+        to CUBLAS: CUBLAS pinned (code or environment), no pin and no autotune (the CUDA default), or
+        autotune whose choices for this forward key were all CUBLAS when a call of it went through the
+        backward. Under autotune the second item is the forward key for the backward to record (the
+        dgrad/wgrad keys assume a contiguous output gradient, as autograd gives it). A pin to another
+        backend gives (False, None). Inputs must be valid CUDA operands (ops.gemm checks)."""
+        precision = precision_of_dtype(a.dtype)
+        pinned, _ = GlobalBackendManager.user_backend(cls.op_name, precision)
+        if pinned is not None:
+            return pinned is BackendType.CUBLAS, None
+        if not (cls.autotune and GlobalBackendManager.auto_tune_enabled()):
+            return True, None
+        key = (precision,) + cls.make_key(a=a, b=b, trans_a=trans_a, trans_b=trans_b, out_dtype=a.dtype)
+        return cls._all_cublas.get(key, False), key
+
+    @classmethod
+    def record_all_cublas(cls, key: tuple, *backends: BackendType | None) -> None:
+        if len(cls._all_cublas) >= cls.cache_size:
+            cls._all_cublas.clear()
+        cls._all_cublas[key] = all(b is BackendType.CUBLAS for b in backends)
 
 
 @torch.library.custom_op("primus_turbo::gemm", mutates_args=())
