@@ -3,8 +3,9 @@
     python benchmark/ops/profile_gemm_dispatch.py [--out DIR]
 
 1. Host us to issue one call (a 1024^3 GEMM: the GPU time is below the host's, so the loop measures the
-   host), forward and forward+backward, for torch.matmul, turbo pinned CUBLAS, turbo pinned TRITON and the
-   dispatcher with autotune.
+   host), forward and forward+backward, for torch.matmul, turbo pinned CUBLAS, turbo pinned TRITON (with and
+   without the direct relaunch of ``primus_turbo/triton/launch.py``: a same-process A/B) and the dispatcher
+   with autotune.
 2. At the bench shapes where the dispatcher or TRITON fell below target (session 32, 2x H200): the backend
    the autotuner picked for each of the three GEMMs (forward, dgrad, wgrad), and each GEMM alone on CUBLAS
    and TRITON (do_bench median us, the Triton config its autotuner chose).
@@ -27,6 +28,7 @@ import primus_turbo.pytorch as turbo  # noqa: E402
 from primus_turbo.pytorch.core.backend import GlobalBackendManager  # noqa: E402
 from primus_turbo.pytorch.kernels.gemm.gemm_impl import GemmDispatcher  # noqa: E402
 from primus_turbo.triton.gemm import gemm_kernel  # noqa: E402
+from primus_turbo.triton.launch import set_relaunch  # noqa: E402
 
 SHAPES = [(4096, 2048, 2048), (4096, 2048, 4096), (4096, 4096, 2048), (8192, 2048, 2048), (8192, 2048, 4096)]
 MODES = ("torch", "CUBLAS", "TRITON", "auto")
@@ -53,13 +55,17 @@ def host_table(report: io.StringIO) -> None:
     g = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     report.write("## host us per call, 1024^3 bf16 (the loop issues without a sync)\n\n")
     report.write("| path | fwd us | fwd+bwd us |\n|---|---|---|\n")
-    for mode in MODES:
+    rows = [(mode, True) for mode in MODES] + [("TRITON", False)]
+    for mode, relaunch in rows:
         _mode(mode)
+        set_relaunch(relaunch)
         fwd, step = _fns(mode, x, w, g)
         step()
         f_us = host_ms(fwd, n=300, warmup=20) * 1e3
         s_us = host_ms(step, n=300, warmup=20) * 1e3
-        report.write(f"| {mode} | {f_us:.1f} | {s_us:.1f} |\n")
+        label = mode if relaunch else f"{mode} without the relaunch (PRIMUS_TURBO_TRITON_RELAUNCH=0)"
+        report.write(f"| {label} | {f_us:.1f} | {s_us:.1f} |\n")
+    set_relaunch(True)
     GlobalBackendManager.reset()
 
 

@@ -11,15 +11,32 @@ The caller's plan key must determine everything Triton specializes the kernel on
 arguments' values, the tensors' dtypes and 16-byte alignment, the descriptors' dtypes (their block
 shapes follow the config). A relaunch reuses the grid computed for the first call, so the key must
 determine the grid too. CUDA only: the CPU interpreter runs the autotuned path every time.
+``PRIMUS_TURBO_TRITON_RELAUNCH=0`` (read at import) or ``set_relaunch(False)`` turns it off (A/B runs, or
+a Triton whose compiled-kernel launcher differs).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["launch_autotuned", "clear_launch_plans", "launch_plan_count"]
+__all__ = ["launch_autotuned", "clear_launch_plans", "launch_plan_count", "set_relaunch", "relaunch_enabled"]
+
+ENV_RELAUNCH = "PRIMUS_TURBO_TRITON_RELAUNCH"
+
+
+def _env_enabled() -> bool:
+    raw = os.environ.get(ENV_RELAUNCH, "1").strip().lower()
+    if raw in ("1", "true", "on", "yes", ""):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{ENV_RELAUNCH}: expected one of 1/0/true/false/on/off/yes/no, got {raw!r}")
+
+
+_ENABLED = _env_enabled()
 
 _PLANS: dict[tuple, tuple[Any, Any, tuple[int, ...], tuple[str, ...]] | None] = {}
 _MAX_PLANS = 4096
@@ -50,7 +67,7 @@ def launch_autotuned(
     """Launch ``autotuned`` (a ``triton.autotune`` kernel) with ``args`` (every non-config argument, by
     name). ``grid(meta)`` gives the launch grid for a config's meta-parameters. Calls with a plan key seen
     before skip the autotuner and the JIT binder; ``plan_key=None`` (the CPU interpreter) never does."""
-    if plan_key is None:
+    if plan_key is None or not _ENABLED:
         _first_launch(autotuned, grid, args)
         return
     key = (id(autotuned),) + plan_key
@@ -72,6 +89,16 @@ def launch_autotuned(
             _PLANS.clear()
         grid3 = (tuple(grid(meta)) + (1, 1))[:3]  # CompiledKernel's runner reads all three dimensions
         _PLANS[key] = (kernel, config, grid3, names) if runnable else None
+
+
+def set_relaunch(enabled: bool) -> None:
+    """Turn the direct relaunch on or off for this process (plans made so far are kept for later)."""
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+def relaunch_enabled() -> bool:
+    return _ENABLED
 
 
 def clear_launch_plans() -> None:

@@ -120,3 +120,22 @@ def test_gemm_triton_relaunch_matches_the_autotuned_launch(trans_a, trans_b, dty
         ref = (a.double() @ b.double()).to(dtype).float()
         torch.testing.assert_close(again.float(), ref, rtol=2e-2, atol=2e-2 * k**0.5)
     assert launch_plan_count() == before + 1
+
+
+def test_relaunch_can_be_turned_off_and_the_environment_is_checked(monkeypatch):
+    from primus_turbo.triton import launch
+
+    kernel = _Autotuned(_Config(4))
+    launch.set_relaunch(False)
+    try:
+        for _ in range(2):
+            launch_autotuned(kernel, _grid, ("k",), {"x": "x", "n": 8, "FLAG": True})
+        assert len(kernel.calls) == 2 and launch_plan_count() == 0
+    finally:
+        launch.set_relaunch(True)
+    assert launch.relaunch_enabled()
+    monkeypatch.setenv(launch.ENV_RELAUNCH, "0")
+    assert launch._env_enabled() is False
+    monkeypatch.setenv(launch.ENV_RELAUNCH, "maybe")
+    with pytest.raises(ValueError, match="PRIMUS_TURBO_TRITON_RELAUNCH"):
+        launch._env_enabled()
