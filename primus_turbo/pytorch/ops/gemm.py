@@ -19,7 +19,7 @@ TRITON/TORCH compute the fp32 product and ``add_`` it (one extra fp32 pass over 
 
 Plain CUDA calls (no main_grad or ``wgrad_into``, output in the input dtype, outside autocast and
 torch.compile) whose three GEMMs all resolve to CUBLAS run as ``torch.mm`` with torch's own autograd: the
-same cuBLAS calls without the autograd.Function and three dispatches (18-66 us of Python per forward on the
+same cuBLAS calls without the autograd.Function and three dispatches (18-74 us of Python per forward on the
 H100/H200 hosts, as long as a 4096 x 2048 x 2048 GEMM runs). That is the CUDA default, a CUBLAS pin, and
 under autotune a forward key whose first backward ran all three on CUBLAS (its dgrad/wgrad choices are
 taken for a contiguous output gradient).
@@ -204,7 +204,7 @@ def gemm(
         and not torch.is_autocast_enabled("cuda")
     ):
         # All three GEMMs on cuBLAS: torch.mm with torch's own autograd makes the same cuBLAS calls without
-        # the autograd.Function and three dispatches (18-66 us of Python per forward on the H100/H200 hosts)
+        # the autograd.Function and three dispatches (18-74 us of Python per forward on the H100/H200 hosts)
         on_cublas, record_key = GemmDispatcher.plain_call_on_cublas(a, b, trans_a, trans_b)
         if on_cublas:
             GemmDispatcher.last_backend = BackendType.CUBLAS
