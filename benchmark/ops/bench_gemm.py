@@ -141,7 +141,7 @@ def bench_shape(m, n, k, quick: bool, device: str = "cuda", rounds: int | None =
     if quick or (m, n, k) == (8192, 8192, 8192):
         labels.append(("TORCH", _turbo("TORCH")))
     labels.append(("dispatcher+autotune", _turbo(None)))
-    # full mode: 49 shapes x 4 labels x 2 directions must fit in ~4 minutes with Triton autotuning
+    # full mode: 49 shapes x 4 labels x 2 directions x 3 rounds: ~5 minutes on an H200 with Triton autotuning
     rep_ms = 100 if quick else 30
     # Clocks: a sustained bf16 GEMM lowers the H200's clock within seconds, so the label timed first used
     # to win (torch.matmul 769-781 TFLOP/s vs the same cuBLAS call at 685-696 right after it, even with a
