@@ -17,12 +17,23 @@ a Triton whose compiled-kernel launcher differs).
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["launch_autotuned", "clear_launch_plans", "launch_plan_count", "set_relaunch", "relaunch_enabled"]
+import torch
+
+__all__ = [
+    "launch_autotuned",
+    "launch_jit",
+    "specialization_key",
+    "clear_launch_plans",
+    "launch_plan_count",
+    "set_relaunch",
+    "relaunch_enabled",
+]
 
 ENV_RELAUNCH = "PRIMUS_TURBO_TRITON_RELAUNCH"
 
@@ -89,6 +100,77 @@ def launch_autotuned(
             _PLANS.clear()
         grid3 = (tuple(grid(meta)) + (1, 1))[:3]  # CompiledKernel's runner reads all three dimensions
         _PLANS[key] = (kernel, config, grid3, names) if runnable else None
+
+
+def _spec(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.data_ptr() % 16 == 0)
+    base = getattr(value, "base", None)
+    if isinstance(base, torch.Tensor) and hasattr(value, "block_shape"):  # a host TensorDescriptor
+        return ("desc", base.dtype, base.data_ptr() % 16 == 0, tuple(value.shape), tuple(value.strides),
+                tuple(value.block_shape), getattr(value, "padding", None))  # fmt: skip
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value).__name__, value)  # True and 1 specialize differently: keep the type
+    return value  # constexpr objects such as tl.float8e4nv (hashable)
+
+
+def specialization_key(values: Iterable[Any]) -> tuple:
+    """A superset of what Triton specializes a launch on, from the argument values: each tensor's dtype and
+    16-byte alignment, each descriptor's dtype, alignment, shape, strides and box, any other value itself."""
+    return tuple(_spec(v) for v in values)
+
+
+def _on_cuda(args: tuple, kwargs: dict[str, Any]) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
+
+
+def _device_index() -> int:  # the device Triton launches on (its current device)
+    return torch.cuda.current_device()
+
+
+_DEFAULTS: dict[int, dict[str, Any]] = {}
+
+
+def _defaults(kernel) -> dict[str, Any]:
+    found = _DEFAULTS.get(id(kernel))
+    if found is None:
+        params = inspect.signature(kernel.fn).parameters.values()
+        found = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        _DEFAULTS[id(kernel)] = found
+    return found
+
+
+def launch_jit(kernel, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)`` for a plain ``@triton.jit`` kernel; from the second call with the
+    same specialization (``specialization_key`` of the arguments, the launch options, the device) the
+    compiled kernel is launched directly (omitted parameters take the kernel's defaults, as in Triton's
+    binder)."""
+    if not (_ENABLED and _on_cuda(args, kwargs)):
+        kernel[grid](*args, **kwargs)
+        return
+    names = kernel.arg_names
+    bound = dict(zip(names, args))
+    options = {}
+    for name, value in kwargs.items():
+        (bound if name in names else options)[name] = value
+    for name, value in _defaults(kernel).items():  # what Triton's binder fills in for omitted parameters
+        bound.setdefault(name, value)
+    key = (id(kernel), _device_index(), tuple(sorted(options.items())), tuple(bound),
+           specialization_key(bound.values()))  # fmt: skip
+    grid3 = (tuple(grid) + (1, 1))[:3]
+    plan = _PLANS.get(key)
+    if plan is not None:
+        compiled, order = plan
+        compiled[grid3](*[bound[name] for name in order])
+        return
+    compiled = kernel[grid](*args, **kwargs)
+    if key in _PLANS:
+        return
+    runnable = hasattr(compiled, "run") and hasattr(compiled, "__getitem__") and set(names) <= bound.keys()
+    with _LOCK:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = (compiled, tuple(names)) if runnable else None
 
 
 def set_relaunch(enabled: bool) -> None:

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.launch import launch_autotuned, specialization_key
+
 # The CPU interpreter's fp8 tl.dot multiplies raw bits: upcast there (compiled kernels use fp8 wgmma).
 _INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
@@ -234,10 +236,12 @@ def gemm_fp8_triton(
     bs2 = b_s.reshape(-1, 1) if b_s.dim() < 2 else b_s
     cap = num_programs_cap(a.device)
     grid = lambda meta: (min(cap, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
-    gemm_fp8_persistent_kernel[grid](
-        a_arg, b_arg, c, a_s, b_s, M, N, K,
-        a.stride(0), b.stride(0), c.stride(0),
-        as2.stride(0), as2.stride(1), bs2.stride(0), bs2.stride(1),
-        SCALE_MODE=scale_mode, SCALE_BLOCK=scale_block, USE_TMA=use_tma, NUM_SMS=cap,
-    )  # fmt: skip
+    args = {"a_ptr": a_arg, "b_ptr": b_arg, "c_ptr": c, "a_s_ptr": a_s, "b_s_ptr": b_s, "M": M, "N": N,
+            "K": K, "stride_am": a.stride(0), "stride_bn": b.stride(0), "stride_cm": c.stride(0),
+            "stride_asm": as2.stride(0), "stride_ask": as2.stride(1), "stride_bsn": bs2.stride(0),
+            "stride_bsk": bs2.stride(1), "SCALE_MODE": scale_mode, "SCALE_BLOCK": scale_block,
+            "USE_TMA": use_tma, "NUM_SMS": cap}  # fmt: skip
+    # the key: every value Triton specializes on (the descriptors' boxes are set per config by the pre-hook)
+    key = (torch.cuda.current_device(), *specialization_key(args.values())) if a.is_cuda else None
+    launch_autotuned(gemm_fp8_persistent_kernel, grid, key, args)
     return c

@@ -32,6 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.launch import launch_jit
+
 SCALE_NONE = 0
 SCALE_TENSORWISE = 1
 SCALE_ROWWISE = 2
@@ -389,7 +391,7 @@ def launch_grouped_gemm(
         b_s = [b_scale.stride(0), 0, 0]
     else:
         b_s = [0, 0, 0]
-    grouped_gemm_kernel[(_num_programs(a.device),)](
+    launch_jit(grouped_gemm_kernel, (_num_programs(a.device),),
         a, b_view, out, group_lens, a_scale, b_scale,
         g, m, n, k,
         a.stride(0), a.stride(1), b_view.stride(0), b_view.stride(1), b_view.stride(2),
@@ -440,7 +442,7 @@ def launch_grouped_gemm_variable_k(
         raise ValueError("launch_grouped_gemm_variable_k: accumulate=2 (C first) needs unscaled operands")
     ieee = x.dtype == y.dtype and x.element_size() == 4 and scale_mode == SCALE_NONE
     c_base, stride_cg = vk_out_base(out, reverse_groups)
-    grouped_gemm_variable_k_kernel[(_num_programs(x.device),)](
+    launch_jit(grouped_gemm_variable_k_kernel, (_num_programs(x.device),),
         x, y, c_base, group_lens,
         x_scale if x_scale is not None else out, y_scale if y_scale is not None else out,
         g, m, p, q,

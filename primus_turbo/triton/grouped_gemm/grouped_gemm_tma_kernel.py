@@ -43,6 +43,7 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     _vk_tile_coords,
     vk_out_base,
 )
+from primus_turbo.triton.launch import launch_jit
 
 __all__ = [
     "tma_forward_supported",
@@ -351,7 +352,7 @@ def launch_grouped_gemm_tma(
     )
     progs = _num_programs(a.device) * cfg.pop("PROGS_PER_SM", 1)
     c_desc = _tma_store_desc(out, [bm, bn], config, cfg, "launch_grouped_gemm_tma")
-    grouped_gemm_tma_kernel[(progs,)](
+    launch_jit(grouped_gemm_tma_kernel, (progs,),
         a_desc, b_desc, out, c_desc, group_lens, out if a_scale is None else a_scale,
         out if b_scale is None else b_scale,
         g, m, n, k, group_rows, group_cols, out.stride(0), out.stride(1),
@@ -412,7 +413,7 @@ def launch_grouped_gemm_variable_k_tma(
         cfg["TMA_STORE"] = False
     c_base, stride_cg = _group_order(out, reverse_groups, config, cfg, "launch_grouped_gemm_variable_k_tma")
     c_desc = _tma_store_desc(out, [1, bp, bq], config, cfg, "launch_grouped_gemm_variable_k_tma")
-    grouped_gemm_variable_k_tma_kernel[(progs,)](
+    launch_jit(grouped_gemm_variable_k_tma_kernel, (progs,),
         x_desc, y_desc, x, y, c_base, c_desc, group_lens,
         out if x_scale is None else x_scale, out if y_scale is None else y_scale,
         g, m, p, q, x.stride(0), x.stride(1), y.stride(0), y.stride(1),

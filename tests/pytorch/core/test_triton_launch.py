@@ -139,3 +139,145 @@ def test_relaunch_can_be_turned_off_and_the_environment_is_checked(monkeypatch):
     monkeypatch.setenv(launch.ENV_RELAUNCH, "maybe")
     with pytest.raises(ValueError, match="PRIMUS_TURBO_TRITON_RELAUNCH"):
         launch._env_enabled()
+
+
+class _Jit:
+    """A plain @triton.jit stand-in: parameters (x, n, FLAG, BLOCK=32), launches recorded, one compiled."""
+
+    def __init__(self):
+        def fn(x, n, FLAG, BLOCK=32):  # noqa: N803 - Triton constexpr naming
+            pass
+
+        self.fn = fn
+        self.arg_names = ["x", "n", "FLAG", "BLOCK"]
+        self.compiled = _Compiled()
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            return self.compiled
+
+        return launch
+
+
+@pytest.fixture
+def _as_if_cuda(monkeypatch):
+    from primus_turbo.triton import launch
+
+    monkeypatch.setattr(launch, "_on_cuda", lambda args, kwargs: True)
+    monkeypatch.setattr(launch, "_device_index", lambda: 0)
+
+
+def test_launch_jit_relaunches_with_every_parameter_in_order(_as_if_cuda):
+    from primus_turbo.triton.launch import launch_jit
+
+    kernel = _Jit()
+    x = torch.randn(64)
+    launch_jit(kernel, (4,), x, 64, FLAG=True, num_warps=4)
+    assert kernel.calls == [((4,), (x, 64), {"FLAG": True, "num_warps": 4})]
+    y = torch.randn(64)  # fresh tensor, same dtype and alignment: the plan
+    launch_jit(kernel, (8, 2), y, 64, FLAG=True, num_warps=4)
+    assert len(kernel.calls) == 1
+    assert kernel.compiled.launches == [((8, 2, 1), (y, 64, True, 32))]  # default BLOCK, this grid
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"x": torch.randn(64, dtype=torch.float64)},  # dtype
+        {"x": torch.randn(65)[1:]},  # a base off 16-byte alignment
+        {"n": 65},
+        {"FLAG": 1},  # an int where a bool was: Triton specializes them differently
+        {"num_warps": 8},
+        {"BLOCK": 64},
+    ],
+)
+def test_launch_jit_keys_everything_triton_specializes_on(change, _as_if_cuda):
+    from primus_turbo.triton.launch import launch_jit
+
+    kernel = _Jit()
+    base = {"x": torch.randn(64), "n": 64, "FLAG": True, "num_warps": 4}
+    launch_jit(kernel, (1,), **base)
+    launch_jit(kernel, (1,), **{**base, **change})
+    assert len(kernel.calls) == 2 and kernel.compiled.launches == []
+    assert launch_plan_count() == 2
+
+
+def test_launch_jit_without_cuda_or_when_off_always_goes_through_triton():
+    from primus_turbo.triton import launch
+
+    kernel = _Jit()
+    for _ in range(2):  # CPU tensors: the interpreter path
+        launch.launch_jit(kernel, (1,), torch.randn(4), 4, FLAG=False)
+    assert len(kernel.calls) == 2 and launch_plan_count() == 0
+
+
+def test_specialization_key_of_a_descriptor_holds_its_layout():
+    from primus_turbo.triton.launch import specialization_key
+
+    base = torch.randn(8, 16)
+    desc = SimpleNamespace(base=base, shape=[8, 16], strides=[16, 1], block_shape=[8, 8], padding="zero")
+    other = SimpleNamespace(base=base, shape=[8, 16], strides=[16, 1], block_shape=[8, 16], padding="zero")
+    assert specialization_key([desc]) != specialization_key([other])
+    assert specialization_key([desc, None, 3]) == specialization_key([desc, None, 3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_grouped_gemm_triton_relaunch_matches_the_reference(dtype, trans_b):
+    """The Triton grouped GEMM (bf16: TMA kernels; fp32: pointer kernels) forward, dgrad and wgrad twice per
+    shape on fresh inputs: the second round launches from plans, and both match the fp64 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from ref.grouped_gemm_ref import grouped_gemm_grads_ref, grouped_gemm_ref
+
+    import primus_turbo.pytorch as turbo
+    from primus_turbo.pytorch.core.backend import GlobalBackendManager
+
+    GlobalBackendManager.set_grouped_gemm_backend("TRITON")
+    group_lens = torch.tensor([96, 0, 200, 152], device="cuda", dtype=torch.int64)
+    g, m, n, k = 4, 448, 136, 264
+    counts = []
+    for _ in range(2):
+        a = torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True)
+        b_shape = (g, n, k) if trans_b else (g, k, n)
+        b = torch.randn(*b_shape, device="cuda", dtype=dtype, requires_grad=True)
+        out = turbo.ops.grouped_gemm(a, b, group_lens, trans_b=trans_b)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        half = dtype == torch.bfloat16
+        tol = {"rtol": 2e-2, "atol": 2e-2 * k**0.5} if half else {"rtol": 1e-4, "atol": 1e-3}
+        ref = grouped_gemm_ref(a.double(), b.double(), group_lens, trans_b)
+        torch.testing.assert_close(out.double(), ref, **tol)
+        ref_da, ref_db = grouped_gemm_grads_ref(a.double(), b.double(), group_lens, grad.double(), trans_b)
+        torch.testing.assert_close(a.grad.double(), ref_da, **tol)
+        torch.testing.assert_close(b.grad.double(), ref_db, **tol)
+        counts.append(launch_plan_count())
+    assert counts[0] > 0 and counts[1] == counts[0]  # the second round made no new plan: it used them
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_fp8_gemm_triton_relaunch_matches_the_dequantized_product(use_tma):
+    """Rowwise-scaled FP8 GEMM through the Triton kernel twice per shape (fresh inputs): the second round
+    launches from the plans (TMA descriptors get their boxes from the config's pre-hook) and matches."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from primus_turbo.triton.gemm.gemm_fp8_kernel import SCALE_ROWWISE, gemm_fp8_triton
+
+    m, n, k = 320, 272, 512
+    counts = []
+    for _ in range(2):
+        a8 = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b8 = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        a_s = torch.rand(m, 1, device="cuda") + 0.5  # dequantization multipliers (scale_inv), per row
+        b_s = torch.rand(n, 1, device="cuda") + 0.5
+        args = (a8, a_s, b8, b_s, SCALE_ROWWISE, 0, torch.float32)
+        runs = [gemm_fp8_triton(*args, use_tma=use_tma) for _ in range(2)]
+        assert torch.equal(runs[0], runs[1])
+        ref = (a8.double() * a_s.double()) @ (b8.double() * b_s.double()).T
+        torch.testing.assert_close(runs[1].double(), ref, rtol=1e-3, atol=1e-2)
+        counts.append(launch_plan_count())
+    assert counts[0] > 0 and counts[1] == counts[0]
