@@ -171,7 +171,11 @@ def launch_jit(kernel, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None
     key = (id(kernel), _device_index(), tuple(sorted(options.items())), tuple(bound),
            specialization_key(bound.values()))  # fmt: skip
     grid3 = (tuple(grid) + (1, 1))[:3]
-    plan = _PLANS.get(key)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable argument (a list, say): no key, Triton's own path every time
+        kernel[grid](*args, **kwargs)
+        return
     if plan is not None:
         compiled, order = plan
         compiled[grid3](*[bound[name] for name in order])

@@ -281,3 +281,12 @@ def test_fp8_gemm_triton_relaunch_matches_the_dequantized_product(use_tma):
         torch.testing.assert_close(runs[1].double(), ref, rtol=1e-3, atol=1e-2)
         counts.append(launch_plan_count())
     assert counts[0] > 0 and counts[1] == counts[0]
+
+
+def test_launch_jit_with_an_unhashable_argument_takes_triton_s_path(_as_if_cuda):
+    from primus_turbo.triton.launch import launch_jit
+
+    kernel = _Jit()
+    for _ in range(2):
+        launch_jit(kernel, (1,), torch.randn(4), 4, FLAG=[1, 2])
+    assert len(kernel.calls) == 2 and launch_plan_count() == 0
