@@ -12,7 +12,11 @@ arguments' values, the tensors' dtypes and 16-byte alignment, the descriptors' d
 shapes follow the config). A relaunch reuses the grid computed for the first call, so the key must
 determine the grid too. CUDA only: the CPU interpreter runs the autotuned path every time.
 ``PRIMUS_TURBO_TRITON_RELAUNCH=0`` (read at import) or ``set_relaunch(False)`` turns it off (A/B runs, or
-a Triton whose compiled-kernel launcher differs).
+a Triton whose compiled-kernel launcher differs). A plan keeps the compiled kernel of its first launch: after
+changing Triton's ``knobs.runtime.debug`` or instrumentation mode, call ``clear_launch_plans()``.
+Checked against Triton 3.6.0's source (session 32): the runner of ``CompiledKernel[grid]`` calls the launcher
+exactly as ``JITFunction.run`` does (constexprs included, in signature order; stream, hooks and scratch
+handled per call), and 3.6 specializes a launch on a subset of what these keys hold.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ _ENABLED = _env_enabled()
 _PLANS: dict[tuple, tuple[Any, Any, tuple[int, ...], tuple[str, ...]] | None] = {}
 _MAX_PLANS = 4096
 _LOCK = threading.Lock()
+_FIRST_LOCK = threading.RLock()
 
 
 def _relaunch(plan, args: dict[str, Any]) -> None:
@@ -86,10 +91,13 @@ def launch_autotuned(
     if plan is not None:
         _relaunch(plan, args)
         return
-    kernel = _first_launch(autotuned, grid, args)
-    if key in _PLANS:  # None: this kernel cannot be relaunched directly (see below)
-        return
-    config = autotuned.best_config
+    # One first launch at a time: the plan pairs the kernel Triton returns with ``best_config``, which another
+    # thread's first launch would overwrite in between (and Triton's Autotuner.nargs is not thread-safe)
+    with _FIRST_LOCK:
+        kernel = _first_launch(autotuned, grid, args)
+        if key in _PLANS:  # None: this kernel cannot be relaunched directly (see below)
+            return
+        config = autotuned.best_config
     names = tuple(autotuned.fn.arg_names)
     meta = {**args, **config.all_kwargs()}
     # Triton returns the CompiledKernel it launched; anything else (an interpreter function, an API
@@ -106,10 +114,13 @@ _SCALARS = frozenset((bool, int, float, str, type(None)))
 
 
 def _desc_spec(value: Any) -> Any:
+    if type(value) is tuple:  # element by element (a tensor inside keys by dtype and alignment, not identity)
+        return (tuple,) + specialization_key(value)
     base = getattr(value, "base", None)
     if isinstance(base, torch.Tensor) and hasattr(value, "block_shape"):  # a host TensorDescriptor
         return ("desc", base.dtype, base.data_ptr() % 16 == 0, tuple(value.shape), tuple(value.strides),
-                tuple(value.block_shape), getattr(value, "padding", None))  # fmt: skip
+                tuple(value.block_shape), getattr(value, "padding", None),
+                getattr(value, "round_f32_to_tf32", None))  # fmt: skip
     return value  # constexpr objects such as tl.float8e4nv (hashable)
 
 
@@ -162,6 +173,9 @@ def launch_jit(kernel, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None
         kernel[grid](*args, **kwargs)
         return
     names = kernel.arg_names
+    if len(args) > len(names):  # Triton reports the misuse
+        kernel[grid](*args, **kwargs)
+        return
     bound = dict(zip(names, args))
     options = {}
     for name, value in kwargs.items():

@@ -313,7 +313,7 @@ def _launch_tma(a, b, c, config: triton.Config | None) -> None:
         # TMA bases are 16-byte aligned; the descriptors specialize on dtype and box shape only
         key = None
         if a.is_cuda:
-            key = (M, N, K, a_k_major, b_k_major, a.dtype, c.dtype, cap, torch.cuda.current_device())
+            key = (M, N, K, a_k_major, b_k_major, a.dtype, b.dtype, c.dtype, cap, torch.cuda.current_device())
         launch_autotuned(gemm_tma_persistent_kernel, grid, key, args)
         return
     set_tma_block_shapes({**args, **config.kwargs})
@@ -336,7 +336,7 @@ def _launch_pointer(a, b, c, config: triton.Config | None) -> None:
         key = None
         if a.is_cuda:  # every value and alignment Triton specializes on
             aligned = tuple(t.data_ptr() % 16 == 0 for t in (a, b, c))
-            key = (M, N, K, *strides.values(), a.dtype, c.dtype, aligned, precision, cap,
+            key = (M, N, K, *strides.values(), a.dtype, b.dtype, c.dtype, aligned, precision, cap,
                    torch.cuda.current_device())  # fmt: skip
         launch_autotuned(gemm_persistent_kernel, grid, key, args)
         return

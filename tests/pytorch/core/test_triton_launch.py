@@ -290,3 +290,15 @@ def test_launch_jit_with_an_unhashable_argument_takes_triton_s_path(_as_if_cuda)
     for _ in range(2):
         launch_jit(kernel, (1,), torch.randn(4), 4, FLAG=[1, 2])
     assert len(kernel.calls) == 2 and launch_plan_count() == 0
+
+
+def test_tuples_key_by_their_elements_and_extra_positionals_go_to_triton(_as_if_cuda):
+    from primus_turbo.triton.launch import launch_jit, specialization_key
+
+    # a tensor inside a tuple keys by dtype and alignment (not identity): fresh tensors share a key
+    assert specialization_key([(torch.randn(4), 3)]) == specialization_key([(torch.randn(4), 3)])
+    assert specialization_key([(True,)]) != specialization_key([(1,)])
+    kernel = _Jit()
+    for _ in range(2):
+        launch_jit(kernel, (1,), torch.randn(4), 4, True, 32, "one too many")
+    assert len(kernel.calls) == 2 and launch_plan_count() == 0
