@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 import subprocess
+import time
 import traceback
 
 import torch
@@ -72,8 +73,10 @@ def _worker(rank, world_size, backend, port, fn, args, errors, timeout_s):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int = 2, backend: str = "gloo", args: tuple = (), timeout_s: int = 120):
-    ctx = mp.get_context("spawn")
+def _launch(ctx, fn, world_size, backend, args, timeout_s):
+    """One attempt: (procs, rank error messages, whether rank 0 found its port taken). Polls the error queue
+    while the ranks run, so a rendezvous that failed with EADDRINUSE is known before the other ranks time
+    out waiting for it."""
     errors = ctx.SimpleQueue()
     port = free_port()
     procs = [
@@ -82,20 +85,45 @@ def run_distributed(fn, world_size: int = 2, backend: str = "gloo", args: tuple 
     ]
     for p in procs:
         p.start()
+    msgs, port_taken = [], False
+    deadline = time.monotonic() + timeout_s + 30
+    while time.monotonic() < deadline and not port_taken:
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
+            break
+        alive[0].join(0.2)
+        while not errors.empty():
+            rank, tb = errors.get()
+            msgs.append(f"--- rank {rank} ---\n{tb}")
+            port_taken |= "EADDRINUSE" in tb
     for p in procs:
-        p.join(timeout_s + 30)
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    msgs = []
+        p.join(0 if port_taken else max(0.0, deadline - time.monotonic()))
     while not errors.empty():
         rank, tb = errors.get()
         msgs.append(f"--- rank {rank} ---\n{tb}")
-    if hung:
-        msgs.append(f"ranks {hung} did not finish within {timeout_s + 30} s")
-    bad = [i for i, p in enumerate(procs) if p.exitcode not in (0, None)]
-    if msgs or bad:
-        raise AssertionError(
-            "distributed test failed:\n" + "\n".join(msgs) + f"\nexit codes: {[p.exitcode for p in procs]}"
-        )
+        port_taken |= "EADDRINUSE" in tb
+    return procs, msgs, port_taken
+
+
+def run_distributed(
+    fn, world_size: int = 2, backend: str = "gloo", args: tuple = (), timeout_s: int = 120, attempts: int = 3
+):
+    """A port is free when picked, but another process of a parallel suite can take it before rank 0's
+    store binds it (EADDRINUSE, seen in CI): it is retried on a new port, ``attempts`` launches in all."""
+    ctx = mp.get_context("spawn")
+    for attempt in range(attempts):
+        procs, msgs, port_taken = _launch(ctx, fn, world_size, backend, args, timeout_s)
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if port_taken and attempt + 1 < attempts:
+            continue
+        if hung:
+            msgs.append(f"ranks {hung} did not finish within {timeout_s + 30} s")
+        bad = [i for i, p in enumerate(procs) if p.exitcode not in (0, None)]
+        if msgs or bad:
+            codes = [p.exitcode for p in procs]
+            raise AssertionError("distributed test failed:\n" + "\n".join(msgs) + f"\nexit codes: {codes}")
+        return
