@@ -22,12 +22,13 @@ handled per call), and 3.6 specializes a launch on a subset of what these keys h
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from primus_turbo.env import parse_bool_env
 
 __all__ = [
     "launch_autotuned",
@@ -43,12 +44,7 @@ ENV_RELAUNCH = "PRIMUS_TURBO_TRITON_RELAUNCH"
 
 
 def _env_enabled() -> bool:
-    raw = os.environ.get(ENV_RELAUNCH, "1").strip().lower()
-    if raw in ("1", "true", "on", "yes", ""):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{ENV_RELAUNCH}: expected one of 1/0/true/false/on/off/yes/no, got {raw!r}")
+    return parse_bool_env(ENV_RELAUNCH, default=True)
 
 
 _ENABLED = _env_enabled()

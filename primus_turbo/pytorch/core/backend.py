@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from primus_turbo.env import parse_bool_env
+
 __all__ = [
     "BackendType",
     "GlobalBackendManager",
@@ -126,15 +128,6 @@ def _lookup(spec: dict[str, BackendType], precision: str) -> BackendType | None:
     return spec.get("other")
 
 
-def _parse_bool_env(name: str) -> bool:
-    raw = os.environ.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "off", "no"):
-        return False
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"{name}: expected one of 1/0/true/false/on/off/yes/no, got {raw!r}")
-
-
 class GlobalBackendManager:
     """Process-wide backend choices by op x precision, and the autotune switch."""
 
@@ -224,7 +217,7 @@ class GlobalBackendManager:
     def auto_tune_enabled(cls) -> bool:
         if cls._auto_tune is not None:
             return cls._auto_tune
-        return _parse_bool_env(ENV_AUTO_TUNE)
+        return parse_bool_env(ENV_AUTO_TUNE)
 
 
 class KernelBackend:
