@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from primus_turbo.triton.launch import launch_autotuned, specialization_key
+from primus_turbo.triton.launch import launch_autotuned
 
 # The CPU interpreter's fp8 tl.dot multiplies raw bits: upcast there (compiled kernels use fp8 wgmma).
 _INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
@@ -241,7 +241,5 @@ def gemm_fp8_triton(
             "stride_asm": as2.stride(0), "stride_ask": as2.stride(1), "stride_bsn": bs2.stride(0),
             "stride_bsk": bs2.stride(1), "SCALE_MODE": scale_mode, "SCALE_BLOCK": scale_block,
             "USE_TMA": use_tma, "NUM_SMS": cap}  # fmt: skip
-    # the key: every value Triton specializes on (the descriptors' boxes are set per config by the pre-hook)
-    key = (torch.cuda.current_device(), *specialization_key(args.values())) if a.is_cuda else None
-    launch_autotuned(gemm_fp8_persistent_kernel, grid, key, args)
+    launch_autotuned(gemm_fp8_persistent_kernel, grid, args)
     return c

@@ -310,11 +310,7 @@ def _launch_tma(a, b, c, config: triton.Config | None) -> None:
     args = {"a_desc": a_desc, "b_desc": b_desc, "c_desc": c_desc, "M": M, "N": N, "K": K,
             "A_K_MAJOR": a_k_major, "B_K_MAJOR": b_k_major, "NUM_SMS": cap}  # fmt: skip
     if config is None:
-        # TMA bases are 16-byte aligned; the descriptors specialize on dtype and box shape only
-        key = None
-        if a.is_cuda:
-            key = (M, N, K, a_k_major, b_k_major, a.dtype, b.dtype, c.dtype, cap, torch.cuda.current_device())
-        launch_autotuned(gemm_tma_persistent_kernel, grid, key, args)
+        launch_autotuned(gemm_tma_persistent_kernel, grid, args)
         return
     set_tma_block_shapes({**args, **config.kwargs})
     gemm_tma_persistent_kernel.fn[grid](**args, **config.kwargs, num_warps=config.num_warps,
@@ -333,12 +329,7 @@ def _launch_pointer(a, b, c, config: triton.Config | None) -> None:
     args = {"a_ptr": a, "b_ptr": b, "c_ptr": c, "M": M, "N": N, "K": K, **strides,
             "NUM_SMS": cap, "INPUT_PRECISION": precision}  # fmt: skip
     if config is None:
-        key = None
-        if a.is_cuda:  # every value and alignment Triton specializes on
-            aligned = tuple(t.data_ptr() % 16 == 0 for t in (a, b, c))
-            key = (M, N, K, *strides.values(), a.dtype, b.dtype, c.dtype, aligned, precision, cap,
-                   torch.cuda.current_device())  # fmt: skip
-        launch_autotuned(gemm_persistent_kernel, grid, key, args)
+        launch_autotuned(gemm_persistent_kernel, grid, args)
         return
     gemm_persistent_kernel.fn[grid](**args, **config.kwargs, num_warps=config.num_warps,
                                      num_stages=config.num_stages)  # fmt: skip

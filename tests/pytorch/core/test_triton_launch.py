@@ -57,40 +57,46 @@ def _fresh_plans():
     clear_launch_plans()
 
 
-def test_the_first_call_autotunes_then_the_compiled_kernel_is_launched_with_every_argument():
+def test_the_first_call_autotunes_then_the_compiled_kernel_is_launched_with_every_argument(_as_if_cuda):
     hooked = []
     kernel = _Autotuned(_Config(4, pre_hook=lambda nargs: hooked.append(dict(nargs))))
-    launch_autotuned(kernel, _grid, ("n=10",), {"x": "x0", "n": 10, "FLAG": True})
+    x0, x1, x2 = (torch.randn(64) for _ in range(3))  # fresh tensors, same dtype and alignment
+    launch_autotuned(kernel, _grid, {"x": x0, "n": 10, "FLAG": True})
     # positional, in signature order: the autotuner passes only positional arguments to prune hooks
-    assert kernel.calls == [((3,), ("x0", 10, True), {})] and kernel.compiled.launches == []
+    assert kernel.calls == [((3,), (x0, 10, True), {})] and kernel.compiled.launches == []
     assert launch_plan_count(kernel) == 1 and launch_plan_count() == 1
-    launch_autotuned(kernel, _grid, ("n=10",), {"x": "x1", "n": 10, "FLAG": True})
+    launch_autotuned(kernel, _grid, {"x": x1, "n": 10, "FLAG": True})
     assert len(kernel.calls) == 1
-    assert kernel.compiled.launches == [((3, 1, 1), ("x1", 10, True, 4))]  # the config's BLOCK appended
-    assert hooked == [{"x": "x1", "n": 10, "FLAG": True, "BLOCK": 4}]  # the config's pre-hook ran
-    launch_autotuned(kernel, _grid, ("n=20",), {"x": "x2", "n": 20, "FLAG": True})  # a new key
+    assert kernel.compiled.launches == [((3, 1, 1), (x1, 10, True, 4))]  # the config's BLOCK appended
+    assert hooked == [{"x": x1, "n": 10, "FLAG": True, "BLOCK": 4}]  # the config's pre-hook ran
+    launch_autotuned(kernel, _grid, {"x": x2, "n": 20, "FLAG": True})  # another specialization
     assert len(kernel.calls) == 2 and len(kernel.compiled.launches) == 1
     assert launch_plan_count(kernel) == 2
 
 
-def test_no_plan_without_a_key_or_without_a_compiled_kernel():
+def test_no_plan_off_cuda_or_without_a_compiled_kernel(monkeypatch):
+    from primus_turbo.triton import launch
+
     kernel = _Autotuned(_Config(8))
-    for _ in range(2):
-        launch_autotuned(kernel, _grid, None, {"x": "x", "n": 16, "FLAG": False})
+    for _ in range(2):  # CPU tensors: the interpreter path
+        launch_autotuned(kernel, _grid, {"x": torch.randn(4), "n": 16, "FLAG": False})
     assert len(kernel.calls) == 2 and launch_plan_count() == 0
 
+    monkeypatch.setattr(launch, "_on_cuda", lambda args, kwargs: True)
+    monkeypatch.setattr(launch, "_device_index", lambda: 0)
     opaque = _Autotuned(_Config(8), compiled=object())  # e.g. what an interpreter returns: no launcher
     for _ in range(3):
-        launch_autotuned(opaque, _grid, ("k",), {"x": "x", "n": 16, "FLAG": False})
+        launch_autotuned(opaque, _grid, {"x": torch.randn(4), "n": 16, "FLAG": False})
     assert len(opaque.calls) == 3 and launch_plan_count(opaque) == 0
 
 
-def test_two_kernels_with_the_same_key_keep_their_own_plans():
+def test_two_kernels_with_the_same_key_keep_their_own_plans(_as_if_cuda):
     first, second = _Autotuned(_Config(4)), _Autotuned(_Config(8))
+    x = torch.randn(16)
     for kernel in (first, second, first, second):
-        launch_autotuned(kernel, _grid, ("same",), {"x": "x", "n": 16, "FLAG": True})
-    assert first.compiled.launches == [((4, 1, 1), ("x", 16, True, 4))]
-    assert second.compiled.launches == [((2, 1, 1), ("x", 16, True, 8))]
+        launch_autotuned(kernel, _grid, {"x": x, "n": 16, "FLAG": True})
+    assert first.compiled.launches == [((4, 1, 1), (x, 16, True, 4))]
+    assert second.compiled.launches == [((2, 1, 1), (x, 16, True, 8))]
 
 
 @pytest.mark.gpu
@@ -122,14 +128,14 @@ def test_gemm_triton_relaunch_matches_the_autotuned_launch(trans_a, trans_b, dty
     assert launch_plan_count() == before + 1
 
 
-def test_relaunch_can_be_turned_off_and_the_environment_is_checked(monkeypatch):
+def test_relaunch_can_be_turned_off_and_the_environment_is_checked(monkeypatch, _as_if_cuda):
     from primus_turbo.triton import launch
 
     kernel = _Autotuned(_Config(4))
     launch.set_relaunch(False)
     try:
         for _ in range(2):
-            launch_autotuned(kernel, _grid, ("k",), {"x": "x", "n": 8, "FLAG": True})
+            launch_autotuned(kernel, _grid, {"x": torch.randn(8), "n": 8, "FLAG": True})
         assert len(kernel.calls) == 2 and launch_plan_count() == 0
     finally:
         launch.set_relaunch(True)
