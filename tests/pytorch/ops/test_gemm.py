@@ -286,20 +286,71 @@ def _logical(m, n, k, trans_a, trans_b, dtype, device):
     return (a.T if trans_a else a), (b.T if trans_b else b)
 
 
+@pytest.mark.parametrize("variant", ["tma", "tma_device"])
 @pytest.mark.parametrize("trans_a,trans_b", LAYOUTS)
-def test_triton_tma_variant_layouts(trans_a, trans_b, device):
+def test_triton_tma_variant_layouts(trans_a, trans_b, variant, device):
     a, b = _logical(40, 48, 40, trans_a, trans_b, torch.float16, device)
     assert gk.tma_supported(a, b, torch.float16)
-    out = gk.gemm_triton(a, b, torch.float16, variant="tma")
-    assert_close(out, a.double() @ b.double(), torch.float16, msg="tma")
+    out = gk.gemm_triton(a, b, torch.float16, variant=variant)
+    assert_close(out, a.double() @ b.double(), torch.float16, msg=variant)
 
 
+@pytest.mark.parametrize("variant", ["tma", "tma_device"])
 @pytest.mark.parametrize("idx", range(len(gk.TMA_CONFIGS)))
-def test_triton_tma_every_config(idx, device):
+def test_triton_tma_every_config(idx, variant, device):
     m, n, k = (304, 520, 136) if HAS_CUDA else (136, 264, 72)  # several tiles + M/N/K tails
     a, b = _logical(m, n, k, idx % 2 == 1, idx % 3 == 0, torch.bfloat16, device)
-    out = gk.gemm_triton(a, b, torch.bfloat16, variant="tma", config=gk.TMA_CONFIGS[idx])
-    assert_close(out, a.double() @ b.double(), torch.bfloat16, msg=f"config {idx}")
+    configs = gk.TMA_CONFIGS if variant == "tma" else gk.TMA_DEVICE_CONFIGS
+    out = gk.gemm_triton(a, b, torch.bfloat16, variant=variant, config=configs[idx])
+    assert_close(out, a.double() @ b.double(), torch.bfloat16, msg=f"{variant} config {idx}")
+
+
+def test_triton_default_variant_is_device_tma(device, monkeypatch):
+    """Aligned 16-bit operands take the kernel that makes its descriptors on the device (no host
+    descriptors per launch); an unknown variant name is refused."""
+    calls = []
+    monkeypatch.setattr(gk, "_launch_tma_device", lambda *args: calls.append("tma_device"))
+    monkeypatch.setattr(gk, "_launch_tma", lambda *args: calls.append("tma"))
+    a, b = _logical(32, 48, 64, False, True, torch.bfloat16, device)
+    gk.gemm_triton(a, b, torch.bfloat16)
+    assert calls == ["tma_device"]
+    with pytest.raises(ValueError, match="variant must be None or one of"):
+        gk.gemm_triton(a, b, torch.bfloat16, variant="wgmma")
+
+
+def test_scratch_allocator_set_per_thread_and_user_allocator_kept():
+    """Triton's allocator is a context variable: a new thread (autograd's CUDA backward thread) starts
+    without one, so the device-TMA launcher sets a torch allocator there; one the user set is kept."""
+    import threading
+
+    import triton
+    from triton.runtime import _allocation
+
+    seen = {}
+
+    def fresh_thread():
+        seen["before"] = _allocation._allocator.get()
+        gk.ensure_scratch_allocator()
+        seen["after"] = _allocation._allocator.get()
+
+    thread = threading.Thread(target=fresh_thread)
+    thread.start()
+    thread.join()
+    assert isinstance(seen["before"], _allocation.NullAllocator)
+    assert seen["after"] is gk._scratch
+
+    def user_allocator(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    def with_user_allocator():
+        triton.set_allocator(user_allocator)
+        gk.ensure_scratch_allocator()
+        seen["user"] = _allocation._allocator.get()
+
+    thread = threading.Thread(target=with_user_allocator)
+    thread.start()
+    thread.join()
+    assert seen["user"] is user_allocator
 
 
 @pytest.mark.parametrize("idx", range(len(gk.PTR_CONFIGS)))
@@ -335,8 +386,9 @@ def test_triton_tma_preconditions(device):
     # K=20 bf16: a row stride of 40 bytes is not 16-byte aligned -> pointer kernel; forcing TMA errors.
     a, b = _logical(16, 32, 20, False, False, torch.bfloat16, device)
     assert not gk.tma_supported(a, b, torch.bfloat16)
-    with pytest.raises(ValueError, match="TMA kernel needs"):
-        gk.gemm_triton(a, b, torch.bfloat16, variant="tma")
+    for variant in ("tma", "tma_device"):
+        with pytest.raises(ValueError, match="TMA kernel needs"):
+            gk.gemm_triton(a, b, torch.bfloat16, variant=variant)
     assert_close(gk.gemm_triton(a, b, torch.bfloat16), a.double() @ b.double(), torch.bfloat16)
     a32, b32 = _logical(16, 32, 32, False, False, torch.float32, device)
     assert not gk.tma_supported(a32, b32, torch.float32)  # fp32 always takes the pointer kernel
@@ -374,6 +426,21 @@ def _compile_tma(config, dtype, a_k_major, b_k_major):
     )
 
 
+def _compile_tma_device(config, dtype, a_k_major, b_k_major):
+    signature = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}"}
+    signature.update({n: "i32" for n in ("M", "N", "K", "stride_a", "stride_b", "stride_c")})
+    signature.update({n: "constexpr" for n in ("A_K_MAJOR", "B_K_MAJOR", "NUM_SMS", "BLOCK_M", "BLOCK_N")})
+    signature.update({n: "constexpr" for n in ("BLOCK_K", "GROUP_M", "EPILOGUE_SUBTILE")})
+    constexprs = {"A_K_MAJOR": a_k_major, "B_K_MAJOR": b_k_major, "NUM_SMS": 132, **config.kwargs}
+    return compile_for_sm90(
+        gk.gemm_tma_device_persistent_kernel,
+        signature,
+        constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
 def _compile_pointer(config, dtype):
     signature = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}"}
     signature.update({n: "i32" for n in ("M", "N", "K")})
@@ -400,6 +467,11 @@ def _compile_all():
     for a_k_major, b_k_major in [(True, False), (False, True), (False, False)]:
         compiled = _compile_tma(gk.TMA_CONFIGS[0], "fp16", a_k_major, b_k_major)
         assert "wgmma" in compiled.asm["ptx"], f"TMA layout {a_k_major, b_k_major}: no wgmma"
+    for i, config in enumerate(gk.TMA_DEVICE_CONFIGS):
+        compiled = _compile_tma_device(config, "bf16", i % 2 == 0, i % 3 != 0)
+        ptx = compiled.asm["ptx"]
+        assert "wgmma" in ptx and "tensormap" in ptx, f"device TMA config {i}: no wgmma or device descriptor"
+        print(f"tma_device config {i}: {compiled.metadata.shared} B shared", flush=True)
     for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         fake = {"a_ptr": torch.empty(0, dtype=torch_dtype)}
         for i, config in enumerate(gk.prune_ptr_configs(gk.PTR_CONFIGS, fake)):
