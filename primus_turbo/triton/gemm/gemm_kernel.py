@@ -35,6 +35,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from primus_turbo.triton.launch import launch_autotuned
 
@@ -406,8 +407,6 @@ def ensure_scratch_allocator() -> None:
     """Kernels that make TMA descriptors on the device keep them in Triton's global scratch, which Triton
     asks of the allocator set with ``triton.set_allocator``: a context variable, so unset on a new thread
     (autograd runs CUDA backwards on its own). Sets a torch allocator where none is set; keeps the user's."""
-    from triton.runtime import _allocation
-
     current = _allocation._allocator  # a ContextVar in Triton 3.6 and 3.7
     current = current.get() if hasattr(current, "get") else current
     if isinstance(current, _allocation.NullAllocator):

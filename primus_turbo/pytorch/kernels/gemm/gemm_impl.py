@@ -102,10 +102,22 @@ class GemmTritonBackend(KernelBackend):
 
     @staticmethod
     def execute(a, b, trans_a, trans_b, out_dtype, **_) -> torch.Tensor:
+        a, b = _logical(a, b, trans_a, trans_b)
+        return _gemm_triton()(a, b, out_dtype)
+
+
+def _gemm_triton():
+    """``gemm_triton``, imported on first use (the Triton kernels' module compiles nothing at import, but
+    importing it costs the autotune decorators; a function-level import ran on every call)."""
+    global _GEMM_TRITON
+    if _GEMM_TRITON is None:
         from primus_turbo.triton.gemm.gemm_kernel import gemm_triton
 
-        a, b = _logical(a, b, trans_a, trans_b)
-        return gemm_triton(a, b, out_dtype)
+        _GEMM_TRITON = gemm_triton
+    return _GEMM_TRITON
+
+
+_GEMM_TRITON = None
 
 
 class GemmDispatcher(AutoKernelDispatcher):
