@@ -141,6 +141,29 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float]:
     return float(t.median()), float(t.std()) if t.numel() > 1 else 0.0
 
 
+def gpu_paced_ms(fn, calls: int = 20, repeats: int = 3, sleep_ms: float = 40.0) -> float:
+    """Median ms per call of ``fn`` with the host ahead of the GPU: a sleep kernel is queued first, then
+    ``calls`` calls back to back between two CUDA events, so the GPU runs them without waiting for Python
+    (no cache flush between calls). The time a call costs inside a GPU-paced training step, where do_bench's
+    per-call number (cache flushed before each call, the call's host time exposed once it passes the flush)
+    also charges the host. ``sleep_ms`` must cover the host time of ``calls`` calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    cycles = int(sleep_ms * 1e-3 * 2.0e9)  # H100/H200 SM clocks are <= 1.98 GHz: the sleep lasts >= sleep_ms
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth(device: str = "cuda") -> float:
     """Device-to-device copy GB/s of a 1 GiB buffer: the ceiling for memory-bound rows."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
