@@ -20,3 +20,23 @@ def test_shapes_parse_in_order():
 def test_bad_shapes_name_the_option(text):
     with pytest.raises(argparse.ArgumentTypeError, match="--shapes"):
         bench.parse_shapes(text)
+
+
+@pytest.mark.gpu
+def test_gpu_paced_time_is_the_gpu_s_not_the_host_s():
+    """gpu_paced_ms times the GPU with the host ahead: a call with 1 ms of host work and a ~0.05 ms kernel
+    reads near the kernel, where a synced wall clock reads the host; a ~1 ms kernel reads ~1 ms."""
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import bench_utils
+
+    def host_heavy():
+        time.sleep(1e-3)
+        torch.cuda._sleep(100_000)  # ~0.05 ms at the H100/H200 clocks
+
+    assert bench_utils.gpu_paced_ms(host_heavy) < 0.5
+    assert 0.3 < bench_utils.gpu_paced_ms(lambda: torch.cuda._sleep(2_000_000)) < 3.0
