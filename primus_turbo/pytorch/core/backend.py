@@ -53,6 +53,10 @@ class BackendType(Enum):
     SYMM_MEM = "SYMM_MEM"  # torch symmetric-memory fused ops
     DEEP_EP = "DEEP_EP"  # the external deep_ep package, when importable
 
+    # Members are singletons compared by identity: hash them by identity too. Enum's own __hash__ is Python
+    # (hash of the name), and every dispatch hashes a member twice (a few us per GEMM on the GPU hosts).
+    __hash__ = object.__hash__
+
     @classmethod
     def parse(cls, value: BackendType | str, *, source: str) -> BackendType:
         if isinstance(value, BackendType):
@@ -71,11 +75,13 @@ PRECISION_KEYS = ("fp8", "bf16", "fp16", "fp32", "other")
 _FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 
 
+_PRECISION_OF = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_PRECISION_OF.update({dtype: "fp8" for dtype in _FP8_DTYPES})
+
+
 def precision_of_dtype(dtype: torch.dtype) -> str:
     """Map a tensor dtype to its precision key for backend selection."""
-    if dtype in _FP8_DTYPES:
-        return "fp8"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "other")
+    return _PRECISION_OF.get(dtype, "other")
 
 
 # op name -> environment variable
