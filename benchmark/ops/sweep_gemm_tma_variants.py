@@ -36,7 +36,7 @@ def _layouts(m: int, n: int, k: int):
 
 def sweep_case(shape, report) -> None:
     report.write(f"\n## {shape[0]}x{shape[1]}x{shape[2]}\n\n")
-    report.write("| GEMM | torch us | tma us | tma_device us  tma_device speedup | torch TFLOP/s | ")
+    report.write("| GEMM | torch us | tma us | tma_device us | tma_device speedup | torch TFLOP/s | ")
     report.write("tma_device TFLOP/s | host us torch | host us tma | host us tma_device |\n")
     report.write("|---|---|---|---|---|---|---|---|---|---|\n")
     for name, a, b, m, n, k in _layouts(*shape):
