@@ -10,7 +10,8 @@ the gradients back.
 Takes the Triton path for plain dense CUDA parameters (any, under the Triton interpreter) whose gradient and
 moments are contiguous (the moments of one dtype), in fp32 / bf16 / fp16, with amsgrad, maximize, capturable
 and differentiable off and a float learning rate; anything else (sparse or complex gradients, DTensors, those
-options) steps through torch's AdamW, the grad_scale applied there with one ``_foreach_mul_``. The step count
+options) steps through torch's AdamW, the grad_scale applied there to copies of their gradients (one
+``_foreach_mul`` per device; the gradients are left as they were, as on the Triton path). The step count
 stays on the host (a CPU tensor, as torch's for-loop AdamW keeps it), so no step reads anything back from the
 GPU.
 
@@ -262,9 +263,15 @@ class AdamW(torch.optim.AdamW):
     def _torch_step(self, fallback: list[list[torch.Tensor]], grad_scale) -> None:
         """torch's AdamW on the parameters the kernel does not take: a torch AdamW over them with their
         groups' options, sharing this optimizer's state (so state_dict holds every parameter's moments)."""
+        unscaled = []  # (param, its gradient): the step reads scaled copies, the gradients stay as they were
         if grad_scale is not None:
-            for device_grads in _by_device([p.grad for params in fallback for p in params]).values():
-                torch._foreach_mul_(device_grads, grad_scale.reshape(()).to(device_grads[0].device))
+            with_grad = [p for params in fallback for p in params if p.grad is not None]
+            for device_params in _by_device(with_grad).values():
+                grads = [p.grad for p in device_params]
+                scaled = torch._foreach_mul(grads, grad_scale.reshape(()).to(grads[0].device))
+                for param, grad, copy in zip(device_params, grads, scaled):
+                    unscaled.append((param, grad))
+                    param.grad = copy
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": params}
                   for group, params in zip(self.param_groups, fallback) if params]  # fmt: skip
         # built on a placeholder, then given the groups: torch's constructor refuses non-leaf parameters,
@@ -272,7 +279,11 @@ class AdamW(torch.optim.AdamW):
         inner = torch.optim.AdamW([torch.zeros(())])
         inner.param_groups = groups
         inner.state = self.state
-        inner.step()
+        try:
+            inner.step()
+        finally:
+            for param, grad in unscaled:
+                param.grad = grad
 
 
 class _Launch:

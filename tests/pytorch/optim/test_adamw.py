@@ -66,7 +66,7 @@ def test_state_dict_round_trips_with_torch_adamw(device):
 
 
 def test_options_the_kernel_does_not_take_step_through_torch(device):
-    """amsgrad: torch's AdamW does the update (the grad_scale applied with one _foreach_mul_), same result."""
+    """amsgrad: torch's AdamW does the update (the grad_scale applied to gradient copies), same result."""
     ours, ref = _params(device), _params(device)
     opt = AdamW(ours, amsgrad=True, **KW)
     ref_opt = torch.optim.AdamW(ref, amsgrad=True, foreach=False, **KW)
@@ -80,6 +80,22 @@ def test_options_the_kernel_does_not_take_step_through_torch(device):
     assert opt.turbo_steps == 0
     for p, q in zip(ours, ref):
         assert_close(p, q, torch.float32)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_grad_scale_leaves_the_gradients_as_they_were(amsgrad, device):
+    """The scale is applied on the fly on the Triton path and to copies on the torch path (amsgrad): after the
+    step every .grad holds exactly what backward wrote, on both paths (session 31 found the torch path scaling
+    .grad in place)."""
+    ours = _params(device)
+    opt = AdamW(ours, amsgrad=amsgrad, **KW)
+    grads = _grads(ours, 0)
+    for p, g in zip(ours, grads):
+        p.grad = g.clone()
+    opt.step(grad_scale=torch.tensor(0.25, device=device))
+    for p, g in zip(ours, grads):
+        assert torch.equal(p.grad, g)
+    assert opt.turbo_steps == (0 if amsgrad else len(ours))
 
 
 def test_bf16_parameters_update_in_fp32_and_round_once(device):
