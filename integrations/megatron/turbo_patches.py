@@ -99,7 +99,8 @@ def _router(ctx) -> str:
             raise ValueError("turbo.router: router replay is not supported; set turbo.router=false")
         return fused_topk_routing(
             logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
-            num_groups=num_groups, topk_groups=group_topk, scaling_factor=scaling_factor,
+            num_groups=num_groups, topk_groups=group_topk,
+            scaling_factor=scaling_factor or None,  # Megatron scales only by a truthy factor (0.0: unscaled)
             expert_bias=expert_bias, norm_topk=score_function == "sigmoid" and topk > 1,  # Megatron's rule
         )  # fmt: skip
 

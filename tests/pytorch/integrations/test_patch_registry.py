@@ -158,3 +158,32 @@ def test_megatron_turbo_entries_are_undone_when_a_later_run_turns_them_off():
         assert [getattr(obj, name) for obj, name in places] == stock
     finally:
         restore_patched_attrs()
+
+
+def test_megatron_router_patch_keeps_megatron_s_scaling_factor_rule():
+    """Megatron scales the probs only when ``scaling_factor`` is truthy (``if scaling_factor:``): 0.0 leaves
+    them as they are. The turbo router patch follows it (the op itself multiplies by any number given)."""
+    pytest.importorskip("megatron.core")
+    import torch
+    from hydra import compose, initialize_config_dir
+    from megatron.core.transformer.moe import router
+    from primus_turbo.integrations.common.patch_registry import restore_patched_attrs
+    from primus_turbo.integrations.hydra_main import RECIPES_DIR
+    from primus_turbo.integrations.megatron.patches import apply_megatron_patches
+    from primus_turbo.integrations.megatron.spec_provider import TurboSpecProvider
+
+    restore_patched_attrs()
+    stock = router.topk_routing_with_score_function
+    with initialize_config_dir(config_dir=RECIPES_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["parallel.ep=1"])
+    logits = torch.randn(16, 8)
+    try:
+        apply_megatron_patches(cfg, TurboSpecProvider(cfg))
+        assert router.topk_routing_with_score_function is not stock
+        for factor in (0.0, None, 2.5):
+            ref_probs, ref_map = stock(logits, 2, scaling_factor=factor)
+            probs, routing_map = router.topk_routing_with_score_function(logits, 2, scaling_factor=factor)
+            assert torch.equal(routing_map, ref_map), factor
+            torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-6, msg=f"scaling_factor={factor}")
+    finally:
+        restore_patched_attrs()
