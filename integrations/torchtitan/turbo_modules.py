@@ -34,6 +34,7 @@ from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 
 from primus_turbo.pytorch.core.fp8_autocast import resolve_fp8_config
 from primus_turbo.pytorch.core.low_precision import ScalingStrategy
+from primus_turbo.pytorch.core.utils import autocast_cast
 from primus_turbo.pytorch.modules import Float8Linear, Linear, RMSNorm, TurboAttention
 from primus_turbo.pytorch.modules.token_dispatcher import TokenDispatcher
 from primus_turbo.pytorch.ops import (
@@ -49,16 +50,9 @@ from primus_turbo.pytorch.ops.mla import mla_key_value
 from primus_turbo.pytorch.ops.moe.permute import token_permute, token_unpermute
 from primus_turbo.pytorch.ops.rope import apply_rotary_emb_complex
 
-
-def autocast_input(x: torch.Tensor) -> torch.Tensor:
-    """Cast ``x`` to the active autocast dtype, as autocast does for ``F.linear`` (turbo ops are custom ops,
-    which autocast passes through unchanged)."""
-    device_type = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        if x.dtype != dtype:
-            return x.to(dtype)
-    return x
+# Cast ``x`` to the active autocast dtype, as autocast does for ``F.linear`` (turbo ops are custom functions,
+# which autocast passes through unchanged)
+autocast_input = autocast_cast
 
 
 class _CastOnce(torch.autograd.Function):

@@ -20,6 +20,23 @@ def triton_can_run_on(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
+def autocast_enabled_on(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False for device types autocast has no mode for (meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def autocast_cast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the active ``torch.autocast`` dtype of its device, as autocast casts a matmul's inputs (mm,
+    F.linear): floating tensors other than fp64; ``x`` itself when autocast is off or it already has that
+    dtype. Turbo ops are custom functions, which autocast passes through: the ops that follow it cast here."""
+    device_type = x.device.type
+    if autocast_enabled_on(device_type) and x.is_floating_point() and x.dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device_type)
+        if x.dtype != dtype:
+            return x.to(dtype)
+    return x
+
+
 def is_hopper(device: torch.device | None = None) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from primus_turbo.pytorch.core.fp8_autocast import DelayedScalingState, resolve_fp8_config
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingStrategy
+from primus_turbo.pytorch.core.utils import autocast_cast
 from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
 
@@ -110,7 +111,7 @@ class Linear(nn.Module):
             )
         out = self._matmul(x.reshape(x.shape[:-1].numel(), self.in_features))  # not -1: in_features may be 0
         if self.bias is not None:
-            out = out + self.bias
+            out = out + autocast_cast(self.bias)  # under autocast, in its dtype as F.linear's bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

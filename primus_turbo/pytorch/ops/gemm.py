@@ -17,8 +17,12 @@ DDP skips ``b.grad``.
 With the CUBLAS backend the accumulation is fused (one cuBLASLt GEMM with beta=1 into main_grad);
 TRITON/TORCH compute the fp32 product and ``add_`` it (one extra fp32 pass over the gradient).
 
-Plain CUDA calls (no main_grad or ``wgrad_into``, output in the input dtype, outside autocast and
-torch.compile) whose three GEMMs all resolve to CUBLAS run as ``torch.mm`` with torch's own autograd: the
+Under ``torch.autocast`` the op follows it as ``torch.mm`` does: a and b are cast to the autocast dtype first
+(floating inputs other than fp64; a differentiable cast, so fp32 leaves get fp32 gradients) and every backend
+computes and returns that dtype (out_dtype defaults to it), forward and backward.
+
+Plain CUDA calls (no main_grad or ``wgrad_into``, output in the input dtype, outside torch.compile) whose
+three GEMMs all resolve to CUBLAS run as ``torch.mm`` with torch's own autograd: the
 same cuBLAS calls without the autograd.Function and three dispatches (18-74 us of Python per forward on the
 H100/H200 hosts, as long as a 4096 x 2048 x 2048 GEMM runs). That is the CUDA default, a CUBLAS pin, and
 under autotune a forward key whose first backward ran all three on CUBLAS (its dgrad/wgrad choices are
@@ -31,6 +35,7 @@ import torch
 
 from primus_turbo.pytorch.core.backend import BackendType
 from primus_turbo.pytorch.core.main_grad import check_main_grad, wgrad_placeholder
+from primus_turbo.pytorch.core.utils import autocast_cast, autocast_enabled_on
 from primus_turbo.pytorch.kernels.gemm.gemm_impl import (
     SUPPORTED_DTYPES,
     GemmDispatcher,
@@ -155,6 +160,18 @@ def gemm_wgrad(a, grad, trans_a: bool, trans_b: bool, out_dtype: torch.dtype, we
     return gemm_forward(lhs, rhs, t_lhs, t_rhs, out_dtype)
 
 
+def _autocast_operands(a, b, accumulate_into_main_grad: bool):
+    """Under ``torch.autocast``, a and b in its dtype, as autocast casts ``torch.mm``'s inputs: every backend
+    then computes in that dtype and returns it, the backward too (a differentiable cast, as autocast's)."""
+    a_cast, b_cast = autocast_cast(a), autocast_cast(b)
+    if accumulate_into_main_grad and b_cast is not b:
+        raise ValueError(
+            f"gemm: accumulate_into_main_grad under torch.autocast needs b already in the autocast dtype "
+            f"{b_cast.dtype} (its main_grad belongs to b, not to a cast copy); got b {b.dtype}"
+        )
+    return a_cast, b_cast
+
+
 def gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -183,7 +200,18 @@ def gemm(
     or when autotune finds it faster); see ``primus_turbo.pytorch.core.backend``.
     Zero-size M or N give an empty result; K == 0 gives zeros.
     """
+    tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if tensors and autocast_enabled_on(a.device.type):
+        a, b = _autocast_operands(a, b, accumulate_into_main_grad)
+        _validate(a, b, trans_a, trans_b, out_dtype)
+        # the backends compute as outside autocast (its casts would round the torch ops inside them)
+        with torch.autocast(a.device.type, enabled=False):
+            return _gemm(a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad, wgrad_into)
     _validate(a, b, trans_a, trans_b, out_dtype)
+    return _gemm(a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad, wgrad_into)
+
+
+def _gemm(a, b, trans_a, trans_b, out_dtype, accumulate_into_main_grad, wgrad_into):
     if accumulate_into_main_grad and b.requires_grad:
         check_main_grad(b, "gemm", "b")
     into = ()
@@ -203,7 +231,6 @@ def gemm(
         and out_dtype in (None, a.dtype)
         and a.is_cuda
         and not torch.compiler.is_compiling()
-        and not torch.is_autocast_enabled("cuda")
     ):
         # All three GEMMs on cuBLAS: torch.mm with torch's own autograd makes the same cuBLAS calls without
         # the autograd.Function and three dispatches (18-74 us of Python per forward on the H100/H200 hosts)
