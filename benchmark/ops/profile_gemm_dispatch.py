@@ -6,7 +6,9 @@
    host), forward and forward+backward, for torch.matmul, turbo pinned CUBLAS, turbo pinned TRITON (with and
    without the direct relaunch of ``primus_turbo/triton/launch.py``: a same-process A/B) and the dispatcher
    with autotune.
-2. At the bench shapes where the dispatcher or TRITON fell below target (session 32, 2x H200): the backend
+2. Host us inside ``GemmFunction.backward`` (autograd's device thread) and its two GEMM calls, against the
+   whole fwd+bwd step, CUBLAS and TRITON pinned.
+3. At the bench shapes where the dispatcher or TRITON fell below target (session 32, 2x H200): the backend
    the autotuner picked for each of the three GEMMs (forward, dgrad, wgrad), and each GEMM alone on CUBLAS
    and TRITON (do_bench median us, the Triton config its autotuner chose).
 
@@ -69,6 +71,66 @@ def host_table(report: io.StringIO) -> None:
     GlobalBackendManager.reset()
 
 
+def backward_table(report: io.StringIO) -> None:
+    """Host time inside ``GemmFunction.backward`` (on autograd's device thread, which cProfile does not see)
+    against the whole step, TRITON and CUBLAS pinned: session 33 found a TRITON backward GEMM costing the host
+    ~2x a forward one. Counters start after the warm-up (the first calls autotune)."""
+    import time
+
+    gemm_mod = sys.modules["primus_turbo.pytorch.ops.gemm"]
+    acc = {"bwd": 0.0, "gemm": 0.0, "n": 0, "inside": False}
+    orig_bwd, orig_fwd = gemm_mod.GemmFunction.backward, gemm_mod.gemm_forward
+
+    def timed_bwd(ctx, grad):
+        start = time.perf_counter()
+        acc["inside"] = True
+        try:
+            out = orig_bwd(ctx, grad)
+        finally:
+            acc["inside"] = False
+        acc["bwd"] += time.perf_counter() - start
+        acc["n"] += 1
+        return out
+
+    def timed_gemm(*args, **kwargs):  # counts the backward's GEMM calls only
+        start = time.perf_counter()
+        out = orig_fwd(*args, **kwargs)
+        if acc["inside"]:
+            acc["gemm"] += time.perf_counter() - start
+        return out
+
+    report.write("\n## host us per fwd+bwd step through GemmFunction, 1024^3 bf16\n\n")
+    report.write("| backend | step us | in backward us | in its 2 GEMM calls us | rest of the step us |\n")
+    report.write("|---|---|---|---|---|\n")
+    x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    bf16 = torch.bfloat16
+    try:
+        gemm_mod.GemmFunction.backward = staticmethod(timed_bwd)
+        for backend in ("CUBLAS", "TRITON"):
+            _mode(backend)
+
+            def step():
+                out = gemm_mod.GemmFunction.apply(x, w, False, True, bf16, False, None)
+                return torch.autograd.grad(out, (x, w), g)
+
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            gemm_mod.gemm_forward = timed_gemm
+            acc.update(bwd=0.0, gemm=0.0, n=0)
+            step_us = host_ms(step, n=200, warmup=0) * 1e3
+            gemm_mod.gemm_forward = orig_fwd
+            bwd_us, gemm_us = (acc[k] / acc["n"] * 1e6 for k in ("bwd", "gemm"))
+            row = (backend, step_us, bwd_us, gemm_us, step_us - bwd_us)
+            report.write("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |\n".format(*row))
+    finally:
+        gemm_mod.GemmFunction.backward = orig_bwd
+        gemm_mod.gemm_forward = orig_fwd
+        GlobalBackendManager.reset()
+
+
 def _triton_cfg() -> str:
     best = getattr(gemm_kernel.gemm_tma_persistent_kernel, "best_config", None)
     if best is None:
@@ -119,6 +181,7 @@ def main() -> None:
     report = io.StringIO()
     report.write(f"# GEMM dispatch diagnosis on {torch.cuda.get_device_name()}\n\n")
     host_table(report)
+    backward_table(report)
     shape_table(report)
     text = report.getvalue()
     print(text)
