@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.gemm.gemm_kernel import num_programs_cap, persistent_grid
 from primus_turbo.triton.launch import launch_autotuned
 
 # The CPU interpreter's fp8 tl.dot multiplies raw bits: upcast there (compiled kernels use fp8 wgmma).
@@ -178,19 +179,6 @@ def gemm_fp8_persistent_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def num_programs_cap(device: torch.device) -> int:
-    """#SMs on CUDA; 2 under the CPU interpreter so each program walks several tiles."""
-    if device.type != "cuda":
-        return 2
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
-
-
 def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.is_cuda
@@ -235,7 +223,7 @@ def gemm_fp8_triton(
     as2 = a_s.reshape(-1, 1) if a_s.dim() < 2 else a_s
     bs2 = b_s.reshape(-1, 1) if b_s.dim() < 2 else b_s
     cap = num_programs_cap(a.device)
-    grid = lambda meta: (min(cap, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+    grid = persistent_grid(cap, M, N)
     args = {"a_ptr": a_arg, "b_ptr": b_arg, "c_ptr": c, "a_s_ptr": a_s, "b_s_ptr": b_s, "M": M, "N": N,
             "K": K, "stride_am": a.stride(0), "stride_bn": b.stride(0), "stride_cm": c.stride(0),
             "stride_asm": as2.stride(0), "stride_ask": as2.stride(1), "stride_bsn": bs2.stride(0),

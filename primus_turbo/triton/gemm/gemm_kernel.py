@@ -373,7 +373,8 @@ def tma_supported(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> b
     return _tma_operands(a, b, out_dtype) is not None
 
 
-def _grid(cap: int, M: int, N: int):
+def persistent_grid(cap: int, M: int, N: int):
+    """The launch grid of a persistent GEMM: one program per output tile, at most ``cap`` (the SMs)."""
     return lambda meta: (min(cap, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
 
@@ -392,11 +393,11 @@ def _launch_tma(a, b, c, operands, config: triton.Config | None) -> None:
     args = {"a_desc": desc(a_view), "b_desc": desc(b_view), "c_desc": desc(c), "M": M, "N": N, "K": K,
             "A_K_MAJOR": a_k_major, "B_K_MAJOR": b_k_major, "NUM_SMS": cap}  # fmt: skip
     if config is None:
-        launch_autotuned(gemm_tma_persistent_kernel, _grid(cap, M, N), args)
+        launch_autotuned(gemm_tma_persistent_kernel, persistent_grid(cap, M, N), args)
         return
     set_tma_block_shapes({**args, **config.kwargs})
-    gemm_tma_persistent_kernel.fn[_grid(cap, M, N)](**args, **config.kwargs, num_warps=config.num_warps,
-                                                     num_stages=config.num_stages)  # fmt: skip
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    gemm_tma_persistent_kernel.fn[persistent_grid(cap, M, N)](**args, **config.kwargs, **options)
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -425,17 +426,17 @@ def _launch_tma_device(a, b, c, operands, config: triton.Config | None) -> None:
             "stride_a": a_view.stride(0), "stride_b": b_view.stride(0), "stride_c": c.stride(0),
             "A_K_MAJOR": a_k_major, "B_K_MAJOR": b_k_major, "NUM_SMS": cap}  # fmt: skip
     if config is None:
-        launch_autotuned(gemm_tma_device_persistent_kernel, _grid(cap, M, N), args)
+        launch_autotuned(gemm_tma_device_persistent_kernel, persistent_grid(cap, M, N), args)
         return
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    gemm_tma_device_persistent_kernel.fn[_grid(cap, M, N)](**args, **config.kwargs, **options)
+    gemm_tma_device_persistent_kernel.fn[persistent_grid(cap, M, N)](**args, **config.kwargs, **options)
 
 
 def _launch_pointer(a, b, c, config: triton.Config | None) -> None:
     M, K = a.shape
     N = b.shape[1]
     cap = num_programs_cap(a.device)
-    grid = _grid(cap, M, N)
+    grid = persistent_grid(cap, M, N)
     exact_fp32 = a.device.type != "cuda" or not torch.backends.cuda.matmul.allow_tf32
     precision = "ieee" if (a.dtype == torch.float32 and exact_fp32) else "tf32"
     strides = {"stride_am": a.stride(0), "stride_ak": a.stride(1), "stride_bk": b.stride(0),

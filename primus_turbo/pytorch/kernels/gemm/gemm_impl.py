@@ -24,6 +24,7 @@ from primus_turbo.pytorch.core.backend import (
     precision_of_dtype,
 )
 from primus_turbo.pytorch.core.utils import triton_can_run_on
+from primus_turbo.triton.gemm.gemm_kernel import gemm_triton
 
 __all__ = ["GemmDispatcher", "gemm_impl", "gemm_forward", "gemm_accumulate_", "SUPPORTED_DTYPES"]
 
@@ -103,21 +104,7 @@ class GemmTritonBackend(KernelBackend):
     @staticmethod
     def execute(a, b, trans_a, trans_b, out_dtype, **_) -> torch.Tensor:
         a, b = _logical(a, b, trans_a, trans_b)
-        return _gemm_triton()(a, b, out_dtype)
-
-
-def _gemm_triton():
-    """``gemm_triton``, imported on first use (the Triton kernels' module compiles nothing at import, but
-    importing it costs the autotune decorators; a function-level import ran on every call)."""
-    global _GEMM_TRITON
-    if _GEMM_TRITON is None:
-        from primus_turbo.triton.gemm.gemm_kernel import gemm_triton
-
-        _GEMM_TRITON = gemm_triton
-    return _GEMM_TRITON
-
-
-_GEMM_TRITON = None
+        return gemm_triton(a, b, out_dtype)
 
 
 class GemmDispatcher(AutoKernelDispatcher):
