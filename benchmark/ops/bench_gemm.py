@@ -15,8 +15,9 @@ alone gives ~54 dB). Targets (H200): dispatcher >= 0.98x torch.matmul everywhere
 at 8192^3 and the M=8192 shapes.
 
 Two times per label and direction: do_bench's median (the L2 flushed before each call: a call whose host
-time passes the flush's ~65 us is timed with its host time, so at the small shapes the TRITON label's
-Python launch path shows: its kernels alone run 0.96-1.00x cuBLAS there, sweep_gemm_tma_variants.py), and
+time passes the flush, 256 MB written, ~65 us at H200 bandwidth by estimate, is timed with its host time, so
+at the small shapes the TRITON label's Python launch path shows: its kernels alone run 0.92-0.97x cuBLAS at
+4096 and 8192 x 2048 x 2048 in sweep_gemm_tma_variants.py, session 33), and
 GPU-paced (``gpu_paced_ms``: the host ahead, the calls back to back, as inside a training step the GPU
 sets the pace of). The summary shows each contender's ratio to torch.matmul in both.
 """

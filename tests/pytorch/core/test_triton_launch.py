@@ -295,7 +295,8 @@ def test_fp8_gemm_triton_relaunch_matches_the_dequantized_product(use_tma):
         assert torch.equal(runs[0], runs[1])  # the relaunch ran the autotuned launch's kernel and config
         ref = (a8.double() * a_s.double()) @ (b8.double() * b_s.double()).T
         # Hopper's FP8 wgmma accumulates with fewer bits than fp32 (GPU run, session 33: 0.5% of the elements
-        # off by up to 3.5e-3 relative at K=512), so the gate is an SNR, not an fp32 tolerance
+        # outside rtol 1e-3 / atol 1e-2, by up to 0.145 absolute at K=512): the gate is an SNR, not an fp32
+        # tolerance
         assert compute_snr(ref, runs[1].double()) > 40
         counts.append(launch_plan_count())
     assert counts[0] > 0 and counts[1] == counts[0]
