@@ -20,9 +20,15 @@ def triton_can_run_on(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
+# The device types turbo ops run on; autocast has a mode for both. A set rather than
+# ``torch.amp.is_autocast_available``: Dynamo (torch 2.11) cannot trace that builtin, and a fullgraph
+# compile of modules.Linear broke on it.
+_AUTOCAST_DEVICE_TYPES = frozenset(("cuda", "cpu"))
+
+
 def autocast_enabled_on(device_type: str) -> bool:
-    """``torch.is_autocast_enabled(device_type)``, False for device types autocast has no mode for (meta)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    """``torch.is_autocast_enabled(device_type)`` on CUDA and CPU; False elsewhere (meta has no autocast mode)."""
+    return device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)
 
 
 def autocast_cast(x: torch.Tensor) -> torch.Tensor:
