@@ -27,7 +27,7 @@ _AUTOCAST_DEVICE_TYPES = frozenset(("cuda", "cpu"))
 
 
 def autocast_enabled_on(device_type: str) -> bool:
-    """``torch.is_autocast_enabled(device_type)`` on CUDA and CPU; False elsewhere (meta has no autocast mode)."""
+    """``torch.is_autocast_enabled(device_type)`` on CUDA and CPU; False elsewhere (meta: no autocast)."""
     return device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)
 
 

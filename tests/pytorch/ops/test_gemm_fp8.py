@@ -64,6 +64,9 @@ def test_env_pin_and_default(monkeypatch, device):
     gemm_fp8(a, b, ta, tb)
     default = BackendType.CUBLAS if HAS_CUDA else BackendType.TORCH
     assert GemmFP8Dispatcher.last_backend is default
+    # rowwise defaults to TRITON on CUDA (ahead of cuBLAS at every bench_gemm_fp8 shape, H200)
+    gemm_fp8(a, b, ta, tb, config=_cfg(G.ROWWISE, Format.E4M3))
+    assert GemmFP8Dispatcher.last_backend is (BackendType.TRITON if HAS_CUDA else BackendType.TORCH)
     monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "bf16:TORCH,fp8:TRITON")
     gemm_fp8(a, b, ta, tb)
     assert GemmFP8Dispatcher.last_backend is BackendType.TRITON

@@ -169,14 +169,17 @@ class GemmFP8Dispatcher(AutoKernelDispatcher):
         return (*a.shape, b.shape[0], a.dtype, b.dtype, scale_mode, scale_block, out_dtype, a.device)
 
     @classmethod
-    def default_backend(cls, a, **kw) -> BackendType:
-        # cuBLAS: tensorwise ~1280 TFLOP/s on H200, 1x128/128x128 blockwise 1198 (TRITON 0.49x there). For
-        # rowwise TRITON was ahead at both quick-set shapes (fwd incl. quantization 1057 vs 967 and 884 vs 821
-        # TFLOP/s, session 26, gemm_fp8_quick_05abc5c.csv): a default switch waits for the full sweep and an
-        # end-to-end A/B. TRITON serves whatever cuBLAS cannot (E5M2xE5M2, odd sizes).
+    def default_backend(cls, a, scale_mode=None, **kw) -> BackendType:
+        # Rowwise: TRITON. Full bench_gemm_fp8 sweep on H200 (session 34, 6 shapes, gemm_fp8_a7fe2ca.csv): its
+        # forward incl. quantization 1.00-1.10x cuBLAS's, backward 1.00-1.08x, the GEMM alone 1.04-1.09x; the
+        # Megatron deepseek_moe_fp8 step (rowwise) in benchmark/NOTES.md. Tensorwise (~1280 TFLOP/s on H200)
+        # and 1x128 / 128x128 blockwise (1198; TRITON 0.5-0.7x there): cuBLAS. TRITON also serves whatever
+        # cuBLAS cannot (E5M2 x E5M2, odd sizes).
         if not a.is_cuda:
             return BackendType.TORCH
-        if GemmFP8CublasBackend.can_handle(a=a, **kw):
+        if scale_mode == 1 and GemmFP8TritonBackend.can_handle(a=a, **kw):
+            return BackendType.TRITON
+        if GemmFP8CublasBackend.can_handle(a=a, scale_mode=scale_mode, **kw):
             return BackendType.CUBLAS
         return BackendType.TRITON
 
