@@ -170,11 +170,12 @@ class GemmFP8Dispatcher(AutoKernelDispatcher):
 
     @classmethod
     def default_backend(cls, a, scale_mode=None, **kw) -> BackendType:
-        # Rowwise: TRITON. Full bench_gemm_fp8 sweep on H200 (session 34, 6 shapes, gemm_fp8_a7fe2ca.csv): its
-        # forward incl. quantization 1.00-1.10x cuBLAS's, backward 1.00-1.08x, the GEMM alone 1.04-1.09x; the
-        # Megatron deepseek_moe_fp8 step (rowwise) in benchmark/NOTES.md. Tensorwise (~1280 TFLOP/s on H200)
-        # and 1x128 / 128x128 blockwise (1198; TRITON 0.5-0.7x there): cuBLAS. TRITON also serves whatever
-        # cuBLAS cannot (E5M2 x E5M2, odd sizes).
+        # Rowwise: TRITON. H200, session 34 (benchmark/results/h200/tests_s34/): the full bench_gemm_fp8 sweep
+        # (6 shapes): fwd with quantization 1.00-1.10x cuBLAS, bwd 1.00-1.08x, GEMM alone 1.04-1.09x;
+        # Megatron llama3_8b_fp8 step 701.6 / 704.0 ms vs 727.9 / 726.6 (ABBA, -3.4%); deepseek_moe_fp8 within
+        # its run-to-run noise. The first step pays the Triton autotune once (+4-22 s). Tensorwise (~1280
+        # TFLOP/s) and 1x128 / 128x128 blockwise (1198; TRITON 0.5-0.7x there): cuBLAS. TRITON also serves
+        # whatever cuBLAS cannot (E5M2 x E5M2, odd sizes).
         if not a.is_cuda:
             return BackendType.TORCH
         if scale_mode == 1 and GemmFP8TritonBackend.can_handle(a=a, **kw):
