@@ -332,7 +332,9 @@ def attn_fwd_kernel(
             HAS_LEFT,
             HAS_RIGHT,
         )
-        empty = l_i == 0.0
+        # A row that saw no key: l == 0, or, with a sink of -inf, m still -inf (l kept the sink's 1). Both get
+        # lse = +inf and a zero output, as the TORCH backend does (a -inf sink contributes nothing).
+        empty = (l_i == 0.0) | (m_i == float("-inf"))
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(
             empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453

@@ -113,6 +113,31 @@ def test_windows_past_every_key_are_unbounded(backend, device):
         assert torch.equal(out, ref) and out.abs().sum() > 0, (causal, window)
 
 
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_minus_inf_sink_on_rows_that_see_no_key(backend, device):
+    """A sink of -inf ("no sink" for that head) on causal rows that see no key (Sq > Sk, bottom-right
+    aligned): those rows give 0 with lse = +inf (lse = the sink on a head with a finite one), and every
+    gradient, dsink included, is finite and equals the run without a sink for that head. TRITON kept the
+    sink's l = 1 there: lse -inf and a NaN dsink."""
+    GlobalBackendManager.set_attention_backend(backend)
+    q = torch.randn(1, 20, 2, 16, dtype=DTYPE, device=device, requires_grad=True)
+    k = torch.randn(1, 4, 2, 16, dtype=DTYPE, device=device, requires_grad=True)
+    v = torch.randn(1, 4, 2, 16, dtype=DTYPE, device=device, requires_grad=True)
+    sink = torch.tensor([float("-inf"), 0.5], device=device, requires_grad=True)
+    out, lse = flash_attn_func(q, k, v, causal=True, sink=sink, return_lse=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv, dsink = _grads(out, (q, k, v, sink), dout)
+    assert (lse[0, 0, :16] == float("inf")).all()  # no key and a -inf sink: +inf
+    assert torch.allclose(lse[0, 1, :16], torch.full_like(lse[0, 1, :16], 0.5))  # only the sink: lse = sink
+    assert torch.isfinite(lse[0, :, 16:]).all()
+    assert (out[0, :16] == 0).all() and torch.isfinite(dsink).all() and dsink[0] == 0
+    plain = flash_attn_func(q, k, v, causal=True)
+    assert_close(out[:, :, 0], plain[:, :, 0], DTYPE)
+    ref_grads = _grads(plain[:, :, 0], (q, k, v), dout[:, :, 0])
+    for got, want in zip((dq[:, :, 0], dk[:, :, 0], dv[:, :, 0]), (g[:, :, 0] for g in ref_grads)):
+        assert_close(got, want, DTYPE)
+
+
 def test_turbo_attention_sink_after_a_bf16_model_cast():
     """Megatron's Float16Module / model.bfloat16() casts the sink parameter too: the module still runs (the
     kernels take fp32 sinks) and the sink still learns."""
