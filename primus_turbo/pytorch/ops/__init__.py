@@ -17,4 +17,4 @@ from primus_turbo.pytorch.ops.mla import mla_key_value  # noqa: F401
 from primus_turbo.pytorch.ops.moe import *  # noqa: F401,F403  (router, permute, dispatch/combine)
 from primus_turbo.pytorch.ops.normalization import rmsnorm, rmsnorm_residual  # noqa: F401
 from primus_turbo.pytorch.ops.quantization import dequantize_fp8, quantize_fp8, quantize_fp8_with_transpose  # noqa: F401,E501
-from primus_turbo.pytorch.ops.rope import apply_rotary_emb_complex, apply_rotary_pos_emb  # noqa: F401
+from primus_turbo.pytorch.ops.rope import apply_rotary_emb_complex, apply_rotary_pos_emb, clear_rope_cache  # noqa: F401

@@ -18,7 +18,7 @@ import torch
 
 from primus_turbo.pytorch.kernels.rope.rope_impl import rope_bwd, rope_complex, rope_fwd
 
-__all__ = ["apply_rotary_pos_emb", "apply_rotary_emb_complex"]
+__all__ = ["apply_rotary_pos_emb", "apply_rotary_emb_complex", "clear_rope_cache"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,24 +37,32 @@ class _Rope(torch.autograd.Function):
         return rope_bwd(grad, cos, sin, ctx.interleaved_input, ctx.nope), None, None, None, None
 
 
-# (id(freqs), version, dtype, mscale) -> (freqs, cos, sin): Megatron's RotaryEmbedding returns one cached
-# angle tensor for the whole run, so cos / sin are computed once, not on every call (two launches each)
+# (id(freqs), data pointer, version, dtype, mscale) -> (freqs, cos, sin): Megatron's RotaryEmbedding returns
+# one cached angle tensor for the whole run, so cos / sin are computed once, not on every call (two launches
+# each). In-place writes bump the version and ``freqs.data = other`` moves the pointer; a write through
+# ``freqs.data`` (``freqs.data.copy_(...)``) changes neither: call ``clear_rope_cache()`` after one.
 _COS_SIN: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def clear_rope_cache() -> None:
+    """Forget the cached cos / sin tables (after writing new angles through ``freqs.data``)."""
+    _COS_SIN.clear()
 
 
 def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin(freqs) * mscale rounded to ``dtype`` as Megatron's eager RoPE rounds them, as fp32 [S, D]."""
-    key = (id(freqs), freqs._version, dtype, mscale)
-    hit = _COS_SIN.get(key)
+    compiling = torch.compiler.is_compiling()  # traced: computed in the graph (data_ptr does not trace)
+    key = None if compiling else (id(freqs), freqs.data_ptr(), freqs._version, dtype, mscale)
+    hit = None if compiling else _COS_SIN.get(key)
     if hit is not None and hit[0] is freqs:
         return hit[1], hit[2]
     seq, dim = freqs.shape[0], freqs.shape[-1]
     f = freqs.reshape(seq, dim)
     cos = (torch.cos(f) * mscale).to(dtype).float().contiguous()
     sin = (torch.sin(f) * mscale).to(dtype).float().contiguous()
-    if len(_COS_SIN) >= 16:
-        _COS_SIN.clear()
-    if not torch.compiler.is_compiling():
+    if not compiling:
+        if len(_COS_SIN) >= 16:
+            _COS_SIN.clear()
         _COS_SIN[key] = (freqs, cos, sin)
     return cos, sin
 

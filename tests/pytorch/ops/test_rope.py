@@ -12,7 +12,7 @@ from test_utils import assert_close
 from triton_compile_utils import compile_for_sm90, run_compile_check
 
 from primus_turbo.pytorch.kernels.rope.rope_impl import rope_eager
-from primus_turbo.pytorch.ops.rope import apply_rotary_pos_emb
+from primus_turbo.pytorch.ops.rope import apply_rotary_pos_emb, clear_rope_cache
 
 
 def _freqs(seq, dim, device, base=10000.0):
@@ -127,6 +127,13 @@ def test_cos_sin_are_cached_per_angle_tensor_and_recomputed_after_an_in_place_wr
     t = torch.randn(5, 1, 2, 8, device=device)
     x, ref = _rounded_reference(t, freqs, False, 1.0)
     assert_close(apply_rotary_pos_emb(t, freqs), ref.float(), torch.float32)
+    # new storage through .data (no version bump): the pointer is in the key
+    freqs.data = _freqs(5, 8, device) * 3.0
+    assert_close(_cos_sin(freqs, torch.float32, 1.0)[0], torch.cos(freqs.reshape(5, 8)), torch.float32)
+    # a write through .data changes neither the version nor the pointer: clear_rope_cache()
+    freqs.data.copy_(_freqs(5, 8, device) * 5.0)
+    clear_rope_cache()
+    assert_close(_cos_sin(freqs, torch.float32, 1.0)[0], torch.cos(freqs.reshape(5, 8)), torch.float32)
 
 
 BAD = [
@@ -189,3 +196,18 @@ def test_rope_kernel_compiles_sm90():
 
 if __name__ == "__main__":
     _compile_all()
+
+
+def test_apply_rotary_pos_emb_compiles_fullgraph(device):
+    """torch.compile(fullgraph=True) traces the op (the cos / sin cache is skipped while tracing: its key
+    broke the trace before), forward and backward equal to eager."""
+    freqs = _freqs(6, 8, device)
+    t = torch.randn(6, 2, 3, 8, device=device, requires_grad=True)
+    compiled = torch.compile(apply_rotary_pos_emb, fullgraph=True, backend="aot_eager")
+    out = compiled(t, freqs)
+    want = apply_rotary_pos_emb(t, freqs)
+    assert_close(out, want, torch.float32)
+    dout = torch.randn_like(out)
+    (got_grad,) = torch.autograd.grad(out, t, dout)
+    (want_grad,) = torch.autograd.grad(want, t, dout)
+    assert_close(got_grad, want_grad, torch.float32)
