@@ -17,7 +17,10 @@ Activation checkpointing recomputes the forward during backward, outside the blo
 use_reentrant=False)`` so the recomputation runs under the state of the original forward. Without it, a
 module that follows the context recomputes in another precision: a CheckpointError, or with
 ``use_reentrant=True`` the gradients of another function. Modules with their own config need none of this.
-DELAYED scaling under recomputation pushes each amax twice (the window then covers half as many steps).
+DELAYED scaling: a recomputed forward pushes no amax (the original forward did), so the window covers
+``amax_history_len`` steps with or without recomputation. It quantizes with the scale of the history as it
+is then, which includes the original forward's amax: with ``amax_compute_algo='max'`` it differs from the
+forward's only where that amax is the window's largest.
 
 Delayed scaling (``ScalingStrategy.DELAYED``, Transformer Engine's DelayedScaling): each quantized
 tensor keeps an ``AmaxHistory`` on device; its scale comes from the history (max over the window or

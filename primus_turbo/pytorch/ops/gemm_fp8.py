@@ -64,8 +64,15 @@ class _Operand:
         self.fwd, self.bwd, self.block = fwd, bwd, block
 
 
-def _quantize_physical(p, dtype, config, block, need_t, history: AmaxHistory | None):
-    """Quantize contiguous 2-D p: returns ((q, s), (qt, st) | None)."""
+def _recomputing() -> bool:
+    """A forward that runs inside a backward pass: activation checkpointing's recomputation (reentrant or
+    not). Its DELAYED amaxes were pushed by the original forward already."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _quantize_physical(p, dtype, config, block, need_t, history: AmaxHistory | None, push: bool = True):
+    """Quantize contiguous 2-D p: returns ((q, s), (qt, st) | None). ``push``: append p's amax to
+    ``history`` (off for a recomputed forward)."""
     g = config.granularity
     kw = {"block_size": block, "power_of_two_scales": config.power_of_two_scales}
     if history is not None:
@@ -73,9 +80,11 @@ def _quantize_physical(p, dtype, config, block, need_t, history: AmaxHistory | N
             q, s, qt, amax = quantize_fp8_tensorwise_static_impl(
                 p, history.scale(dtype, config.power_of_two_scales), dtype, need_t
             )
-            history.update(amax)
+            if push:
+                history.update(amax)
             return (q, s), ((qt, s) if need_t else None)
-        history.update(finite_amax(p))
+        if push:
+            history.update(finite_amax(p))
     if torch.compiler.is_compiling():  # the public ops trace as opaque custom ops
         if need_t:
             q, s, qt, st = quantize_fp8_with_transpose(p, dtype, g, **kw)
@@ -90,7 +99,7 @@ def _quantize_physical(p, dtype, config, block, need_t, history: AmaxHistory | N
     return quantize_fp8_impl(p, dtype, name, axis, br, bc, pow2), None
 
 
-def _prepare(x, phys_is_x, dtype, config, block, need_fwd_only, history=None) -> _Operand:
+def _prepare(x, phys_is_x, dtype, config, block, need_fwd_only, history=None, push=True) -> _Operand:
     """x: the physical tensor (hp or Float8Tensor); phys_is_x: physical == logical X (else X^T)."""
     if isinstance(x, Float8Tensor):
         main = (x.data, x.scale_inv)
@@ -105,7 +114,7 @@ def _prepare(x, phys_is_x, dtype, config, block, need_fwd_only, history=None) ->
     p = x.detach()
     p = p if p.is_contiguous() else p.contiguous()
     need_t = not (need_fwd_only and phys_is_x)
-    main, other = _quantize_physical(p, dtype, config, block, need_t, history)
+    main, other = _quantize_physical(p, dtype, config, block, need_t, history, push)
     fwd, bwd = (main, other) if phys_is_x else (other, main)
     return _Operand(fwd, bwd, block)
 
@@ -131,8 +140,9 @@ class _GemmFP8Function(torch.autograd.Function):
         a_blk = bs if config.granularity is G.BLOCKWISE else None
         b_blk = (bs, bs) if a_blk else None
         hist_a, hist_b = (state.a, state.b) if state is not None else (None, None)
-        a_op = _prepare(a_in, not trans_a, fwd_dtype, config, a_blk, not needs_grad or hp_wgrad, hist_a)
-        b_op = _prepare(b_in, trans_b, fwd_dtype, config, b_blk, not needs_grad, hist_b)
+        push = state is None or not _recomputing()  # one amax per forward, recomputed or not
+        a_op = _prepare(a_in, not trans_a, fwd_dtype, config, a_blk, not needs_grad or hp_wgrad, hist_a, push)
+        b_op = _prepare(b_in, trans_b, fwd_dtype, config, b_blk, not needs_grad, hist_b, push)
         mode = _mode(config.granularity, b_op.block)
         out = gemm_fp8_impl(*a_op.fwd, *b_op.fwd, mode, bs or 0, out_dtype, True)
         ctx.trans_a, ctx.trans_b, ctx.config, ctx.state, ctx.mode = trans_a, trans_b, config, state, mode

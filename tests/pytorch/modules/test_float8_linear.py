@@ -118,6 +118,27 @@ def test_delayed_scaling_module():
     assert torch.isfinite(dw).all() and torch.isfinite(dx).all()
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_delayed_scaling_pushes_one_amax_per_step_under_activation_checkpointing(reentrant):
+    """Checkpointing recomputes the forward during backward; the recomputation must not push the input and
+    weight amaxes a second time (the window would cover half the steps). The gradient's history, pushed in
+    the backward, still gets one per step. Before: a and b held two entries after one step."""
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = Float8QuantConfig(format=Format.HYBRID, strategy=ScalingStrategy.DELAYED, amax_history_len=4)
+    layer = Float8Linear(64, 48, config=cfg)
+    xs = [torch.randn(16, 64, requires_grad=True) * (i + 1) for i in range(2)]
+    for x in xs:
+        x.retain_grad()
+        checkpoint(layer, x, use_reentrant=reentrant).square().sum().backward()
+    st = layer.delayed_state
+    for hist in (st.a, st.b, st.grad):
+        assert torch.all(hist.history[:2] > 0) and torch.all(hist.history[2:] == 0), hist.history
+    torch.testing.assert_close(st.a.history[0], xs[1].detach().abs().max())
+    torch.testing.assert_close(st.a.history[1], xs[0].detach().abs().max())
+    assert torch.isfinite(xs[1].grad).all() and xs[1].grad.abs().sum() > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gran", list(G), ids=lambda g: g.name)
 @pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336), (2048, 7168)])
