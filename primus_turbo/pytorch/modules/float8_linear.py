@@ -120,7 +120,7 @@ class Float8Linear(Linear):
                 accumulate_into_main_grad=self._fp8_accumulate(config),
             )  # fmt: skip
         return gemm_fp8(
-            x2d, self._quantized_weight(config), trans_b=True, out_dtype=x2d.dtype, config=config,
+            x2d, self._quantized_weight(config), trans_b=True, config=config,
             accumulate_into_main_grad=self._fp8_accumulate(config),
         )  # fmt: skip
 

@@ -100,7 +100,7 @@ class Linear(nn.Module):
                 self.fp8_delayed_state = DelayedScalingState(config, device=self.weight.device)
             state = self.fp8_delayed_state
         return gemm_fp8(
-            x2d, self.weight, trans_b=True, out_dtype=x2d.dtype, config=config, delayed_state=state,
+            x2d, self.weight, trans_b=True, config=config, delayed_state=state,
             accumulate_into_main_grad=self._fp8_accumulate(config),
         )  # fmt: skip
 

@@ -40,6 +40,7 @@ from primus_turbo.pytorch.core.low_precision import (
     ScalingStrategy,
 )
 from primus_turbo.pytorch.core.main_grad import check_main_grad
+from primus_turbo.pytorch.core.utils import autocast_enabled_on
 from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_impl
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     finite_amax,
@@ -229,7 +230,8 @@ def gemm_fp8(
     accumulate_into_main_grad: bool = False,
 ) -> torch.Tensor:
     """op(a) @ op(b) in FP8 with autograd (see the module docstring). ``out_dtype`` defaults to the
-    high-precision input dtype (bf16 when both inputs are Float8Tensors).
+    high-precision input dtype (bf16 when both inputs are Float8Tensors), and under ``torch.autocast`` to
+    its dtype, as ``torch.mm`` returns; the operands are quantized from their own precision either way.
     ``accumulate_into_main_grad`` (needs ``config.high_precision_wgrad``): b's gradient is added to
     ``b.main_grad`` (b a tensor, or a Float8Tensor whose ``source`` is the weight) and a placeholder
     is returned, as ``turbo.ops.gemm`` does."""
@@ -250,7 +252,11 @@ def gemm_fp8(
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device != b.device:
         raise ValueError(f"a/b: on different devices ({a.device}, {b.device})")
     hp = [x for x in (a, b) if isinstance(x, torch.Tensor)]
-    out_dtype = out_dtype or (hp[0].dtype if hp else torch.bfloat16)
+    device_type = (hp[0] if hp else a.data).device.type
+    autocast = autocast_enabled_on(device_type)
+    if out_dtype is None:  # under torch.autocast its dtype, as torch.mm / nn.Linear return
+        out_dtype = hp[0].dtype if hp else torch.bfloat16
+        out_dtype = torch.get_autocast_dtype(device_type) if autocast else out_dtype
     if out_dtype not in _HP:
         raise TypeError(f"out_dtype: expected float32/bfloat16/float16, got {out_dtype}")
     if config.strategy is ScalingStrategy.DELAYED:
@@ -269,9 +275,11 @@ def gemm_fp8(
     accumulate = _check_accumulate(accumulate_into_main_grad, config, b_hp, grad_needed)
     a_f8 = a if isinstance(a, Float8Tensor) else None
     b_f8 = b if isinstance(b, Float8Tensor) else None
-    return _GemmFP8Function.apply(
-        a_hp, b_hp, a_f8, b_f8, trans_a, trans_b, out_dtype, config, delayed_state, accumulate
-    )
+    args = (a_hp, b_hp, a_f8, b_f8, trans_a, trans_b, out_dtype, config, delayed_state, accumulate)
+    if autocast:  # the quantizers and GEMMs compute as outside autocast (its casts would round them)
+        with torch.autocast(device_type, enabled=False):
+            return _GemmFP8Function.apply(*args)
+    return _GemmFP8Function.apply(*args)
 
 
 def _check_accumulate(accumulate, config, b_hp, grad_needed) -> bool:

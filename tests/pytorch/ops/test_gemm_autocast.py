@@ -1,7 +1,9 @@
-"""``turbo.ops.gemm`` and ``turbo.modules.Linear`` under ``torch.autocast``: they follow it as ``torch.mm``
-and ``nn.Linear`` do (inputs cast to the autocast dtype, which every backend computes and returns; fp32
-leaves get fp32 gradients through the cast), where they used to depend on the backend (CUBLAS's torch.mm
-autocast the forward to bf16 and ran the backward in fp32; TRITON and TORCH stayed in fp32)."""
+"""``turbo.ops.gemm``, ``turbo.ops.gemm_fp8`` and the Linear modules under ``torch.autocast``: they follow
+it as ``torch.mm`` and ``nn.Linear`` do. gemm: inputs cast to the autocast dtype, which every backend
+computes and returns; fp32 leaves get fp32 gradients through the cast (it used to depend on the backend:
+CUBLAS's torch.mm autocast the forward to bf16 and ran the backward in fp32; TRITON and TORCH stayed in
+fp32). gemm_fp8, Float8Linear and Linear(fp8_config=...): the output in the autocast dtype (it was the
+input's), the operands quantized from their own precision."""
 
 import pytest
 import torch
@@ -83,3 +85,32 @@ def test_linear_under_autocast_returns_what_nn_linear_returns(device):
     assert ours.weight.grad.dtype == torch.float32
     assert_close(ours.weight.grad, ref.weight.grad, torch.bfloat16)
     assert_close(ours.bias.grad, ref.bias.grad, torch.bfloat16)
+
+
+def test_gemm_fp8_and_float8_linear_under_autocast_return_the_autocast_dtype(device):
+    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity
+
+    dev = torch.device(device).type
+    cfg = Float8QuantConfig(granularity=ScalingGranularity.ROWWISE)
+    x = torch.randn(32, 64, device=device, requires_grad=True)
+    w = torch.randn(48, 64, device=device, requires_grad=True)
+    outside = turbo.ops.gemm_fp8(x, w, trans_b=True, config=cfg)
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        out = turbo.ops.gemm_fp8(x, w, trans_b=True, config=cfg)
+        pinned = turbo.ops.gemm_fp8(x, w, trans_b=True, out_dtype=torch.float32, config=cfg)
+    assert outside.dtype == pinned.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert_close(out, outside.bfloat16(), torch.bfloat16)  # the same FP8 operands, rounded at the end
+    dx, dw = torch.autograd.grad(out.float().square().sum(), (x, w))
+    assert dx.dtype == dw.dtype == torch.float32 and dx.abs().sum() > 0 and dw.abs().sum() > 0
+    layers = [
+        turbo.modules.Float8Linear(64, 24, config=cfg, device=device),
+        turbo.modules.Linear(64, 24, device=device, fp8_config=cfg),
+    ]
+    for layer in layers:
+        ref = torch.nn.Linear(64, 24, device=device)
+        ref.load_state_dict(layer.state_dict(), strict=False)
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            got, want = layer(x), ref(x)
+        assert got.dtype == want.dtype == torch.bfloat16, type(layer).__name__
+        got.float().sum().backward()
+        assert layer.weight.grad.dtype == torch.float32 and layer.bias.grad.dtype == torch.float32
