@@ -8,7 +8,9 @@
    with autotune.
 2. Host us inside ``GemmFunction.backward`` (autograd's device thread) and its two GEMM calls, against the
    whole fwd+bwd step, CUBLAS and TRITON pinned.
-3. At the bench shapes where the dispatcher or TRITON fell below target (session 32, 2x H200): the backend
+3. Host us per ``gemm_forward`` call for the forward, dgrad and wgrad layouts, from the main thread and from
+   another thread, CUBLAS and TRITON pinned.
+4. At the bench shapes where the dispatcher or TRITON fell below target (session 32, 2x H200): the backend
    the autotuner picked for each of the three GEMMs (forward, dgrad, wgrad), and each GEMM alone on CUBLAS
    and TRITON (do_bench median us, the Triton config its autotuner chose).
 
@@ -131,12 +133,50 @@ def backward_table(report: io.StringIO) -> None:
         GlobalBackendManager.reset()
 
 
+def thread_table(report: io.StringIO) -> None:
+    """Host us per ``gemm_forward`` call (the dispatcher and the kernel launch, no autograd), TRITON and
+    CUBLAS pinned, 1024^3 bf16, for the three layouts of nn.Linear's GEMMs, issued from the main thread and
+    from a plain ``threading.Thread``: separates "the backward's layouts cost more" from "autograd's thread
+    costs more" (session 34: a TRITON backward GEMM call took ~121 us, the whole TRITON forward op 114)."""
+    import threading
+
+    from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_forward
+
+    x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    layouts = {
+        "fwd (NT)": (x, w, False, True),
+        "dgrad (NN)": (g, w, False, False),
+        "wgrad (TN)": (g, x, True, False),
+    }
+    report.write("\n## host us per gemm_forward call by layout and thread, 1024^3 bf16\n\n")
+    report.write("| backend | layout | main thread us | other thread us |\n|---|---|---|---|\n")
+    for backend in ("CUBLAS", "TRITON"):
+        _mode(backend)
+        for name, (a, b, ta, tb) in layouts.items():
+            call = lambda a=a, b=b, ta=ta, tb=tb: gemm_forward(a, b, ta, tb, torch.bfloat16)  # noqa: E731
+            main_us = host_ms(call, n=300, warmup=20) * 1e3
+            result = {}
+
+            def on_thread(call=call, result=result):
+                result["us"] = host_ms(call, n=300, warmup=20) * 1e3
+
+            worker = threading.Thread(target=on_thread)
+            worker.start()
+            worker.join()
+            report.write(f"| {backend} | {name} | {main_us:.1f} | {result['us']:.1f} |\n")
+    GlobalBackendManager.reset()
+
+
 def _triton_cfg() -> str:
-    best = getattr(gemm_kernel.gemm_tma_persistent_kernel, "best_config", None)
-    if best is None:
-        return "pointer"
-    kw = best.kwargs
-    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} w{best.num_warps} s{best.num_stages}"
+    """The config the default (device-descriptor TMA) kernel's autotuner chose ("pointer": none ran)."""
+    for kernel in (gemm_kernel.gemm_tma_device_persistent_kernel, gemm_kernel.gemm_tma_persistent_kernel):
+        best = getattr(kernel, "best_config", None)
+        if best is not None:
+            kw = best.kwargs
+            return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} w{best.num_warps} s{best.num_stages}"
+    return "pointer"
 
 
 def shape_table(report: io.StringIO) -> None:
@@ -182,6 +222,7 @@ def main() -> None:
     report.write(f"# GEMM dispatch diagnosis on {torch.cuda.get_device_name()}\n\n")
     host_table(report)
     backward_table(report)
+    thread_table(report)
     shape_table(report)
     text = report.getvalue()
     print(text)
