@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from primus_turbo.triton.gemm.gemm_kernel import num_programs_cap, persistent_grid
+from primus_turbo.triton.autotune_cache import configure as configure_autotune_cache
+from primus_turbo.triton.gemm.gemm_kernel import ensure_scratch_allocator, num_programs_cap, persistent_grid
 from primus_turbo.triton.launch import launch_autotuned
 
 # The CPU interpreter's fp8 tl.dot multiplies raw bits: upcast there (compiled kernels use fp8 wgmma).
@@ -65,14 +66,34 @@ CONFIGS = [
 ]
 
 
-def prune_configs(configs, nargs, **kwargs):
+# The device-descriptor kernel's configs: the same tiles without the pre-hook (its descriptors are made in the
+# kernel from BLOCK_*), which also lets Triton keep its autotune choice on disk (see autotune_cache).
+DEVICE_CONFIGS = [
+    triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages) for c in CONFIGS
+]
+
+
+def _prune(configs, nargs, fallback, **kwargs):
     args = {**kwargs, **nargs}  # constexprs arrive in nargs or kwargs depending on the Triton version
     block = args["SCALE_BLOCK"]
     blockwise = args["SCALE_MODE"] >= SCALE_BLOCK_1x128_128x128
     kept = [c for c in configs if not blockwise or c.kwargs["BLOCK_K"] == block]
     if not kept:
-        kept = [_config(128, 128, block, 8, 3)]
+        kept = [fallback(128, 128, block, 8, 3)]
     return kept
+
+
+def prune_configs(configs, nargs, **kwargs):
+    return _prune(configs, nargs, _config, **kwargs)
+
+
+def _device_config(bm, bn, bk, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
+                         num_stages=stages)  # fmt: skip
+
+
+def prune_device_configs(configs, nargs, **kwargs):
+    return _prune(configs, nargs, _device_config, **kwargs)
 
 
 @triton.jit
@@ -91,18 +112,13 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.autotune(
-    configs=CONFIGS,
-    key=["M", "N", "K", "SCALE_MODE", "USE_TMA"],
-    prune_configs_by={"early_config_prune": prune_configs},
-)
 @triton.jit
-def gemm_fp8_persistent_kernel(
-    a_ptr,
-    b_ptr,
+def _fp8_tiles(
+    a_src,
+    b_src,
     c_ptr,
     a_s_ptr,
-    b_s_ptr,  # a_ptr/b_ptr are TMA descriptors when USE_TMA
+    b_s_ptr,
     M,
     N,
     K,
@@ -122,6 +138,8 @@ def gemm_fp8_persistent_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    """The persistent tile loop of both kernels: ``a_src`` / ``b_src`` are TMA descriptors (host- or
+    device-made) when ``USE_TMA``, else pointers."""
     start_pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -145,13 +163,13 @@ def gemm_fp8_persistent_kernel(
         for ki in range(k_tiles):
             k0 = ki * BLOCK_K
             if USE_TMA:
-                a = a_ptr.load([pid_m * BLOCK_M, k0])
-                b = b_ptr.load([pid_n * BLOCK_N, k0])
+                a = a_src.load([pid_m * BLOCK_M, k0])
+                b = b_src.load([pid_n * BLOCK_N, k0])
             else:
                 offs_k = k0 + offs_k0
                 k_mask = offs_k[None, :] < K
-                a = tl.load(a_ptr + rows_a[:, None] * stride_am + offs_k[None, :], mask=k_mask, other=0.0)
-                b = tl.load(b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :], mask=k_mask, other=0.0)
+                a = tl.load(a_src + rows_a[:, None] * stride_am + offs_k[None, :], mask=k_mask, other=0.0)
+                b = tl.load(b_src + rows_b[:, None] * stride_bn + offs_k[None, :], mask=k_mask, other=0.0)
             if SCALE_MODE >= 2:
                 a_s = tl.load(a_s_ptr + rows_a * stride_asm + ki * stride_ask)
                 if SCALE_MODE == 2:
@@ -179,6 +197,83 @@ def gemm_fp8_persistent_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@configure_autotune_cache  # off: the host TMA configs carry a pre_hook (see autotune_cache)
+@triton.autotune(
+    configs=CONFIGS,
+    key=["M", "N", "K", "SCALE_MODE", "USE_TMA"],
+    prune_configs_by={"early_config_prune": prune_configs},
+)
+@triton.jit
+def gemm_fp8_persistent_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_s_ptr,
+    b_s_ptr,  # a_ptr/b_ptr are host TMA descriptors when USE_TMA
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_asm,
+    stride_ask,
+    stride_bsn,
+    stride_bsk,
+    SCALE_MODE: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    _fp8_tiles(a_ptr, b_ptr, c_ptr, a_s_ptr, b_s_ptr, M, N, K, stride_am, stride_bn, stride_cm, stride_asm,
+               stride_ask, stride_bsn, stride_bsk, SCALE_MODE, SCALE_BLOCK, USE_TMA, NUM_SMS, BLOCK_M,
+               BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+
+
+@configure_autotune_cache
+@triton.autotune(
+    configs=DEVICE_CONFIGS,
+    key=["M", "N", "K", "SCALE_MODE"],
+    prune_configs_by={"early_config_prune": prune_device_configs},
+)
+@triton.jit
+def gemm_fp8_tma_device_persistent_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_s_ptr,
+    b_s_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_asm,
+    stride_ask,
+    stride_bsn,
+    stride_bsk,
+    SCALE_MODE: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The TMA path with its two descriptors made on the device (once per program, in Triton's global
+    scratch) instead of by the host per launch: no pre-hook, so its autotune choice can be kept on disk."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+    _fp8_tiles(a_desc, b_desc, c_ptr, a_s_ptr, b_s_ptr, M, N, K, stride_am, stride_bn, stride_cm, stride_asm,
+               stride_ask, stride_bsn, stride_bsk, SCALE_MODE, SCALE_BLOCK, True, NUM_SMS, BLOCK_M, BLOCK_N,
+               BLOCK_K, GROUP_M)  # fmt: skip
+
+
 def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.is_cuda
@@ -192,6 +287,23 @@ def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+VARIANTS = ("tma_device", "tma", "pointer")
+ENV_TMA = "PRIMUS_TURBO_FP8_TRITON_TMA"
+
+
+def _default_tma_variant() -> str:
+    """``PRIMUS_TURBO_FP8_TRITON_TMA``: ``host`` (default: descriptors built per launch, the kernel timed in
+    sessions 26-34) or ``device`` (made in the kernel; its autotune choice is kept on disk). Read at
+    import."""
+    raw = os.environ.get(ENV_TMA, "host").strip().lower() or "host"
+    if raw not in ("host", "device"):
+        raise ValueError(f"{ENV_TMA}: expected 'host' or 'device', got {raw!r}")
+    return "tma" if raw == "host" else "tma_device"
+
+
+DEFAULT_TMA_VARIANT = _default_tma_variant()
+
+
 def gemm_fp8_triton(
     a: torch.Tensor,
     a_s: torch.Tensor,
@@ -200,10 +312,16 @@ def gemm_fp8_triton(
     scale_mode: int,
     scale_block: int,
     out_dtype: torch.dtype,
-    use_tma: bool | None = None,
+    variant: str | None = None,
 ) -> torch.Tensor:
     """a [M, K], b [N, K] FP8 row-major (K-major); scales as in the module docstring (2-D scale
-    tensors may have any strides: 1 x bs scales are column-major as cuBLAS wants them)."""
+    tensors may have any strides: 1 x bs scales are column-major as cuBLAS wants them).
+
+    ``variant``: None takes the TMA path (``DEFAULT_TMA_VARIANT``) where its preconditions hold (CUDA,
+    K % 16 == 0, 16-byte aligned bases and row strides), else the pointer loads; ``"tma"`` (host
+    descriptors), ``"tma_device"`` (descriptors made in the kernel) or ``"pointer"`` forces one."""
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"gemm_fp8_triton: variant must be None or one of {VARIANTS}, got {variant!r}")
     M, K = a.shape
     N = b.shape[0]
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
@@ -213,21 +331,25 @@ def gemm_fp8_triton(
         return c.zero_()
     a = a if a.stride(1) == 1 else a.contiguous()
     b = b if b.stride(1) == 1 else b.contiguous()
-    use_tma = _tma_ok(a, b) if use_tma is None else use_tma
-    a_arg, b_arg = a, b
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a_arg = TensorDescriptor(a, list(a.shape), list(a.stride()), [16, 16])
-        b_arg = TensorDescriptor(b, list(b.shape), list(b.stride()), [16, 16])
+    if variant is None:
+        variant = DEFAULT_TMA_VARIANT if _tma_ok(a, b) else "pointer"
     as2 = a_s.reshape(-1, 1) if a_s.dim() < 2 else a_s
     bs2 = b_s.reshape(-1, 1) if b_s.dim() < 2 else b_s
     cap = num_programs_cap(a.device)
     grid = persistent_grid(cap, M, N)
-    args = {"a_ptr": a_arg, "b_ptr": b_arg, "c_ptr": c, "a_s_ptr": a_s, "b_s_ptr": b_s, "M": M, "N": N,
+    args = {"a_ptr": a, "b_ptr": b, "c_ptr": c, "a_s_ptr": a_s, "b_s_ptr": b_s, "M": M, "N": N,
             "K": K, "stride_am": a.stride(0), "stride_bn": b.stride(0), "stride_cm": c.stride(0),
             "stride_asm": as2.stride(0), "stride_ask": as2.stride(1), "stride_bsn": bs2.stride(0),
-            "stride_bsk": bs2.stride(1), "SCALE_MODE": scale_mode, "SCALE_BLOCK": scale_block,
-            "USE_TMA": use_tma, "NUM_SMS": cap}  # fmt: skip
-    launch_autotuned(gemm_fp8_persistent_kernel, grid, args)
+            "stride_bsk": bs2.stride(1), "SCALE_MODE": scale_mode, "SCALE_BLOCK": scale_block}  # fmt: skip
+    if variant == "tma_device":
+        if a.is_cuda:
+            ensure_scratch_allocator()
+        launch_autotuned(gemm_fp8_tma_device_persistent_kernel, grid, {**args, "NUM_SMS": cap})
+        return c
+    if variant == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        args["a_ptr"] = TensorDescriptor(a, list(a.shape), list(a.stride()), [16, 16])
+        args["b_ptr"] = TensorDescriptor(b, list(b.shape), list(b.stride()), [16, 16])
+    launch_autotuned(gemm_fp8_persistent_kernel, grid, {**args, "USE_TMA": variant == "tma", "NUM_SMS": cap})
     return c

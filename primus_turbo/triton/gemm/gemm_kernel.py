@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
+from primus_turbo.triton.autotune_cache import configure as configure_autotune_cache
 from primus_turbo.triton.launch import launch_autotuned
 
 SMEM_BYTES_SM90 = 227 * 1024
@@ -147,6 +148,7 @@ def _tma_tiles(
             c_desc.store([offs_cm, offs_cn], acc.to(out_dtype))
 
 
+@configure_autotune_cache
 @triton.autotune(configs=TMA_CONFIGS, key=["M", "N", "K", "A_K_MAJOR", "B_K_MAJOR"])
 @triton.jit
 def gemm_tma_persistent_kernel(
@@ -169,6 +171,7 @@ def gemm_tma_persistent_kernel(
                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE_SUBTILE)  # fmt: skip
 
 
+@configure_autotune_cache
 @triton.autotune(configs=TMA_DEVICE_CONFIGS, key=["M", "N", "K", "A_K_MAJOR", "B_K_MAJOR"])
 @triton.jit
 def gemm_tma_device_persistent_kernel(
@@ -242,6 +245,7 @@ def prune_ptr_configs(configs, nargs, **kwargs):
     return fits or configs[-1:]
 
 
+@configure_autotune_cache
 @triton.autotune(
     configs=PTR_CONFIGS,
     key=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"],

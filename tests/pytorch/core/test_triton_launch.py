@@ -275,8 +275,8 @@ def test_grouped_gemm_triton_relaunch_matches_the_reference(dtype, trans_b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("use_tma", [True, False])
-def test_fp8_gemm_triton_relaunch_matches_the_dequantized_product(use_tma):
+@pytest.mark.parametrize("variant", ["tma", "tma_device", "pointer"])
+def test_fp8_gemm_triton_relaunch_matches_the_dequantized_product(variant):
     """Rowwise-scaled FP8 GEMM through the Triton kernel twice per shape (fresh inputs): the second round
     launches from the plans (TMA descriptors get their boxes from the config's pre-hook) and matches."""
     if not torch.cuda.is_available():
@@ -291,7 +291,7 @@ def test_fp8_gemm_triton_relaunch_matches_the_dequantized_product(use_tma):
         a_s = torch.rand(m, 1, device="cuda") + 0.5  # dequantization multipliers (scale_inv), per row
         b_s = torch.rand(n, 1, device="cuda") + 0.5
         args = (a8, a_s, b8, b_s, SCALE_ROWWISE, 0, torch.float32)
-        runs = [gemm_fp8_triton(*args, use_tma=use_tma) for _ in range(2)]
+        runs = [gemm_fp8_triton(*args, variant=variant) for _ in range(2)]
         assert torch.equal(runs[0], runs[1])  # the relaunch ran the autotuned launch's kernel and config
         ref = (a8.double() * a_s.double()) @ (b8.double() * b_s.double()).T
         # Hopper's FP8 wgmma accumulates with fewer bits than fp32 (GPU run, session 33: 0.5% of the elements

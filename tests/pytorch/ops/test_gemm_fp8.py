@@ -212,7 +212,8 @@ def test_gemm_fp8_gpu(gran, fmt, layout, backend, mnk):
 
 @pytest.mark.parametrize("mode", [0, 1, 2, 3])
 def test_triton_tma_and_pointer_agree(mode, device):
-    """Both load paths of the Triton kernel (the TMA one runs in the 3.7 interpreter on CPU)."""
+    """The three load paths of the Triton kernels (host and device TMA descriptors run in the 3.7 interpreter
+    on CPU)."""
     from primus_turbo.triton.gemm.gemm_fp8_kernel import gemm_fp8_triton
 
     m, n, k = (1024, 768, 1024) if HAS_CUDA else (136, 144, 256)
@@ -222,9 +223,11 @@ def test_triton_tma_and_pointer_agree(mode, device):
     shapes = {0: ((), ()), 1: ((m, 1), (n, 1)), 2: ((m, kb), (nb, kb)), 3: ((m, kb), (n, kb))}[mode]
     a_s = torch.rand(shapes[0], device=device) + 0.5
     b_s = torch.rand(shapes[1], device=device) + 0.5
-    c_tma = gemm_fp8_triton(a, a_s, b, b_s, mode, 128, torch.float32, use_tma=True)
-    c_ptr = gemm_fp8_triton(a, a_s, b, b_s, mode, 128, torch.float32, use_tma=False)
+    c_tma = gemm_fp8_triton(a, a_s, b, b_s, mode, 128, torch.float32, variant="tma")
+    c_dev = gemm_fp8_triton(a, a_s, b, b_s, mode, 128, torch.float32, variant="tma_device")
+    c_ptr = gemm_fp8_triton(a, a_s, b, b_s, mode, 128, torch.float32, variant="pointer")
     torch.testing.assert_close(c_tma, c_ptr, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(c_dev, c_ptr, rtol=1e-5, atol=1e-3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,6 +267,24 @@ def _compile_gemm_kernels():
         )
         assert "wgmma" in compiled.asm["ptx"], f"mode {mode} {kw} {da}x{db} tma={tma}: no wgmma"
         print(f"mode {mode} {kw} {da}x{db} tma={tma}: {compiled.metadata.shared} B shared", flush=True)
+    # the device-descriptor kernel: pointers in, tensormaps made in the kernel (rowwise and blockwise)
+    for mode in (1, 2):
+        cfg = gk.DEVICE_CONFIGS[0]
+        sig = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16"}
+        sig |= {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32"}
+        sig |= dict.fromkeys(["M", "N", "K", "stride_am", "stride_bn", "stride_cm"], "i32")
+        sig |= dict.fromkeys(["stride_asm", "stride_ask", "stride_bsn", "stride_bsk"], "i32")
+        cex = {"SCALE_MODE": mode, "SCALE_BLOCK": 128, "NUM_SMS": 132, **cfg.kwargs}
+        compiled = compile_for_sm90(
+            gk.gemm_fp8_tma_device_persistent_kernel,
+            sig | dict.fromkeys(cex, "constexpr"),
+            cex,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        ptx = compiled.asm["ptx"]
+        assert "wgmma" in ptx and "tensormap" in ptx, f"device descriptors, mode {mode}: no wgmma/tensormap"
+        print(f"device descriptors, mode {mode}: {compiled.metadata.shared} B shared", flush=True)
 
 
 def test_kernels_compile_for_sm90():

@@ -20,6 +20,7 @@ from primus_turbo.triton.attention.attention_bwd_dq_kernel import (
     attn_bwd_preprocess_kernel,
 )
 from primus_turbo.triton.attention.attention_kernel import LOG2E, attn_fwd_kernel
+from primus_turbo.triton.autotune_cache import configure as configure_autotune_cache
 
 MAX_HEAD_DIM = 256
 
@@ -118,7 +119,7 @@ def _tuned_kernel(which: str, dim_class: int):
     kernel, table = _KERNELS[which]
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
                for bm, bn, w, st in table[dim_class]]  # fmt: skip
-    return triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
+    return configure_autotune_cache(triton.autotune(configs=configs, key=_TUNE_KEY)(kernel))
 
 
 def _launch(which: str, d_qk: int, d_v: int, grid_fn, args: tuple, consts: dict) -> None:
