@@ -96,6 +96,9 @@ def summarize(rows: list[dict], warmup: int) -> dict:
         "mfu": _median([r.get("mfu") for r in timed]),
         "host_wait_ms": _median([r.get("host_wait_ms") for r in timed]),
         "max_mem_gb": max(r.get("max_mem_gb") or 0.0 for r in rows),
+        # the first step carries Triton's compiles and autotune timing (seconds; a restart reads the autotune
+        # choices from Triton's cache where turbo enables it), torch.compile and allocator warm-up
+        "first_step_s": rows[0]["step_time_ms"] / 1e3,
         "final_loss": rows[-1]["loss"],
         "smoothed_final_loss": smoothed_final_loss(rows),
     }
@@ -147,7 +150,7 @@ def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
 
 TABLE_COLUMNS = [
     "configuration", "status", "step time (ms)", "tokens/s/GPU", "TFLOP/s/GPU", "MFU",
-    "peak mem (GB)", "final loss (last 10%)", "speedup vs stock bf16",
+    "peak mem (GB)", "final loss (last 10%)", "first step (s)", "speedup vs stock bf16",
 ]  # fmt: skip
 
 
@@ -165,6 +168,7 @@ def table_rows(results: list[RunResult], warmup: int) -> list[list[str]]:
             r.label, status, _fmt(s["step_time_ms"]), _fmt(s["tokens_per_s_per_gpu"], ".0f"),
             _fmt(s["tflops_per_gpu"], ".2f"), _fmt(s["mfu"], ".1f", 100) + ("%" if s["mfu"] else ""),
             _fmt(s["max_mem_gb"], ".2f"), _fmt(s["smoothed_final_loss"], ".4f"),
+            _fmt(s["first_step_s"], ".2f"),
             _fmt(speedup[r.label], ".2f") + ("x" if speedup[r.label] else ""),
         ])  # fmt: skip
     return lines

@@ -58,6 +58,7 @@ def test_summarize_takes_medians_after_warmup_and_peak_memory():
     assert s["max_mem_gb"] == pytest.approx(10.07)
     assert s["final_loss"] == pytest.approx(rows[-1]["loss"])
     assert s["timed_steps"] == 6
+    assert s["first_step_s"] == pytest.approx(5.0)  # step 1 (10 x 500 ms), kept apart from the median
     assert report.summarize(rows, warmup=50)["timed_steps"] == 7  # run shorter than warm-up: all steps
 
 
@@ -82,6 +83,7 @@ def test_report_keeps_failed_and_skipped_rows_and_computes_speedups(tmp_path):
     # final loss: the mean of the last 10% of steps (one step's loss is noise), not the last step's
     assert table["megatron turbo bf16"][6] == f"{report.smoothed_final_loss(results[2].rows):.4f}"
     assert "final loss (last 10%)" in text
+    assert table["megatron turbo bf16"][7] == "5.00"  # first step (s): 10 x 500 ms, compiles and autotune
     assert table["torchtitan turbo bf16"][0] == "FAILED: RuntimeError: CUDA out of memory"
     assert table["torchtitan turbo bf16"][-1] == "n/a"
     assert table["megatron stock fp8"][0].startswith("SKIPPED: stock Megatron-Core")
