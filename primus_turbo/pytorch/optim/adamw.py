@@ -63,19 +63,32 @@ def _fast(p: torch.Tensor, interpret: bool) -> bool:
 
 class AdamW(torch.optim.AdamW):
     """torch.optim.AdamW with a one-pass Triton step and an optional ``grad_scale`` (see the module doc).
-    ``fused`` / ``foreach`` are accepted for drop-in use and only steer the fallback path."""
+    ``fused`` / ``foreach`` are accepted for drop-in use and only steer the fallback path (with ``fused=True``
+    too, torch's GradScaler unscales the gradients and skips inf steps before calling this step)."""
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
         self._init_turbo_fields()
 
     def _init_turbo_fields(self) -> None:
+        # torch's AdamW(fused=True) tells GradScaler it unscales and skips inf steps itself (GradScaler then
+        # only sets ``grad_scale`` / ``found_inf`` attributes); this step reads neither, so GradScaler must
+        # unscale the gradients and skip inf steps as for any optimizer (it stepped on scaled, inf gradients)
+        self._step_supports_amp_scaling = False
         self.turbo_steps = 0  # parameters updated by the Triton kernel (introspection / tests)
         self._next_grad_scale: torch.Tensor | None = None
         self._copies: dict[torch.Tensor, torch.Tensor] = {}
         self._copies_fresh = False
         self._tables: dict[tuple, tuple[list[int], torch.Tensor]] = {}  # launch tables by group and bucket
         self._plans: dict[int, _Plan] = {}  # per group index: its launches, reused while they hold
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling and ``copy.deepcopy`` restore torch's fields only (``__getstate__``): start this class's
+        afresh (plans and tables hold addresses of the original's tensors; copies must be registered again).
+        ``load_state_dict`` calls it too, on an optimizer that has them: kept."""
+        super().__setstate__(state)
+        if not hasattr(self, "_plans"):
+            self._init_turbo_fields()
 
     @classmethod
     def adopt(cls, optimizer: torch.optim.AdamW) -> AdamW:
@@ -192,6 +205,7 @@ class AdamW(torch.optim.AdamW):
             elif state["step"].device.type != "cpu":  # e.g. loaded from torch's fused AdamW: once
                 state["step"] = state["step"].detach().cpu()
             m, v = state["exp_avg"], state["exp_avg_sq"]
+            _check_moments(p, m, v)
             if m.dtype != v.dtype or not (m.is_contiguous() and v.is_contiguous()):
                 slow.append(p)
                 continue
@@ -277,6 +291,7 @@ class AdamW(torch.optim.AdamW):
         # built on a placeholder, then given the groups: torch's constructor refuses non-leaf parameters,
         # which frameworks step legitimately (Megatron's DistributedOptimizer: views of its fp32 buffer)
         inner = torch.optim.AdamW([torch.zeros(())])
+        inner.defaults = self.defaults  # differentiable: torch's step enables autograd from its defaults
         inner.param_groups = groups
         inner.state = self.state
         try:
@@ -333,6 +348,18 @@ class _Plan:
             if low.item() != launch.count or high.item() != launch.count:
                 return False
         return True
+
+
+def _check_moments(p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    """The kernel walks a parameter's elements in its moments: moments of another shape or device (a
+    checkpoint of a resized model) would be read and written out of bounds, where torch's step raises."""
+    for name, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if moment.shape != p.shape or moment.device != p.device:
+            raise ValueError(
+                f"AdamW.step: state['{name}'] of a parameter of shape {tuple(p.shape)} on {p.device} is "
+                f"{tuple(moment.shape)} on {moment.device}: it must match the parameter (optimizer state "
+                "loaded from a model with other parameter shapes?)"
+            )
 
 
 def _by_device(tensors):
