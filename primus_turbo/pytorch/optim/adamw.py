@@ -288,6 +288,12 @@ class AdamW(torch.optim.AdamW):
                     param.grad = copy
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": params}
                   for group, params in zip(self.param_groups, fallback) if params]  # fmt: skip
+        for group in groups:  # torch's fused / capturable step reads the counters on the parameters' device
+            if group.get("fused") or group.get("capturable"):
+                for p in group["params"]:
+                    state = self.state.get(p)
+                    if state and "step" in state and state["step"].device != p.device:
+                        state["step"] = state["step"].to(p.device)  # a kernel step left it on the CPU
         # built on a placeholder, then given the groups: torch's constructor refuses non-leaf parameters,
         # which frameworks step legitimately (Megatron's DistributedOptimizer: views of its fp32 buffer)
         inner = torch.optim.AdamW([torch.zeros(())])

@@ -105,3 +105,23 @@ def test_deepcopy_of_a_stepped_optimizer_steps_on(device):
         assert_close(p, q, torch.float32)
         assert_close(t, q, torch.float32)
         assert float(twin.state[t]["step"]) == 3.0
+
+
+@pytest.mark.gpu
+def test_fused_fallback_after_kernel_steps():
+    """With fused=True, a parameter the kernel stepped (its counter on the CPU) whose gradient then turns
+    non-contiguous takes torch's fused step, which reads the counter on the parameter's device; then the
+    kernel again. Matches torch's fused AdamW over the same gradients."""
+    gen = torch.Generator().manual_seed(1)
+    ours = torch.nn.Parameter(torch.randn(37, 19, generator=gen).cuda())
+    ref = torch.nn.Parameter(ours.detach().clone())
+    opt, ref_opt = AdamW([ours], fused=True, **KW), torch.optim.AdamW([ref], fused=True, **KW)
+    for step in range(4):
+        g = torch.randn(37, 19, generator=gen).cuda()
+        ours.grad = g.T.contiguous().T if step == 2 else g  # step 2: a non-contiguous gradient (torch's path)
+        ref.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+    assert opt.turbo_steps == 3
+    assert_close(ours, ref, torch.float32)
+    assert float(opt.state[ours]["step"]) == 4.0
