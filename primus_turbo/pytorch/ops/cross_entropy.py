@@ -12,9 +12,10 @@ fp32 softmax: twice the bf16 logits).
 ``tp_group``: the logits are this rank's vocabulary shard (Megatron's vocab-parallel output layer: rank r
 holds ids [r * V, (r + 1) * V)) and ``target`` holds global ids; two all-reduces of [rows] tensors
 combine the shards (max, then the sums). ``ignore_index`` rows get loss 0 and a zero gradient. A target
-outside [0, vocab) that is not ``ignore_index`` gives a NaN loss rather than a host-synchronizing check
-(``PRIMUS_TURBO_DEBUG_CHECKS=1`` raises instead). ``reduction``: "none" (per-token, target's shape),
-"sum", or "mean" over the rows not ignored (NaN when every row is ignored, as torch's cross_entropy).
+outside [0, vocab) that is not ``ignore_index`` gives a NaN loss, and a NaN gradient row wherever that loss
+is used, rather than a host-synchronizing check (``PRIMUS_TURBO_DEBUG_CHECKS=1`` raises instead).
+``reduction``: "none" (per-token, target's shape), "sum", or "mean" over the rows not ignored (NaN when
+every row is ignored, as torch's cross_entropy).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def _validate(logits, target, label_smoothing, ignore_index, reduction, tp_group
         raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1), got {label_smoothing}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"cross_entropy: ignore_index must be an int, got {ignore_index!r}")
+    if not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(
+            f"cross_entropy: ignore_index must fit in int64 (as target does), got {ignore_index}"
+        )
     if reduction not in _REDUCTIONS:
         raise ValueError(f"cross_entropy: reduction {reduction!r}; accepted: {', '.join(_REDUCTIONS)}")
     if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):

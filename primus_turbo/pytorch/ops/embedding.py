@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from primus_turbo.pytorch.core.main_grad import check_main_grad, wgrad_placeholder
+from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.embedding.embedding_impl import embedding_accumulate_
 
 __all__ = ["embedding"]
@@ -45,6 +46,18 @@ class _Embedding(torch.autograd.Function):
         return None, wgrad_placeholder(ctx.weight), None
 
 
+def _check_ids(input: torch.Tensor, num_weights: int) -> None:
+    """Ids outside [0, V) raise, naming the range: free on CPU, one host sync on CUDA, so there only with
+    PRIMUS_TURBO_DEBUG_CHECKS=1 (without it F.embedding's device-side assert fires, as in torch)."""
+    if torch.compiler.is_compiling() or input.numel() == 0:
+        return
+    if input.device.type == "cpu" or debug_checks_enabled():
+        lo, hi = int(input.min()), int(input.max())
+        if lo < 0 or hi >= num_weights:
+            bounds = f"[0, {num_weights}) (weight.shape[0]), got range [{lo}, {hi}]"
+            raise ValueError(f"embedding: input ids must be in {bounds}")
+
+
 def embedding(
     input: torch.Tensor, weight: torch.Tensor, *, accumulate_into_main_grad: bool = False
 ) -> torch.Tensor:
@@ -52,7 +65,8 @@ def embedding(
 
     accumulate_into_main_grad: the weight gradient is added into ``weight.main_grad`` (a [V, H] tensor,
     usually fp32, allocated by the caller, e.g. Megatron DDP) and ``weight`` receives Megatron's placeholder
-    (see primus_turbo.pytorch.core.main_grad). Ids must lie in [0, V), as for F.embedding.
+    (see primus_turbo.pytorch.core.main_grad). Ids must lie in [0, V): ValueError otherwise (CPU ids always,
+    CUDA ids with PRIMUS_TURBO_DEBUG_CHECKS=1; without it F.embedding's device-side assert, as in torch).
     """
     if not isinstance(input, torch.Tensor) or input.dtype not in _INDEX_DTYPES:
         got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
@@ -65,8 +79,13 @@ def embedding(
         raise ValueError(f"embedding: input is on {input.device} but weight on {weight.device}")
     if accumulate_into_main_grad:
         check_main_grad(weight, "embedding", "weight")
+        if not weight.main_grad.is_floating_point():
+            raise TypeError(
+                f"embedding: weight.main_grad must be floating-point, got {weight.main_grad.dtype}"
+            )
         if weight.main_grad.stride(-1) != 1:
             raise ValueError(
                 "embedding: weight.main_grad needs unit stride along H (a contiguous [V, H] buffer)"
             )
+    _check_ids(input, weight.shape[0])
     return _Embedding.apply(input, weight, bool(accumulate_into_main_grad))

@@ -11,9 +11,9 @@ Eager Megatron makes ~8 passes over an fp32 copy of the logits (cast, max, subtr
 then the gradient's multiply and the cast back); this reads the bf16 logits once forward and once
 backward and writes the bf16 gradient once. No @triton.jit helpers (see activation_kernel.py).
 
-Targets outside [0, vocab_total) that are not ``ignore_index`` give a NaN loss (no host check); ignored
-rows give loss 0 and a zero gradient. A row that is -inf everywhere gives lse = -inf and a NaN gradient,
-as the unfused math does.
+Targets outside [0, vocab_total) that are not ``ignore_index`` give a NaN loss (no host check) and, where
+their grad_loss is non-zero, a NaN gradient row; ignored rows give loss 0 and a zero gradient. A row that
+is -inf everywhere gives lse = -inf and a NaN gradient, as the unfused math does.
 """
 
 from __future__ import annotations
@@ -108,5 +108,7 @@ def cross_entropy_bwd_kernel(
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     d = tl.exp(x - lse) - smoothing / vocab_total
     d = tl.where(cols == target - vocab_start, d - (1.0 - smoothing), d)
-    out = (d * g).to(grad_ptr.dtype.element_ty)
+    # a used row whose loss is NaN (target out of range) gets a NaN gradient, not a finite softmax row
+    invalid = (target < 0) | (target >= vocab_total)
+    out = tl.where(invalid & (g != 0.0), float("nan"), d * g).to(grad_ptr.dtype.element_ty)
     tl.store(grad_ptr + row.to(tl.int64) * grad_stride_row + cols, out, mask=mask)

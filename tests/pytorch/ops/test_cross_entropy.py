@@ -106,6 +106,29 @@ def test_out_of_range_target_is_nan_not_garbage(device, monkeypatch):
         cross_entropy(logits, target)
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_out_of_range_target_gradient_is_nan_where_the_loss_is_used(reduction, device):
+    """An out-of-range target's NaN loss reaches its logits gradient as NaN (a NaN-in-grad guard sees it),
+    not as a finite softmax row; a row the caller drops (zero grad_loss) gets zero, the others stay exact."""
+    logits = (torch.randn(5, 16, device=device) * 2).requires_grad_(True)
+    target = torch.tensor([0, 16, -1, 5, -100], device=device)
+    loss = cross_entropy(logits, target, label_smoothing=0.1, reduction=reduction)
+    row_grad = torch.tensor([1.0, 1.0, 0.0, 0.5, 1.0], device=device)
+    loss.backward(row_grad if reduction == "none" else None)
+    if reduction == "mean":
+        row_grad = torch.full((5,), 1 / 4, device=device)  # 4 rows not ignored
+    bad = torch.tensor([False, True, True, False, False], device=device)
+    used_bad = bad & (row_grad != 0)
+    assert torch.isnan(logits.grad[used_bad]).all()
+    _, ref = _reference(logits, torch.where(bad, 0, target), torch.where(bad, 0.0, row_grad), 0.1)
+    assert_close(logits.grad[~used_bad], ref[~used_bad].float(), torch.float32)
+    from primus_turbo.pytorch.kernels.loss import cross_entropy_impl as impl  # the eager twin: the same rule
+
+    _, lse = impl.cross_entropy_fwd_eager(logits.detach(), target, 0.1, -100, 0, 16, True)
+    eager = impl.cross_entropy_bwd_eager(logits.detach(), target, lse, row_grad, 0.1, -100, 0, 16)
+    assert torch.equal(torch.isnan(eager).all(1), used_bad)
+
+
 def test_empty_rows_and_strided_rows(device):
     empty = torch.randn(0, 50, device=device, requires_grad=True)
     out = cross_entropy(empty, torch.zeros(0, dtype=torch.long, device=device))
@@ -191,6 +214,7 @@ BAD = [
     (dict(label_smoothing=1.0), ValueError, r"label_smoothing must be in \[0, 1\), got 1.0"),
     (dict(label_smoothing="0.1"), TypeError, "label_smoothing must be a float"),
     (dict(ignore_index=1.5), TypeError, "ignore_index must be an int"),
+    (dict(ignore_index=-(2**63) - 1), ValueError, "ignore_index must fit in int64"),
     (dict(reduction="avg"), ValueError, "reduction 'avg'; accepted: none, sum, mean"),
     (dict(tp_group="world"), TypeError, "tp_group must be a ProcessGroup or None"),
 ]

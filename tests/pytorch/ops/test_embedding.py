@@ -92,6 +92,25 @@ def test_bad_input_names_the_argument(bad, exc, match):
         bad()
 
 
+@pytest.mark.parametrize("ids", [[0, 4, 1], [-1, 2], [3, 2**40]])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_out_of_range_ids_name_the_argument(ids, accumulate, device, monkeypatch):
+    """CPU ids are checked on the host (free); CUDA ids only with PRIMUS_TURBO_DEBUG_CHECKS=1 (one sync),
+    which names the range instead of torch's bare "index out of range in self" or a device-side assert."""
+    monkeypatch.setenv("PRIMUS_TURBO_DEBUG_CHECKS", "1")
+    w = _weight(4, 3, torch.float32, device)
+    ids = torch.tensor(ids, device=device)
+    with pytest.raises(ValueError, match=r"input ids must be in \[0, 4\) \(weight.shape\[0\]\), got range"):
+        embedding(ids, w, accumulate_into_main_grad=accumulate)
+
+
+def test_integer_main_grad_is_rejected():
+    w = torch.randn(4, 6, requires_grad=True)
+    w.main_grad = torch.zeros(4, 6, dtype=torch.int64)  # would truncate every accumulated gradient
+    with pytest.raises(TypeError, match="weight.main_grad must be floating-point, got torch.int64"):
+        embedding(torch.zeros(2, dtype=torch.long), w, accumulate_into_main_grad=True)
+
+
 def test_strided_main_grad_is_rejected():
     w = torch.randn(4, 6, requires_grad=True)
     w.main_grad = torch.zeros(6, 4).t()

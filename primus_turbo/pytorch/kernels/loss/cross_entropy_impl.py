@@ -59,7 +59,8 @@ def cross_entropy_bwd_eager(
     d = torch.exp(x - lse[:, None]) - smoothing / vocab_total
     cols = torch.arange(x.shape[1], device=x.device)
     d = d - (1.0 - smoothing) * (cols[None, :] == (t - vocab_start)[:, None])
-    return (d * g[:, None]).to(logits.dtype)
+    used_invalid = ((t < 0) | (t >= vocab_total)) & (g != 0)  # NaN loss -> NaN gradient, as the kernel
+    return torch.where(used_invalid[:, None], float("nan"), d * g[:, None]).to(logits.dtype)
 
 
 @eager_direct
