@@ -15,12 +15,18 @@ BLOCKWISE, block_size=(br, bc)     br x bc tile (weights)           ``(..., ceil
 
 Activations and gradients use 1 x 128 (``block_size=128``), weights 128 x 128
 (``block_size=(128, 128)``). Sizes that are not multiples of the block are fine: the last group is
-partial (as if zero-padded). For 2-D inputs the 1 x bs ``scale_inv`` is returned column-major
-(stride ``(1, R)``), the layout cuBLAS block-scaled GEMMs read; values and shape are unaffected.
+partial (as if zero-padded). For 2-D inputs the 1 x bs ``scale_inv`` (both of them, with transpose) is
+returned column-major (stride ``(1, R)``), the layout cuBLAS block-scaled GEMMs read; values and shape
+are unaffected. Every other ``scale_inv`` is contiguous. ROWWISE and BLOCKWISE need at least 1 dim
+(a 0-D ``x`` is an error).
 
-Numerics: ``scale = fp8_max / amax`` (``amax == 0`` -> 1), ``scale_inv = 1 / scale``,
+Numerics: ``scale = fp8_max / amax`` (``amax == 0`` -> 1; capped at the fp32 max, which only groups
+with amax below ~1e-36 reach: their values, fp32 denormals included, then quantize coarsely),
+``scale_inv = 1 / scale``,
 ``q = cast(clamp(x * scale, +-fp8_max))``; ``dequantize(q) = q * scale_inv``.
 ``power_of_two_scales`` rounds ``scale`` down to a power of two (exact rescaling).
+
+The ops are not differentiable: ``q`` and ``scale_inv`` never require grad, on every backend.
 
 Non-finite inputs: the amax is taken over the *finite* values of each group, so an inf or NaN
 does not destroy the scale of its neighbours; ``+-inf`` saturates to ``+-fp8_max`` (dequantizes to
@@ -46,6 +52,13 @@ _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _check_out_dtype(out_dtype, name: str = "out_dtype") -> None:
     if not isinstance(out_dtype, torch.dtype) or not is_fp8_dtype(out_dtype):
         raise TypeError(f"{name}: expected torch.float8_e4m3fn or torch.float8_e5m2, got {out_dtype!r}")
+
+
+def _check_pow2(power_of_two_scales) -> bool:
+    """A bool (or 0 / 1): a string such as "no" would otherwise read as true."""
+    if isinstance(power_of_two_scales, (bool, int)) and power_of_two_scales in (0, 1):
+        return bool(power_of_two_scales)
+    raise TypeError(f"power_of_two_scales: expected True or False, got {power_of_two_scales!r}")
 
 
 def _check_granularity(granularity) -> ScalingGranularity:
@@ -75,6 +88,8 @@ def normalize_spec(x_dim: int, granularity, block_size, axis) -> tuple[str, int 
         if axis is not None:
             raise ValueError(f"axis: TENSORWISE has one scale per tensor, got axis={axis!r}; pass None")
         return "tensorwise", None, 0, 0
+    if x_dim == 0:  # a 0-D tensor has no axis to scale along (its scale_inv shape would be made up)
+        raise ValueError(f"x: {g.name} scales along an axis and needs at least 1 dim; use TENSORWISE for 0-D")
     if g is ScalingGranularity.ROWWISE and block_size is not None:
         raise ValueError(f"block_size: only used by BLOCKWISE, got {block_size!r} with ROWWISE")
     if g is ScalingGranularity.BLOCKWISE and isinstance(block_size, (tuple, list)):
@@ -89,7 +104,7 @@ def normalize_spec(x_dim: int, granularity, block_size, axis) -> tuple[str, int 
     axis = -1 if axis is None else axis
     if not isinstance(axis, int) or isinstance(axis, bool):
         raise TypeError(f"axis: expected an int, got {axis!r}")
-    if axis in (-1, x_dim - 1) or x_dim <= 1 and axis == 0:
+    if axis in (-1, x_dim - 1):
         axis = -1
     elif axis in (0, -2) and x_dim == 2:
         axis = 0
@@ -125,7 +140,8 @@ def quantize_fp8(
     _check_input(x)
     _check_out_dtype(out_dtype)
     g, ax, br, bc = normalize_spec(x.dim(), granularity, block_size, axis)
-    return quantize_fp8_op(x, out_dtype, g, ax, br, bc, bool(power_of_two_scales))
+    x = x.detach() if x.requires_grad else x  # not differentiable (module doc)
+    return quantize_fp8_op(x, out_dtype, g, ax, br, bc, _check_pow2(power_of_two_scales))
 
 
 def quantize_fp8_with_transpose(
@@ -148,7 +164,8 @@ def quantize_fp8_with_transpose(
     if x.dim() != 2:
         raise ValueError(f"x: quantize_fp8_with_transpose takes a 2-D tensor, got shape {tuple(x.shape)}")
     g, _, br, bc = normalize_spec(2, granularity, block_size, None)
-    return quantize_fp8_with_transpose_op(x, out_dtype, g, br, bc, bool(power_of_two_scales))
+    x = x.detach() if x.requires_grad else x  # not differentiable (module doc)
+    return quantize_fp8_with_transpose_op(x, out_dtype, g, br, bc, _check_pow2(power_of_two_scales))
 
 
 def dequantize_fp8(

@@ -275,11 +275,13 @@ def _rowwise_with_transpose_triton(x2, out_dtype, pow2):
     return q, scales["row"][1], qt, scales["col"][1]
 
 
-def _blockwise_triton(x3, gr, gc, out_dtype, pow2, with_t):
+def _blockwise_triton(x3, gr, gc, out_dtype, pow2, with_t, colmajor_scale=True):
     """x3 contiguous (B, R, C), group (gr, gc) in {(1, bs), (bs, 1), (br, bc)}.
 
-    Scales: (1, bs) -> s (B, R, nC) stored column-major per batch; (bs, 1) -> (B, nR, C);
-    (br, bc) -> (B, nR, nC) row-major. with_t (B == 1): qt (C, R) with the transposed groups.
+    Scales: (1, bs) -> s (B, R, nC), column-major per batch when ``colmajor_scale`` (2-D inputs: the
+    layout cuBLAS reads) else contiguous, as the fake kernel declares for other ranks (a mismatch
+    fails torch.compile's stride check); (bs, 1) -> (B, nR, C); (br, bc) -> (B, nR, nC) row-major.
+    with_t (B == 1): qt (C, R) with the transposed groups.
     """
     qk = _tl()
     b, rows, cols = x3.shape
@@ -289,8 +291,10 @@ def _blockwise_triton(x3, gr, gc, out_dtype, pow2, with_t):
     block_c = gc if mode != 1 else 64
     nr, nc = ceil_div(rows, block_r), ceil_div(cols, block_c)
     q = torch.empty_like(x3, dtype=out_dtype)
-    if mode == 0:
-        s = torch.empty((b, nc, rows), dtype=torch.float32, device=dev).transpose(1, 2)  # col-major
+    if mode == 0 and colmajor_scale:
+        s = torch.empty((b, nc, rows), dtype=torch.float32, device=dev).transpose(1, 2)
+    elif mode == 0:
+        s = torch.empty((b, rows, nc), dtype=torch.float32, device=dev)
     elif mode == 1:
         s = torch.empty((b, nr, cols), dtype=torch.float32, device=dev)
     else:
@@ -355,7 +359,8 @@ def quantize_fp8_impl(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (q with x's shape, scale_inv in the public shape documented in ops/quantization.py)."""
-    x = x.contiguous()
+    # not differentiable: the torch path must not build a graph either (detach only when needed: hot path)
+    x = (x.detach() if x.requires_grad else x).contiguous()
     if granularity == "rowwise" and axis == -1 and x.dim() == 2 and x.numel() and use_cpp_rowwise(x, backend):
         # the FP8 linears' hot path: the C++ op takes and returns exactly these shapes (H100, three calls of
         # profile_host --glue: the generic path below added 11-22 us of Python to the op's 11-15 us)
@@ -387,7 +392,7 @@ def quantize_fp8_impl(
     # blockwise
     gr, gc = (block_r, 1) if axis == 0 else (block_r, block_c)
     if use_triton(x, backend) and x.numel():
-        q, s, _, _ = _blockwise_triton(x3, gr, gc, out_dtype, pow2, with_t=False)
+        q, s, _, _ = _blockwise_triton(x3, gr, gc, out_dtype, pow2, False, colmajor_scale=x.dim() == 2)
     else:
         q, s = _torch_groups(x3, gr, gc, out_dtype, pow2)
     if axis is None:
@@ -409,7 +414,7 @@ def quantize_fp8_with_transpose_impl(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x 2-D (R, C). q (R, C) scaled along C; qt (C, R) = transposed copy scaled along R."""
-    x = x.contiguous()
+    x = (x.detach() if x.requires_grad else x).contiguous()
     rows, cols = x.shape
     triton_ok = use_triton(x, backend) and x.numel() > 0
     if granularity == "tensorwise":
@@ -448,7 +453,7 @@ def quantize_fp8_tensorwise_static_impl(
     """Delayed scaling: cast with a given scale and report this tensor's amax in the same pass.
 
     Returns (q, scale_inv, qt|None, amax); amax is the finite-abs max of x (for the history)."""
-    x = x.contiguous()
+    x = (x.detach() if x.requires_grad else x).contiguous()
     if use_triton(x, backend) and x.numel():
         return _tensorwise_triton(x, out_dtype, False, with_t, static_scale=scale)
     scale = scale.float().reshape(())
