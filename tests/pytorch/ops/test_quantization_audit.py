@@ -143,3 +143,19 @@ def test_power_of_two_scales_must_be_a_bool(value):
         quantize_fp8(x, torch.float8_e4m3fn, "rowwise", power_of_two_scales=value)
     with pytest.raises(TypeError, match="power_of_two_scales"):
         quantize_fp8_with_transpose(x, torch.float8_e4m3fn, "rowwise", power_of_two_scales=value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiny", [1e-37, 1e-40])
+def test_tiny_groups_keep_a_positive_scale_on_the_gpu(tiny):
+    """Rows whose amax is so small that 1 / scale is an fp32 denormal: Triton's math flushes denormals to
+    zero, which would give scale_inv 0 (and inf where a caller inverts it). The Triton path must agree with
+    the torch path there (audit, session 35: suspected from Triton's compiler options, not yet run)."""
+    x = torch.randn(8, 256, device="cuda")
+    x[2] *= tiny
+    x[5] *= tiny
+    gn, ax, br, bc = normalize_spec(2, G.ROWWISE, None, None)
+    _, s_triton = impl.quantize_fp8_impl(x, E4M3, gn, ax, br, bc, False, "triton")
+    _, s_torch = impl.quantize_fp8_impl(x, E4M3, gn, ax, br, bc, False, "torch")
+    assert (s_triton > 0).all(), f"scale_inv of tiny rows: {s_triton.flatten()[[2, 5]].tolist()}"
+    torch.testing.assert_close(s_triton, s_torch, rtol=1e-6, atol=0)
