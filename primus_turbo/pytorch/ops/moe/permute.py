@@ -18,6 +18,8 @@ dropped) and pads every group to exactly ``capacity`` rows.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from primus_turbo.pytorch.core.utils import debug_checks_enabled, triton_can_run_on, zero_rows_from
@@ -55,10 +57,16 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
             raise ValueError(f"{name}: num_experts (>= 1) is required with indices, got {num_experts}")
     else:
         raise TypeError(f"{name}: routing dtype {routing.dtype}; accepted bool (routing map) or int32/int64")
-    if probs is not None and tuple(probs.shape) != tuple(routing.shape):
-        raise ValueError(
-            f"{name}: probs shape {tuple(probs.shape)} must match routing shape {tuple(routing.shape)}"
-        )
+    if probs is not None:
+        _check_probs(probs, routing, tokens, name, "probs", "routing")
+    for arg, value in (
+        ("pad_multiple", pad_multiple),
+        ("capacity", capacity),
+        ("num_out_tokens", num_out_tokens),
+    ):
+        # a float size reached the kernels (an interpreter TypeError) or torch.empty (a size error)
+        if value is not None and not isinstance(value, (numbers.Integral, torch.SymInt)):
+            raise TypeError(f"{name}: {arg}={value!r} must be an int")
     if pad_multiple < 0 or (capacity is not None and capacity < 0):
         raise ValueError(f"{name}: pad_multiple={pad_multiple} and capacity={capacity} must be >= 0")
     if capacity is not None and pad_multiple > 1:
@@ -70,6 +78,19 @@ def _validate(tokens, routing, probs, num_experts, num_out_tokens, pad_multiple,
     if routing.numel() and _host_checks(routing):
         _check_values(routing, num_experts, num_out_tokens if capacity is None else None, name)
     return num_experts
+
+
+def _check_probs(probs, like, tokens, name, arg, like_name, tokens_name="tokens"):
+    """probs are weights laid out like ``like``: same shape, a float dtype, on the tokens' device."""
+    if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != tuple(like.shape):
+        raise ValueError(
+            f"{name}: {arg} shape {tuple(getattr(probs, 'shape', ()))} must match {like_name} shape "
+            f"{tuple(like.shape)}"
+        )
+    if not probs.is_floating_point():
+        raise TypeError(f"{name}: {arg} dtype {probs.dtype}; accepted a floating-point dtype")
+    if probs.device != tokens.device:
+        raise ValueError(f"{name}: {arg} on {probs.device}, {tokens_name} on {tokens.device}")
 
 
 def _check_values(routing, num_experts, num_out_tokens, name):
@@ -255,13 +276,25 @@ def token_unpermute(
     _check_out_dtype(permuted_tokens, out_dtype, "token_unpermute", "permuted_tokens")
     if row_id_map.dtype != torch.int32 or row_id_map.dim() != 2:
         raise ValueError("token_unpermute: row_id_map must be the int32 [T, K] map returned by token_permute")
-    if merging_probs is not None and tuple(merging_probs.shape) != tuple(row_id_map.shape):
+    if row_id_map.device != permuted_tokens.device:
         raise ValueError(
-            f"token_unpermute: merging_probs shape {tuple(merging_probs.shape)} must match row_id_map "
-            f"{tuple(row_id_map.shape)}"
+            f"token_unpermute: row_id_map on {row_id_map.device}, permuted_tokens on {permuted_tokens.device}"
         )
+    if merging_probs is not None:
+        _check_probs(
+            merging_probs, row_id_map, permuted_tokens, "token_unpermute", "merging_probs", "row_id_map",
+            "permuted_tokens",
+        )  # fmt: skip
     if num_tokens is not None and num_tokens != row_id_map.shape[0]:
         raise ValueError(f"token_unpermute: num_tokens={num_tokens} != row_id_map rows {row_id_map.shape[0]}")
+    if row_id_map.numel() and _host_checks(row_id_map):
+        # the kernels gather row_id_map's rows unchecked: a smaller buffer would be read out of bounds
+        lo, hi = int(row_id_map.min()), int(row_id_map.max())
+        if lo < -1 or hi >= permuted_tokens.shape[0]:
+            raise ValueError(
+                f"token_unpermute: row_id_map names rows [{lo}, {hi}] but permuted_tokens has "
+                f"{permuted_tokens.shape[0]} rows (-1 = no row)"
+            )
     probs = merging_probs.contiguous() if merging_probs is not None else None
     return _Unpermute.apply(
         permuted_tokens.contiguous(), row_id_map.contiguous(), probs, row_id_map.shape[0], out_dtype

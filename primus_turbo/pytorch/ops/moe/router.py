@@ -40,17 +40,17 @@ def _validate_routing(logits, topk, score_function, num_groups, topk_groups, exp
         raise ValueError(
             f"fused_topk_routing: score_function={score_function!r}; accepted 'softmax', 'sigmoid'"
         )
-    if not isinstance(topk, int) or not 1 <= topk <= num_experts:
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_experts:
         raise ValueError(f"fused_topk_routing: topk={topk} must be an int in [1, num_experts={num_experts}]")
-    if num_groups < 1 or num_experts % num_groups != 0:
+    if not isinstance(num_groups, int) or num_groups < 1 or num_experts % num_groups != 0:
         raise ValueError(
             f"fused_topk_routing: num_groups={num_groups} must be >= 1 and divide num_experts={num_experts}"
         )
+    if not isinstance(topk_groups, int) or not 1 <= topk_groups <= num_groups:
+        raise ValueError(
+            f"fused_topk_routing: topk_groups={topk_groups} must be in [1, num_groups={num_groups}]"
+        )
     if num_groups > 1:
-        if not 1 <= topk_groups <= num_groups:
-            raise ValueError(
-                f"fused_topk_routing: topk_groups={topk_groups} must be in [1, num_groups={num_groups}]"
-            )
         if not topk_groups <= topk <= topk_groups * (num_experts // num_groups):
             raise ValueError(
                 f"fused_topk_routing: topk={topk} must be in [topk_groups={topk_groups}, "
@@ -125,7 +125,10 @@ def fused_topk_routing(
     """
     if not topk_groups:  # Megatron's group_limited_topk runs only when group_topk is set
         num_groups, topk_groups = 1, 1
-    num_groups = num_groups or 1
+    elif num_groups is None:  # Megatron fails on it too (a view with a None size): never route ungrouped
+        raise ValueError(
+            f"fused_topk_routing: topk_groups={topk_groups} needs num_groups (the expert groups)"
+        )
     scaling = 1.0 if scaling_factor is None else float(scaling_factor)
     _validate_routing(logits, topk, score_function, num_groups, topk_groups, expert_bias)
     if not isinstance(norm_topk, bool):
@@ -161,6 +164,10 @@ def fused_z_loss(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
     """ST-MoE z-loss ``coeff * mean(logsumexp(logits, -1)^2)`` (Megatron ``z_loss_func``), fp32 scalar."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError("fused_z_loss: logits must be a [num_tokens, num_experts] tensor")
+    if logits.dtype not in (*_FLOAT_DTYPES, torch.float64):
+        raise TypeError(
+            f"fused_z_loss: logits dtype {logits.dtype}; accepted float32/bfloat16/float16/float64"
+        )
     return _ZLoss.apply(logits.contiguous(), float(z_loss_coeff))
 
 
@@ -215,6 +222,10 @@ def fused_seq_aux_loss(
     """DeepSeek-V3 sequence-level balance loss as Megatron computes it (``_apply_seq_aux_loss``,
     no TP/CP reduction): scores/routing_map [S * B, E] in [S, B] token order; the batch dimension
     is folded into the expert dimension, the switch loss is taken per sequence and averaged over B."""
+    if scores.dim() != 2:
+        raise ValueError(
+            f"fused_seq_aux_loss: scores must be [seq_length * batch_size, E], got {tuple(scores.shape)}"
+        )
     tokens, num_experts = scores.shape
     if tokens != seq_length * batch_size or tuple(routing_map.shape) != tuple(scores.shape):
         raise ValueError(
