@@ -6,6 +6,8 @@ process groups, model build or GPU allocation (Hydra itself rejects unknown reci
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 
 import torch
@@ -21,11 +23,43 @@ DISPATCHERS = ("alltoall", "flex")
 TURBO_FEATURES = ("gemm", "grouped_gemm", "attention", "rmsnorm", "router", "permute", "dispatch", "async_tp",
                   "cross_entropy", "embedding", "rope", "sync_free_step", "optimizer", "mla_qkv")  # fmt: skip
 # yes/no settings outside turbo.*: a string such as "no" would be truthy
-BOOL_SETTINGS = ("resume", "train.save_at_end", "train.progress", "train.activation_recompute",
-                 "model.untie_embeddings")  # fmt: skip
-# integer settings and their least value
-INT_SETTINGS = (("train.log_interval", 1), ("data.global_batch_size", 1), ("train.warmup_steps", 0),
-                ("train.save_interval", 0))  # fmt: skip
+BOOL_SETTINGS = ("resume", "parallel.sequence_parallel", "train.save_at_end", "train.progress",
+                 "train.activation_recompute", "model.untie_embeddings")  # fmt: skip
+FRAMEWORKS = ("megatron", "torchtitan")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")  # what Megatron's, TorchTitan's and turbo's routers compute
+ROPE_TYPES = ("rope", "yarn")
+# The keys each section takes. Hydra rejects an unknown key (`turbo.atention=true`) but suggests the `+`
+# form, which adds it unread: `+turbo.atention=false` ran with attention on.
+SECTION_KEYS = {
+    "turbo": ("enabled", "strict", *TURBO_FEATURES),
+    "fp8": ("enabled", "recipe", "wgrad", "expert_recipe", "format", "emulate"),
+    "parallel": ("tp", "pp", "ep", "cp", "sequence_parallel"),
+}
+# (integer setting, least value, null accepted); a null section (model.moe, model.mla) is skipped. Checked
+# before any arithmetic on them: "abc" or true failed later with a TypeError naming no key
+INT_SETTINGS = (
+    ("parallel.tp", 1, False), ("parallel.pp", 1, False), ("parallel.ep", 1, False),
+    ("parallel.cp", 1, False),
+    ("model.num_layers", 1, False), ("model.hidden_size", 1, False), ("model.ffn_hidden_size", 1, False),
+    ("model.num_attention_heads", 1, False), ("model.num_query_groups", 1, True),
+    ("model.kv_channels", 1, True), ("model.vocab_size", 1, False), ("model.seq_length", 1, False),
+    ("model.moe.num_experts", 1, False), ("model.moe.topk", 1, False),
+    ("model.moe.ffn_hidden_size", 1, False),
+    ("model.moe.shared_expert_ffn_hidden_size", 0, True), ("model.moe.num_groups", 1, True),
+    ("model.moe.group_topk", 1, True), ("model.moe.first_k_dense", 0, True),
+    ("model.mla.q_lora_rank", 1, True), ("model.mla.kv_lora_rank", 1, False),
+    ("model.mla.qk_head_dim", 1, False), ("model.mla.qk_pos_emb_head_dim", 1, False),
+    ("model.mla.v_head_dim", 1, False), ("data.micro_batch_size", 1, False),
+    ("data.global_batch_size", 1, False), ("train.steps", 1, False), ("train.seed", 0, False),
+    ("train.log_interval", 1, False), ("train.warmup_steps", 0, False), ("train.save_interval", 0, False),
+)  # fmt: skip
+# real-number settings and their least value (tighter bounds are checked where the value is used)
+NUMBER_SETTINGS = (
+    ("train.lr", 0), ("train.min_lr", 0), ("train.clip_grad", 0), ("train.weight_decay", 0),
+    ("train.adam_beta1", 0), ("train.adam_beta2", 0), ("model.norm_eps", 0), ("model.init_std", 0),
+    ("model.rotary_base", 0), ("model.moe.aux_loss_coeff", 0),
+)  # fmt: skip
+PATH_SETTINGS = ("data.path", "train.ckpt_dir", "train.metrics_file", "train.tensorboard_dir")  # or null
 
 
 def moe_layer_pattern(model_cfg: DictConfig) -> list[int]:
@@ -49,11 +83,70 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _check_known_keys(cfg: DictConfig) -> None:
+    for section, known in SECTION_KEYS.items():
+        for key in cfg[section]:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+            _require(key in known, f"{section}.{key}: unknown key{hint}; accepted: {', '.join(known)}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_types(cfg: DictConfig) -> None:
+    """Every number and path setting has the type its checks and the trainers compute with."""
+    for key, least, nullable in INT_SETTINGS:
+        section = key.rsplit(".", 1)[0]
+        if OmegaConf.select(cfg, section) is None:  # model.moe / model.mla: null for dense / non-MLA models
+            continue
+        value = OmegaConf.select(cfg, key)
+        if value is None and nullable:
+            continue
+        _require(_is_int(value) and value >= least, f"{key}={value!r}: expected an integer >= {least}")
+    for key, least in NUMBER_SETTINGS:
+        if OmegaConf.select(cfg, key.rsplit(".", 1)[0]) is None:
+            continue
+        value = OmegaConf.select(cfg, key)
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= least,
+            f"{key}={value!r}: expected >= {least} (a number)",
+        )  # fmt: skip
+    for key in ("train.adam_beta1", "train.adam_beta2"):
+        value = OmegaConf.select(cfg, key)
+        _require(value < 1, f"{key}={value!r}: expected a number in [0, 1)")
+    for key in BOOL_SETTINGS:
+        value = OmegaConf.select(cfg, key, default=False)
+        _require(isinstance(value, bool), f"{key}={value!r}: expected true or false")
+    for key in PATH_SETTINGS:
+        value = OmegaConf.select(cfg, key)
+        _require(value is None or isinstance(value, str), f"{key}={value!r}: expected a path or null")
+
+
+def _check_backend_env(environ) -> None:
+    """PRIMUS_TURBO_<OP>_BACKEND pins: a misspelled name would be ignored (the op picks its own backend) and a
+    bad value would stop the run only in step 1, after the model is built."""
+    pins = sorted(k for k in environ if k.startswith("PRIMUS_TURBO_") and k.endswith("_BACKEND"))
+    if not pins:
+        return
+    from primus_turbo.pytorch.core.backend import _OP_ENV, parse_backend_spec
+
+    known = tuple(_OP_ENV.values())
+    for name in pins:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        _require(name in known, f"environment variable {name}: no such backend pin{hint}; accepted: "
+                                f"{', '.join(known)}")  # fmt: skip
+        try:
+            parse_backend_spec(environ[name], source=f"environment variable {name}")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
 def _check_parallel(cfg: DictConfig, world: int) -> int:
     p = cfg.parallel
-    for key in ("tp", "pp", "ep", "cp"):
-        value = p[key]
-        _require(isinstance(value, int) and value >= 1, f"parallel.{key}={value!r}: expected an integer >= 1")
     model_parallel = p.tp * p.pp * p.cp
     _require(
         world % model_parallel == 0,
@@ -73,6 +166,9 @@ def _check_parallel(cfg: DictConfig, world: int) -> int:
 
 def _check_model(cfg: DictConfig) -> None:
     m, p = cfg.model, cfg.parallel
+    if m.mla is not None:
+        rope = m.mla.get("rope_type", "rope")
+        _require(rope in ROPE_TYPES, f"model.mla.rope_type={rope!r}: expected one of {ROPE_TYPES}")
     heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
     _require(m.num_layers % p.pp == 0, f"model.num_layers={m.num_layers} not divisible by parallel.pp={p.pp}")
     _require(heads % p.tp == 0, f"model.num_attention_heads={heads} not divisible by parallel.tp={p.tp}")
@@ -97,6 +193,10 @@ def _check_model(cfg: DictConfig) -> None:
     _require(
         moe.get("dispatcher", "alltoall") in DISPATCHERS,
         f"model.moe.dispatcher={moe.get('dispatcher')!r}: expected one of {DISPATCHERS}",
+    )
+    score = moe.get("score_function", "softmax")
+    _require(
+        score in SCORE_FUNCTIONS, f"model.moe.score_function={score!r}: expected one of {SCORE_FUNCTIONS}"
     )
     if moe.get("num_groups"):
         _require(
@@ -127,15 +227,22 @@ def _check_precision(cfg: DictConfig) -> None:
     _require(
         experts in FP8_EXPERT_RECIPES, f"fp8.expert_recipe={experts!r}: expected one of {FP8_EXPERT_RECIPES}"
     )
+    _require(isinstance(cfg.fp8.enabled, bool), f"fp8.enabled={cfg.fp8.enabled!r}: expected true or false")
     if not cfg.fp8.enabled:
         return
+    # Megatron-Core without TE and TorchTitan without torchao have no FP8 path of their own: with turbo off,
+    # turbo.strict=false would have trained in bf16 under precision=fp8 (and its FP8 MFU)
+    _require(
+        cfg.turbo.enabled is True,
+        "precision=fp8 runs the turbo FP8 ops: it needs turbo.enabled=true (the stock frameworks here have "
+        "no FP8 path); use precision=bf16 for the stock baseline",
+    )
     if not torch.cuda.is_available():
         _require(
             emulate,
             "precision=fp8 needs an FP8-capable GPU (sm_89+: H100/H200/L40/RTX 40xx); this machine has no "
             "CUDA device: use precision=bf16, or fp8.emulate=true for FP8 numerics on the CPU (slow)",
         )
-        _require(cfg.turbo.enabled, "fp8.emulate=true runs the turbo FP8 ops: it needs turbo.enabled=true")
         return
     _require(
         not emulate,
@@ -167,15 +274,6 @@ def _check_data_and_schedule(cfg: DictConfig, dp: int) -> None:
     _require(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"train.lr={t.lr}, min_lr={t.min_lr}: need 0<=min_lr<=lr")
     _require(not cfg.resume or t.ckpt_dir, "resume=true needs train.ckpt_dir")
     _require(t.clip_grad >= 0, f"train.clip_grad={t.clip_grad!r}: expected >= 0 (0 = no clipping)")
-    for key, least in INT_SETTINGS:
-        value = OmegaConf.select(cfg, key)
-        _require(
-            isinstance(value, int) and not isinstance(value, bool) and value >= least,
-            f"{key}={value!r}: expected an integer >= {least}",
-        )
-    for key in BOOL_SETTINGS:
-        value = OmegaConf.select(cfg, key, default=False)
-        _require(isinstance(value, bool), f"{key}={value!r}: expected true or false")
     threads = t.get("autograd_threads", False)
     _require(isinstance(threads, bool), f"train.autograd_threads={threads!r}: expected true or false")
     gc_interval = t.get("gc_interval", 0)
@@ -185,9 +283,14 @@ def _check_data_and_schedule(cfg: DictConfig, dp: int) -> None:
     )
 
 
+def _check_framework(cfg: DictConfig) -> None:
+    name = cfg.framework.get("name")
+    _require(name in FRAMEWORKS, f"framework.name={name!r}: expected one of {FRAMEWORKS}")
+    compile_ = cfg.framework.get("compile", False)  # a string such as "no" would be truthy
+    _require(isinstance(compile_, bool), f"framework.compile={compile_!r}: expected true or false")
+
+
 def _check_turbo(cfg: DictConfig) -> None:
-    for key in ("enabled", "strict", *TURBO_FEATURES):
-        _require(isinstance(cfg.turbo[key], bool), f"turbo.{key}={cfg.turbo[key]!r}: expected true or false")
     _require(
         cfg.framework.name != "megatron"  # TorchTitan's TP plans shard the norms (SequenceParallel)
         or not cfg.parallel.sequence_parallel
@@ -223,6 +326,12 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError for the first value that cannot run on ``world_size`` ranks ($WORLD_SIZE)."""
     world = world_size_from_env() if world_size is None else world_size
     _require(cfg.get("recipe_name") not in (None, "???"), "no recipe selected: pass recipe=<name>")
+    _check_known_keys(cfg)
+    _check_types(cfg)
+    _check_framework(cfg)
+    for key in ("enabled", "strict", *TURBO_FEATURES):  # before the checks that read them
+        _require(isinstance(cfg.turbo[key], bool), f"turbo.{key}={cfg.turbo[key]!r}: expected true or false")
+    _check_backend_env(os.environ)
     dp = _check_parallel(cfg, world)
     _check_model(cfg)
     _check_precision(cfg)

@@ -151,6 +151,11 @@ def check_expressible(cfg: DictConfig) -> None:
             "model.moe.dispatcher=flex: TorchTitan's DeepEP backend needs the external deep_ep package; "
             "use dispatcher=alltoall with framework=torchtitan"
         )
+    if m.mla is not None and m.mla.get("rope_type", "rope") != "rope":
+        raise ConfigError(
+            f"model.mla.rope_type={m.mla.rope_type}: this adapter builds DeepSeek-V3 with plain RoPE "
+            "(original_seq_len = seq_length, no YaRN scaling); use rope_type=rope with framework=torchtitan"
+        )
     if cfg.fp8.enabled and not cfg.turbo.enabled:
         raise ConfigError(
             "precision=fp8 with turbo.enabled=false: stock TorchTitan FP8 needs torchao (not a dependency "

@@ -160,7 +160,10 @@ def trainer_class(cfg, trainer_cls: type, log) -> type:
             super().__init__(job_config)
             if turbo_adamw:
                 n = use_turbo_adamw(self.optimizers)
-                clip = "the clip factor applied inside" if sync_free else "TorchTitan's clip"
+                # train_step applies the factor in the step only without EP or pipeline stages
+                dims = self.parallel_dims
+                inside = sync_free and not (dims.ep_enabled or dims.pp_enabled)
+                clip = "the clip factor applied inside" if inside else "TorchTitan's clip"
                 log(f"turbo.optimizer: {n} torch AdamW -> turbo.optim.AdamW (Triton, {clip})")
 
         def batch_generator(self, data_iterable):
