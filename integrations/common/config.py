@@ -298,6 +298,15 @@ def _check_turbo(cfg: DictConfig) -> None:
         "parallel.sequence_parallel=true needs turbo.enabled=true and turbo.rmsnorm=true: stock "
         "Megatron-Core without apex/TE has no sequence-parallel norm",
     )
+    moe = cfg.model.get("moe")
+    if cfg.framework.name == "megatron" and moe is not None and moe.get("dispatcher", "alltoall") == "flex":
+        import importlib.util
+
+        _require(  # else Megatron's "DeepEP is not installed" traceback at model build
+            (cfg.turbo.enabled and cfg.turbo.dispatch) or importlib.util.find_spec("deep_ep") is not None,
+            "model.moe.dispatcher=flex runs on DeepEP: turbo.enabled=true and turbo.dispatch=true provide "
+            "turbo's DeepEP-compatible Buffer (deep_ep is not installed); or model.moe.dispatcher=alltoall",
+        )
     _check_context_parallel(cfg)
 
 

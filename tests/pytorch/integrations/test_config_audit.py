@@ -165,3 +165,13 @@ def test_torchtitan_turbo_optimizer_log_says_where_the_clip_runs(ep_enabled, cli
     sync_free.trainer_class(cfg, Trainer, lines.append)(None)
     (line,) = [x for x in lines if x.startswith("turbo.optimizer")]
     assert line == f"turbo.optimizer: 1 torch AdamW -> turbo.optim.AdamW (Triton, {clip})"
+
+
+@pytest.mark.parametrize("overrides", [("turbo.dispatch=false",), ("turbo.enabled=false",)])
+def test_flex_dispatcher_needs_turbo_dispatch_without_deep_ep(overrides):
+    """Megatron's flex dispatcher without turbo's Buffer stopped at model build with Megatron's DeepEP
+    traceback; the config check names the flags (deep_ep is not installed here)."""
+    cfg = _cfg("model.moe.dispatcher=flex", *overrides)
+    with pytest.raises(ConfigError, match="dispatcher=flex runs on DeepEP"):
+        validate_config(cfg, world_size=2)
+    validate_config(_cfg("model.moe.dispatcher=flex"), world_size=2)  # turbo dispatch on: fine
