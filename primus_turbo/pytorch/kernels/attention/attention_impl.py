@@ -25,10 +25,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.backend import (
+    AutoKernelDispatcher,
+    BackendType,
+    GlobalBackendManager,
+    KernelBackend,
+)
 from primus_turbo.pytorch.core.utils import triton_can_run_on, triton_interpret_enabled
 from primus_turbo.pytorch.kernels.attention.attention_torch_impl import torch_attn_bwd, torch_attn_fwd
 from primus_turbo.pytorch.kernels.attention.attention_triton_impl import (
+    MAX_HEAD_DIM,
     triton_attn_bwd,
     triton_attn_fwd,
     triton_supports_head_dims,
@@ -127,8 +133,14 @@ class TorchAttentionBackend(KernelBackend):
     syncs_host = True  # varlen reads cu_seqlens on the host: the reference, never autotuned on CUDA
 
     @staticmethod
+    def refusal(**kw: Any) -> str | None:
+        """Why these inputs are not served (None: they are); ``can_handle`` is ``refusal() is None``."""
+        dtype = kw["q"].dtype
+        return None if dtype in (*_HALF, torch.float32) else f"dtype {dtype} (accepted: fp16, bf16, fp32)"
+
+    @staticmethod
     def can_handle(**kw: Any) -> bool:
-        return kw["q"].dtype in (*_HALF, torch.float32)
+        return TorchAttentionBackend.refusal(**kw) is None
 
     @staticmethod
     def execute(**kw: Any):
@@ -137,16 +149,27 @@ class TorchAttentionBackend(KernelBackend):
 
 class TritonAttentionBackend(KernelBackend):
     @staticmethod
-    def can_handle(**kw: Any) -> bool:
+    def refusal(**kw: Any) -> str | None:
+        """Why these inputs are not served (None: they are); ``can_handle`` is ``refusal() is None``."""
         q, k, v = kw["q"], kw["k"], kw["v"]
-        dtypes = (*_HALF, torch.float32) if triton_interpret_enabled() else _HALF
-        return (
-            triton_can_run_on(q, k, v)
-            and q.dtype in dtypes
-            and kw["dropout_p"] == 0.0
-            and triton_supports_head_dims(q.shape[-1], v.shape[-1])
-            and _triton_grid_rows(kw) <= _MAX_GRID_Y
-        )
+        interpret = triton_interpret_enabled()
+        if not triton_can_run_on(q, k, v):
+            return (
+                f"q, k, v on {q.device.type} (accepted: CUDA tensors; CPU ones only with TRITON_INTERPRET=1)"
+            )
+        if q.dtype not in ((*_HALF, torch.float32) if interpret else _HALF):
+            return f"dtype {q.dtype} (accepted: fp16, bf16{'; fp32 in the interpreter' if interpret else ''})"
+        if kw["dropout_p"] != 0.0:
+            return f"dropout_p={kw['dropout_p']} (accepted: 0.0; TORCH, CUDNN and FLASH implement dropout)"
+        if not triton_supports_head_dims(q.shape[-1], v.shape[-1]):
+            return f"head dims q/k {q.shape[-1]}, v {v.shape[-1]} (accepted: 1..{MAX_HEAD_DIM} each)"
+        if _triton_grid_rows(kw) > _MAX_GRID_Y:
+            return f"{_triton_grid_rows(kw)} (sequence, head) pairs (accepted: <= {_MAX_GRID_Y}, a grid axis)"
+        return None
+
+    @staticmethod
+    def can_handle(**kw: Any) -> bool:
+        return TritonAttentionBackend.refusal(**kw) is None
 
     @staticmethod
     def execute(**kw: Any):
@@ -163,20 +186,45 @@ def _triton_grid_rows(kw: dict) -> int:
     return batch * kw["q"].shape[-2]
 
 
-def _sdpa_common_ok(kw: dict) -> bool:
+def _sdpa_common_refusal(kw: dict) -> str | None:
+    """Why SDPA (either backend) cannot take these inputs, before asking torch's own checker."""
     q, k = kw["q"], kw["k"]
-    return (
-        q.is_cuda
-        and q.dtype in _HALF
-        and kw["cu_seqlens_q"] is None
-        and kw["sink"] is None
-        and not kw["return_lse"]
-        and not kw["deterministic"]
-        and kw["window_left"] < 0
-        and (kw["window_right"] < 0 or (kw["window_right"] == 0 and q.shape[1] == k.shape[1]))
-        and q.numel() > 0
-        and k.numel() > 0
-    )
+    if not q.is_cuda:
+        return f"q on {q.device.type} (accepted: CUDA tensors)"
+    if q.dtype not in _HALF:
+        return f"dtype {q.dtype} (accepted: fp16, bf16)"
+    if kw["cu_seqlens_q"] is not None:
+        return "varlen cu_seqlens (accepted: fixed-length BSHD only)"
+    if kw["sink"] is not None:
+        return "sink (accepted: None)"
+    if kw["return_lse"]:
+        return "return_lse=True (SDPA returns no LSE)"
+    if kw["deterministic"]:
+        return "deterministic=True (SDPA gradients are not bitwise reproducible; use TRITON or TORCH)"
+    if kw["window_left"] >= 0 or kw["window_right"] > 0:
+        return "a sliding window_size (accepted: (-1, -1), or causal)"
+    if kw["window_right"] == 0 and q.shape[1] != k.shape[1]:
+        return (
+            f"causal with seqlen_q {q.shape[1]} != seqlen_k {k.shape[1]} "
+            "(SDPA's causal mask is top-left aligned, flash-attn's bottom-right)"
+        )
+    if q.numel() == 0 or k.numel() == 0:
+        return "empty q or k"
+    return None
+
+
+def _sdpa_common_ok(kw: dict) -> bool:
+    return _sdpa_common_refusal(kw) is None
+
+
+def _sdpa_refusal(kw: dict, checker_name: str) -> str | None:
+    if _sdpa_plan(kw, checker_name) is not None:
+        return None
+    common = _sdpa_common_refusal(kw)
+    if common is not None:
+        return common
+    shapes = ", ".join(f"{n} {tuple(kw[n].shape)}" for n in ("q", "k", "v"))
+    return f"torch.backends.cuda.{checker_name} refuses {shapes} (head dims, head counts or strides)"
 
 
 def _sdpa_plan(kw: dict, checker_name: str) -> str | None:
@@ -301,6 +349,10 @@ def _sdpa_run(sdpa_backend, checker_name: str, **kw: Any):
 
 class CudnnAttentionBackend(KernelBackend):
     @staticmethod
+    def refusal(**kw: Any) -> str | None:
+        return _sdpa_refusal(kw, "can_use_cudnn_attention")
+
+    @staticmethod
     def can_handle(**kw: Any) -> bool:
         return _sdpa_plan(kw, "can_use_cudnn_attention") is not None
 
@@ -312,6 +364,10 @@ class CudnnAttentionBackend(KernelBackend):
 
 
 class FlashAttentionBackend(KernelBackend):
+    @staticmethod
+    def refusal(**kw: Any) -> str | None:
+        return _sdpa_refusal(kw, "can_use_flash_attention")
+
     @staticmethod
     def can_handle(**kw: Any) -> bool:
         return _sdpa_plan(kw, "can_use_flash_attention") is not None
@@ -364,6 +420,25 @@ class AttentionDispatcher(AutoKernelDispatcher):
         if kw["q"].is_cuda:
             return BackendType.CUDNN if CudnnAttentionBackend.can_handle(**kw) else BackendType.TRITON
         return BackendType.TORCH
+
+
+def resolve_attention_backend(**kw: Any) -> BackendType:
+    """``AttentionDispatcher.resolve``; a pinned backend that refuses the inputs raises a ``ValueError``
+    saying which argument it refuses and what it accepts (the dispatcher's message only lists the inputs)."""
+    try:
+        return AttentionDispatcher.resolve(**kw)
+    except ValueError as err:
+        pinned, source = GlobalBackendManager.user_backend(
+            AttentionDispatcher.op_name, AttentionDispatcher.precision(**kw)
+        )
+        impl = AttentionDispatcher.backends.get(pinned)
+        reason = impl.refusal(**kw) if impl is not None else None
+        if reason is None:
+            raise
+        source = "GlobalBackendManager.set_attention_backend" if source == "code" else source
+        raise ValueError(
+            f"flash_attn: backend {pinned.name} (pinned by {source}) refuses {reason}. {err}"
+        ) from None
 
 
 def _custom_op_fwd(backend: BackendType, **kw: Any):

@@ -21,6 +21,8 @@ Semantics follow flash-attn 2:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from primus_turbo.pytorch.core.backend import BackendType
@@ -29,6 +31,7 @@ from primus_turbo.pytorch.kernels.attention.attention_impl import (
     AttentionDispatcher,
     attention_bwd,
     attention_fwd,
+    resolve_attention_backend,
 )
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "attention_with_lse"]
@@ -114,6 +117,18 @@ def _window(causal: bool, window_size, span: int) -> tuple[int, int]:
     return left, right
 
 
+def _softmax_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return head_dim**-0.5
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        scale = float("nan")
+    if not math.isfinite(scale):
+        raise ValueError(f"flash_attn: softmax_scale must be a finite number or None, got {softmax_scale!r}")
+    return scale
+
+
 class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, cu_q, cu_k, max_q, max_k, scale, left, right, dropout_p, seed, backend):
@@ -135,7 +150,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
 def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, deterministic,
          return_lse, sink):  # fmt: skip
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    scale = _softmax_scale(softmax_scale, q.shape[-1])
     left, right = _window(causal, window_size, max_q + max_k)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     # the Triton kernels index sink and cu_seqlens as contiguous arrays (a sliced sink read the wrong heads)
@@ -146,7 +161,7 @@ def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, wi
         sink=sink, softmax_scale=scale, window_left=left, window_right=right, dropout_p=float(dropout_p),
         deterministic=bool(deterministic), return_lse=bool(return_lse),
     )  # fmt: skip
-    backend = AttentionDispatcher.resolve(**kw)
+    backend = resolve_attention_backend(**kw)
     if not torch.compiler.is_compiling():  # torch 2.11's dynamo cannot trace a class-attribute write
         AttentionDispatcher.last_backend = backend
     if backend in SDPA_BACKENDS:

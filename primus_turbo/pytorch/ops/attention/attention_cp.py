@@ -19,7 +19,8 @@ shard of the sequence and returns this rank's shard of the output.
   contiguous piece of its ring rank's (zigzag) local sequence. ``split_sequence_for_cp`` produces
   that layout from a full sequence; ``gather_sequence_for_cp`` inverts it.
 
-Not supported under CP (clear errors): dropout, sliding windows, varlen.
+Not supported under CP (clear errors): dropout, sliding windows, varlen, and causal ring attention
+with seqlen_q != seqlen_k.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from primus_turbo.pytorch.kernels.attention.attention_impl import (
     AttentionDispatcher,
     attention_bwd,
     attention_fwd,
+    resolve_attention_backend,
 )
-from primus_turbo.pytorch.ops.attention.attention import _validate, flash_attn_func
+from primus_turbo.pytorch.ops.attention.attention import _softmax_scale, _validate, flash_attn_func
 
 __all__ = ["flash_attn_usp_func", "split_sequence_for_cp", "gather_sequence_for_cp"]
 
@@ -236,7 +238,7 @@ def _ring_backend(q, k, v, sink, scale, causal, deterministic) -> BackendType:
         sink=sink, softmax_scale=scale, window_left=-1, window_right=0 if causal else -1, dropout_p=0.0,
         deterministic=deterministic, return_lse=True,
     )  # fmt: skip
-    backend = AttentionDispatcher.resolve(**kw)
+    backend = resolve_attention_backend(**kw)
     if backend in SDPA_BACKENDS:  # cannot happen with return_lse=True; keep the invariant loud
         raise ValueError(f"flash_attn_usp: ring attention needs an LSE-returning backend, got {backend.name}")
     if not torch.compiler.is_compiling():
@@ -254,9 +256,15 @@ def flash_attn_usp_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False
         raise ValueError(
             f"flash_attn_usp: window_size must be (-1, -1) under context parallelism, got {window_size}"
         )
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    scale = _softmax_scale(softmax_scale, q.shape[-1])
     u_size = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
     r_size = dist.get_world_size(ring_group) if ring_group is not None else 1
+    if r_size > 1 and causal and q.shape[1] != k.shape[1]:
+        # the zigzag plan pairs query chunk i with key chunk i: right only for a square (diagonal) mask
+        raise ValueError(
+            "flash_attn_usp: causal ring attention needs seqlen_q == seqlen_k (the zigzag split follows "
+            f"the diagonal, not flash-attn's bottom-right mask), got local q {q.shape[1]}, k {k.shape[1]}"
+        )
     if u_size > 1:
         if q.shape[2] % u_size or k.shape[2] % u_size:
             raise ValueError(
