@@ -89,3 +89,30 @@ def test_explicit_softmax_scale_matches_reference():
     s = s.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
     ref = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _huge_kw(seq: int, heads: int = 8, dim: int = 128, varlen: bool = False):
+    """Attention inputs whose one sequence spans seq * heads * dim elements, as stride-0 views (no memory)."""
+    t = torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16).expand(1, seq, heads, dim)
+    cu = torch.tensor([0, seq], dtype=torch.int32) if varlen else None
+    t = t[0] if varlen else t
+    return dict(q=t, k=t, v=t, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq, max_seqlen_k=seq,
+                sink=None, softmax_scale=0.1, window_left=-1, window_right=0, dropout_p=0.0,
+                deterministic=False, return_lse=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_triton_refuses_sequences_past_int32_offsets(monkeypatch, varlen):
+    """The kernels offset rows inside a sequence in int32 (only its base is int64): a sequence of 2^31+
+    elements (2^21 tokens x 8 heads x 128 here) would wrap. TRITON refuses it by name; unpinned, the
+    dispatcher takes another backend (audit, session 35)."""
+    monkeypatch.setattr(attention_impl, "triton_interpret_enabled", lambda: False)
+    monkeypatch.setattr(attention_impl, "triton_can_run_on", lambda *tensors: True)
+    huge, fine = _huge_kw(2**21, varlen=varlen), _huge_kw(2**21 - 64, varlen=varlen)
+    assert "int32" in attention_impl.TritonAttentionBackend.refusal(**huge)
+    assert attention_impl.TritonAttentionBackend.refusal(**fine) is None
+    GlobalBackendManager.set_attention_backend("TRITON")
+    with pytest.raises(ValueError, match=r"TRITON .*refuses a sequence spanning \d+ elements"):
+        attention_impl.resolve_attention_backend(**huge)
+    GlobalBackendManager.set_attention_backend(None)
+    assert attention_impl.resolve_attention_backend(**huge).name != "TRITON"

@@ -165,6 +165,12 @@ class TritonAttentionBackend(KernelBackend):
             return f"head dims q/k {q.shape[-1]}, v {v.shape[-1]} (accepted: 1..{MAX_HEAD_DIM} each)"
         if _triton_grid_rows(kw) > _MAX_GRID_Y:
             return f"{_triton_grid_rows(kw)} (sequence, head) pairs (accepted: <= {_MAX_GRID_Y}, a grid axis)"
+        span = _sequence_span(kw)
+        if span > _INT32_MAX:
+            return (
+                f"a sequence spanning {span} elements of q/k/v/out (accepted: < 2^31: the kernels offset "
+                "rows within a sequence in int32; split it with context parallelism)"
+            )
         return None
 
     @staticmethod
@@ -178,6 +184,24 @@ class TritonAttentionBackend(KernelBackend):
 
 # The kernels' grids put (sequence, head) pairs on CUDA's y axis, which holds at most 65535 blocks
 _MAX_GRID_Y = 65535
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _sequence_span(kw: dict) -> int:
+    """The largest element offset the Triton kernels form in int32 inside one sequence of q, k, v or the
+    outputs and gradients (contiguous, [.., S, H, D]): row * seq stride + head * head stride + dim. Only each
+    sequence's base is int64 (audit, session 35: S * H * D >= 2^31, e.g. 128 MLA heads of 192 at S ~ 87k)."""
+    q, k, v, cu = kw["q"], kw["k"], kw["v"], kw["cu_seqlens_q"]
+    # varlen: the longest sequence (at most every token when max_seqlen is not given)
+    len_q = (kw.get("max_seqlen_q") or q.shape[0]) if cu is not None else q.shape[1]
+    len_k = (kw.get("max_seqlen_k") or k.shape[0]) if cu is not None else k.shape[1]
+    span = 0
+    for t, length in ((q, len_q), (k, len_k), (v, len_k)):
+        seq_stride, head_stride = abs(t.stride(-3)), abs(t.stride(-2))
+        span = max(span, length * seq_stride + t.shape[-2] * head_stride, length * t.shape[-2] * t.shape[-1])
+    return max(span, len_q * q.shape[-2] * v.shape[-1])  # out / dout: [.., S, Hq, Dv]
 
 
 def _triton_grid_rows(kw: dict) -> int:
