@@ -117,6 +117,8 @@ class AmaxHistory(torch.nn.Module):
     """Rolling window of amaxes for one tensor; index 0 is the most recent.
 
     The buffer is non-persistent: modules that own histories keep nn.Linear-compatible state dicts.
+    A history on the meta device (built there, or moved there with ``.to("meta")``) starts over at
+    its first push after ``to_empty``, as a new one does.
     """
 
     def __init__(self, length: int = 16, algo: str = "max", device=None) -> None:
@@ -144,8 +146,18 @@ class AmaxHistory(torch.nn.Module):
     @torch.no_grad()
     def update(self, amax: torch.Tensor) -> None:
         amax = amax.detach().float().reshape(1).to(self.history.device)
-        self.history.copy_(torch.cat([amax, self.history[:-1]]))
+        # the first push starts the window: the buffer is not known to be zero then (a history built on
+        # meta and materialized with to_empty holds uninitialized memory, whose huge values would set the
+        # scale for amax_history_len steps and flush every quantized value to zero)
+        rest = self.history[:-1] if self.initialized else torch.zeros_like(self.history[:-1])
+        self.history.copy_(torch.cat([amax, rest]))
         self.initialized = True
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.history.is_meta:  # no values on meta: after to_empty the window restarts
+            self.initialized = False
+        return self
 
 
 class DelayedScalingState(torch.nn.Module):

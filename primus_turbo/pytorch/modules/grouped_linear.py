@@ -65,7 +65,7 @@ class GroupedLinear(nn.Module):
             ("in_features", in_features),
             ("out_features", out_features),
         ):
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"GroupedLinear: {name} must be a positive int, got {v!r}")
         if fp8_config is not None and not isinstance(fp8_config, Float8QuantConfig):
             raise TypeError(

@@ -105,7 +105,7 @@ class Linear(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Linear: input's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}"
             )

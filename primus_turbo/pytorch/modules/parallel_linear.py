@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, ScalingStrategy
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import scaled_matmul
 from primus_turbo.pytorch.ops.async_tp import (
     _group_name,
@@ -175,12 +175,20 @@ class _ParallelLinearBase(nn.Module):
         dtype,
     ):
         super().__init__()
-        if not dist.is_initialized() and tp_group is None:
-            raise ValueError("tp_group: torch.distributed is not initialized; init it or pass a group")
         if fp8_config is not None and not isinstance(fp8_config, Float8QuantConfig):
             raise TypeError(
                 f"fp8_config: expected Float8QuantConfig or None, got {type(fp8_config).__name__}"
             )
+        if fp8_config is not None and (
+            fp8_config.granularity not in (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE)
+            or fp8_config.strategy is not ScalingStrategy.CURRENT
+        ):  # what the async-TP FP8 GEMMs take; said here rather than at the first forward
+            raise ValueError(
+                "fp8_config: the parallel linears run TENSORWISE or ROWWISE CURRENT scaling, got "
+                f"{fp8_config.granularity.name} {fp8_config.strategy.name}"
+            )
+        if not dist.is_initialized() and tp_group is None:
+            raise ValueError("tp_group: torch.distributed is not initialized; init it or pass a group")
         self.group_name = _group_name(tp_group)
         self.tp_size = _world(self.group_name)
         self.in_features, self.out_features = in_features, out_features
@@ -202,6 +210,13 @@ class _ParallelLinearBase(nn.Module):
             True,
             partition_dim,
             1,
+        )
+
+    def extra_repr(self) -> str:
+        fp8 = "" if self.fp8_config is None else f", fp8={self.fp8_config.granularity.name}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, tp_size={self.tp_size}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}{fp8}"
         )
 
 
