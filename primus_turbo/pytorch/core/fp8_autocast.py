@@ -169,3 +169,8 @@ class DelayedScalingState(torch.nn.Module):
         self.a = AmaxHistory(n, algo, device)
         self.b = AmaxHistory(n, algo, device)
         self.grad = AmaxHistory(n, algo, device)
+
+    def matches(self, config: Float8QuantConfig) -> bool:
+        """Whether these histories have ``config``'s length and reduction (a module run under another
+        DELAYED ``fp8_autocast`` config builds new ones rather than keep the first config's)."""
+        return self.a.history.numel() == config.amax_history_len and self.a.algo == config.amax_compute_algo

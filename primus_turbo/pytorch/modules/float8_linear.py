@@ -113,7 +113,7 @@ class Float8Linear(Linear):
         if config is None:
             return super()._matmul(x2d)
         if config.strategy is ScalingStrategy.DELAYED:
-            if self.delayed_state is None:
+            if self.delayed_state is None or not self.delayed_state.matches(config):
                 self.delayed_state = DelayedScalingState(config, device=self.weight.device)
             return gemm_fp8(
                 x2d, self.weight, trans_b=True, config=config, delayed_state=self.delayed_state,

@@ -96,7 +96,7 @@ class Linear(nn.Module):
     def _fp8_matmul(self, x2d: torch.Tensor, config: Float8QuantConfig) -> torch.Tensor:
         state = None
         if config.strategy is ScalingStrategy.DELAYED:
-            if self.fp8_delayed_state is None:
+            if self.fp8_delayed_state is None or not self.fp8_delayed_state.matches(config):
                 self.fp8_delayed_state = DelayedScalingState(config, device=self.weight.device)
             state = self.fp8_delayed_state
         return gemm_fp8(

@@ -168,3 +168,19 @@ def test_parallel_linear_rejects_unsupported_fp8_config_when_built(cfg):
     # used to be accepted and fail only at the first forward; checked before any process group is needed
     with pytest.raises(ValueError, match="fp8_config: the parallel linears run TENSORWISE or ROWWISE"):
         ColumnParallelLinear(16, 16, fp8_config=cfg)
+
+
+def test_linear_under_another_delayed_autocast_config_gets_its_histories():
+    """Linear kept the histories of the first DELAYED fp8_autocast config it ran under: a later config's
+    amax_history_len / amax_compute_algo were silently ignored."""
+    from primus_turbo.pytorch.core.fp8_autocast import fp8_autocast
+
+    layer = Linear(64, 32)
+    for n, algo in ((16, "max"), (4, "most_recent"), (4, "most_recent")):
+        config = Float8QuantConfig(
+            strategy=ScalingStrategy.DELAYED, amax_history_len=n, amax_compute_algo=algo
+        )
+        with fp8_autocast(config=config):
+            layer(torch.randn(16, 64))
+        assert layer.fp8_delayed_state.a.history.numel() == n and layer.fp8_delayed_state.a.algo == algo
+    assert torch.count_nonzero(layer.fp8_delayed_state.a.history) == 2  # kept across the two same configs
