@@ -23,6 +23,8 @@ from primus_turbo.pytorch.kernels.moe.dispatch_impl import (
     DispatchHandle,
     MoEDispatchCombineDispatcher,
     dispatch_layout,
+    validate_dispatch,
+    validate_routing,
 )
 
 __all__ = ["Buffer", "Config"]
@@ -83,10 +85,7 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):  # fmt: skip
         """(num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event)."""
-        if num_experts % self.group_size:
-            raise ValueError(
-                f"get_dispatch_layout: num_experts={num_experts} not a multiple of {self.group_size}"
-            )
+        validate_routing(topk_idx, num_experts, self.group_size, "Buffer.get_dispatch_layout")
         per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
         return per_rank, None, per_expert, in_rank, _event(async_finish)
 
@@ -116,6 +115,12 @@ class Buffer:
         num_experts = int(num_tokens_per_expert.numel()) if num_tokens_per_expert is not None else None
         if num_experts is None:
             raise ValueError("Buffer.dispatch: num_tokens_per_expert (from get_dispatch_layout) is required")
+        validate_dispatch(x, x_scale, topk_idx, topk_weights, num_experts, self.group, "Buffer.dispatch")
+        if is_token_in_rank is not None and tuple(is_token_in_rank.shape) != (x.shape[0], self.group_size):
+            raise ValueError(
+                f"Buffer.dispatch: is_token_in_rank must be [num_tokens={x.shape[0]}, "
+                f"num_ranks={self.group_size}], got {tuple(is_token_in_rank.shape)}"
+            )
         result = MoEDispatchCombineDispatcher.dispatch(
             kind="dispatch", x=x.contiguous(), x_scale=x_scale, indices=topk_idx.contiguous(),
             probs=topk_weights.float().contiguous() if topk_weights is not None else None,

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.moe.permute_impl import build_row_id_map, moe_permute_fwd, moe_unpermute_fwd
 
 
@@ -50,6 +51,50 @@ class DispatchHandle:
     num_recv_routes: int | None = None
 
 
+def validate_routing(indices, num_experts, world_size: int, op: str = "moe_dispatch") -> None:
+    """Routing rules shared by moe_dispatch and deep_ep.Buffer (get_dispatch_layout and dispatch).
+
+    The value range is checked on CPU always, on CUDA only with PRIMUS_TURBO_DEBUG_CHECKS=1 (it needs a host
+    sync): an id in [E, E + E / W) would otherwise be dropped silently by the layout and a larger one index
+    out of bounds in its scatter."""
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool):
+        raise TypeError(f"{op}: num_experts must be an int, got {type(num_experts).__name__}")
+    if num_experts < 1 or num_experts % world_size != 0:
+        raise ValueError(
+            f"{op}: num_experts={num_experts} must be a positive multiple of the EP size {world_size}"
+        )
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2:
+        raise ValueError(
+            f"{op}: indices must be a [num_tokens, topk] tensor, got {getattr(indices, 'shape', None)}"
+        )
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: indices dtype {indices.dtype}; accepted int32/int64")
+    if indices.shape[1] > num_experts:
+        raise ValueError(f"{op}: topk={indices.shape[1]} > num_experts={num_experts}")
+    if indices.numel() and (indices.device.type == "cpu" or debug_checks_enabled()):
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"{op}: indices must be in [-1, {num_experts}), got range [{lo}, {hi}]")
+
+
+def validate_dispatch(x, x_scale, indices, probs, num_experts, group, op: str = "moe_dispatch") -> None:
+    """Argument rules of a dispatch, one validator for every entry point (moe_dispatch, Buffer.dispatch)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{op}: torch.distributed is not initialized")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{op}: x must be a [num_tokens, hidden] tensor (or an (x, x_scale) pair)")
+    scale_rows = x_scale.shape[0] if isinstance(x_scale, torch.Tensor) and x_scale.dim() else None
+    if x_scale is not None and scale_rows != x.shape[0]:
+        raise ValueError(
+            f"{op}: x_scale must be [num_tokens={x.shape[0]}, ...], got {getattr(x_scale, 'shape', None)}"
+        )
+    if isinstance(indices, torch.Tensor) and indices.dim() == 2 and indices.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: indices must be [num_tokens={x.shape[0]}, topk], got {tuple(indices.shape)}")
+    validate_routing(indices, num_experts, dist.get_world_size(group), op)
+    if probs is not None and tuple(probs.shape) != tuple(indices.shape):
+        raise ValueError(f"{op}: probs shape {tuple(probs.shape)} != indices shape {tuple(indices.shape)}")
+
+
 def dispatch_layout(indices: torch.Tensor, num_experts: int, world_size: int):
     """(num_tokens_per_rank [W] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, W] bool).
 
@@ -68,7 +113,8 @@ def dispatch_layout(indices: torch.Tensor, num_experts: int, world_size: int):
 
 def localize(indices, probs, rank_of_row, experts_per_rank):
     """Translate global expert ids of send rows to the receiver's local ids (-1 elsewhere)."""
-    local = indices - (rank_of_row * experts_per_rank).unsqueeze(-1)
+    # in the indices' dtype (int32 stays int32, as TURBO and DeepEP return it): rank_of_row is int64
+    local = indices - (rank_of_row * experts_per_rank).to(indices.dtype).unsqueeze(-1)
     ok = (indices >= 0) & (local >= 0) & (local < experts_per_rank)
     local_idx = torch.where(ok, local, torch.full_like(local, -1))
     local_probs = torch.where(ok, probs, torch.zeros_like(probs)) if probs is not None else None
@@ -137,8 +183,8 @@ def _exchange_counts(send_counts, send_routes, meta, group, world_size):
     bad = [w for w in range(world_size) if recv_cpu[w, 2:].tolist() != list(meta)]
     if bad:
         raise ValueError(
-            f"moe_dispatch: ranks {bad} called with (num_experts, hidden, topk, dtype id, has_probs, "
-            f"has_scale) = {[recv_cpu[w, 2:].tolist() for w in bad]}, this rank with {list(meta)}"
+            f"moe_dispatch: ranks {bad} called with (num_experts, hidden, topk, dtype id, has_probs, x_scale "
+            f"bytes per row or -1) = {[recv_cpu[w, 2:].tolist() for w in bad]}, this rank with {list(meta)}"
         )
     return send_splits, recv_splits, routes
 
@@ -159,8 +205,9 @@ def _nccl_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_i
     dest = torch.where(indices >= 0, indices // experts_per_rank, world_size).reshape(-1).long()
     send_routes = torch.zeros(world_size + 1, dtype=torch.int64, device=x.device)
     send_routes = send_routes.scatter_add_(0, dest, torch.ones_like(dest))[:world_size]
+    scale_cols = math.prod(x_scale.shape[1:]) * x_scale.element_size() if x_scale is not None else -1
     meta = (num_experts, hidden, indices.shape[1], _DTYPE_IDS.get(x.dtype, 99), probs is not None,
-            x_scale is not None)  # fmt: skip
+            scale_cols)  # fmt: skip
     send_splits, recv_splits, recv_routes = _exchange_counts(
         send_counts, send_routes, meta, group, world_size
     )
@@ -182,7 +229,9 @@ def _nccl_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_i
     recv_probs = _a2a(send_probs, num_recv, send_splits, recv_splits, group) if probs is not None else None
     recv_scale = None
     if x_scale is not None:
-        send_scale = x_scale.reshape(t, -1)[send_src]
+        # columns from the shape: a rank with zero tokens has no -1 to infer (and would leave its peers
+        # waiting in the scale exchange)
+        send_scale = x_scale.reshape(t, math.prod(x_scale.shape[1:]))[send_src]
         recv_scale = _a2a(send_scale, num_recv, send_splits, recv_splits, group).reshape(
             num_recv, *x_scale.shape[1:]
         )
@@ -208,15 +257,23 @@ def _send_sources(row_id_map: torch.Tensor, num_send: int) -> torch.Tensor:
     return src[:num_send]
 
 
+def _sum_per_token(back: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """The returned rows summed per source token. A rank that sent nothing (every route dropped) gets
+    zeros: the eager unpermute gathers row 0 of the empty buffer for its -1 entries (an IndexError)."""
+    if back.shape[0] == 0:
+        return back.new_zeros((handle.num_tokens, *back.shape[1:]))
+    return moe_unpermute_fwd(back, handle.row_id_map, None, handle.num_tokens)
+
+
 def _nccl_combine(*, x, handle, topk_weights=None, **_):
     """Reverse of dispatch: recv rows back to their source rank, summed per token (fp32)."""
     back = _a2a(x.contiguous(), sum(handle.send_splits), handle.recv_splits, handle.send_splits, handle.group)
-    out = moe_unpermute_fwd(back, handle.row_id_map, None, handle.num_tokens)
+    out = _sum_per_token(back, handle)
     weights = None
     if topk_weights is not None:
         wback = _a2a(topk_weights.float().contiguous(), sum(handle.send_splits), handle.recv_splits,
                      handle.send_splits, handle.group)  # fmt: skip
-        weights = moe_unpermute_fwd(wback, handle.row_id_map, None, handle.num_tokens)
+        weights = _sum_per_token(wback, handle)
     return out, weights
 
 

@@ -20,6 +20,7 @@ Multicast is never used (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on our machines).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -153,7 +154,9 @@ def turbo_dispatch(*, x, x_scale, indices, probs, num_experts, group, is_token_i
     t, hidden = x.shape
     k = indices.shape[1]
     epr = num_experts // world
-    scale2d = x_scale.reshape(t, -1).float().contiguous() if x_scale is not None else None
+    scale2d = None
+    if x_scale is not None:  # columns from the shape: a 0-token rank has no -1 to infer
+        scale2d = x_scale.reshape(t, math.prod(x_scale.shape[1:])).float().contiguous()
     scale_cols = scale2d.shape[1] if scale2d is not None else 0
     offs, nbytes, rows = _layout(world, hidden, x.element_size(), k, scale_cols)
     buf, hdl, ptrs = _workspace(group, nbytes, x.device)

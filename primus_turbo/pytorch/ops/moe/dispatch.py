@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.moe.dispatch_impl import (
     DispatchHandle,
     MoEDispatchCombineDispatcher,
     nccl_dispatch_cached,
+    validate_dispatch,
 )
 
 __all__ = ["moe_dispatch", "moe_combine", "DispatchHandle"]
@@ -98,39 +98,6 @@ class _Combine(torch.autograd.Function):
         return _dispatch_cached(grad_out.contiguous(), ctx.handle), None
 
 
-def _validate(x, x_scale, indices, probs, num_experts, group):
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("moe_dispatch: torch.distributed is not initialized")
-    world = dist.get_world_size(group)
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError("moe_dispatch: x must be a [num_tokens, hidden] tensor (or an (x, x_scale) pair)")
-    if x_scale is not None and (x_scale.shape[0] != x.shape[0]):
-        raise ValueError(f"moe_dispatch: x_scale rows {x_scale.shape[0]} != x rows {x.shape[0]}")
-    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"moe_dispatch: indices must be [num_tokens={x.shape[0]}, topk], "
-            f"got {getattr(indices, 'shape', None)}"
-        )
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"moe_dispatch: indices dtype {indices.dtype}; accepted int32/int64")
-    if probs is not None and tuple(probs.shape) != tuple(indices.shape):
-        raise ValueError(
-            f"moe_dispatch: probs shape {tuple(probs.shape)} != indices shape {tuple(indices.shape)}"
-        )
-    if num_experts < 1 or num_experts % world != 0:
-        raise ValueError(
-            f"moe_dispatch: num_experts={num_experts} must be a positive multiple of the EP size {world}"
-        )
-    if indices.shape[1] > num_experts:
-        raise ValueError(f"moe_dispatch: topk={indices.shape[1]} > num_experts={num_experts}")
-    # a device-side check needs a host sync: CUDA indices only with PRIMUS_TURBO_DEBUG_CHECKS=1 (out-of-range
-    # ids would otherwise index out of bounds in the layout's scatter)
-    if indices.numel() and (indices.device.type == "cpu" or debug_checks_enabled()):
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(f"moe_dispatch: indices must be in [-1, {num_experts}), got range [{lo}, {hi}]")
-
-
 def moe_dispatch(x, indices, probs, num_experts, group=None):
     """Send every token to the EP ranks owning its experts.
 
@@ -143,15 +110,15 @@ def moe_dispatch(x, indices, probs, num_experts, group=None):
         group: the EP process group (default: the world).
 
     Returns:
-        (recv_x [N, H] or (recv_x, recv_scale), recv_indices [N, K] local ids (-1 elsewhere),
-        recv_probs [N, K] (0 elsewhere) or None, tokens_per_expert [E / W] int32 device tensor,
-        handle for moe_combine).
+        (recv_x [N, H] or (recv_x, recv_scale), recv_indices [N, K] local ids in the dtype of indices
+        (-1 elsewhere), recv_probs [N, K] (0 elsewhere) or None, tokens_per_expert [E / W] int32 device
+        tensor, handle for moe_combine).
     """
     x_scale = None
     if isinstance(x, (tuple, list)):
         x, x_scale = x
     group = group if group is not None else dist.group.WORLD
-    _validate(x, x_scale, indices, probs, num_experts, group)
+    validate_dispatch(x, x_scale, indices, probs, num_experts, group)
     recv_x, recv_probs, recv_scale, recv_idx, tokens_per_expert, handle = _Dispatch.apply(
         x.contiguous(),
         probs.float().contiguous() if probs is not None else None,
