@@ -48,3 +48,17 @@ def test_unpermute_checks_its_buffer_probs_and_devices(device, monkeypatch):
     torch.testing.assert_close(
         token_unpermute(bigger, row_id_map, probs), token_unpermute(out, row_id_map, probs)
     )
+
+
+def test_eager_unpermute_masks_dropped_routes_by_selection():
+    """The eager (torch) unpermute gathered row 0 for dropped (-1) routes and multiplied it by 0: an inf
+    there made the token NaN; with no row at all (every route dropped) it raised an IndexError."""
+    from primus_turbo.pytorch.kernels.moe.permute_impl import _unpermute_eager
+
+    y = torch.randn(3, 4)
+    y[0] = float("inf")
+    row_id_map = torch.tensor([[1, -1], [2, 0]], dtype=torch.int32)
+    out = _unpermute_eager(y, row_id_map, None, 2)
+    torch.testing.assert_close(out[0], y[1])
+    empty = _unpermute_eager(torch.empty(0, 4), torch.full((2, 2), -1, dtype=torch.int32), None, 2)
+    assert torch.equal(empty, torch.zeros(2, 4))

@@ -228,8 +228,11 @@ def _permute_eager(x, row_id_map, probs, num_rows, zero_fill, out_dtype=None):
 
 
 def _unpermute_eager(y, row_id_map, probs, num_tokens, out_dtype=None):
+    if y.shape[0] == 0:  # nothing came back (every route dropped): no row to gather for the -1 entries
+        return y.new_zeros((num_tokens, y.shape[1]), dtype=out_dtype or y.dtype)
     sel = (row_id_map >= 0).unsqueeze(-1)
-    rows = y.float()[row_id_map.clamp(min=0).long()] * sel
+    # dropped routes gather row 0 and are then masked: by where, as an inf / NaN there times 0 would be NaN
+    rows = torch.where(sel, y.float()[row_id_map.clamp(min=0).long()], 0.0)
     if probs is not None:
         rows = rows * probs.float().unsqueeze(-1)
     return rows.sum(1).to(out_dtype or y.dtype)
