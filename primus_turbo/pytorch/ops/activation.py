@@ -3,7 +3,8 @@
     y = act(x[:, :H]) * x[:, H:]                (swiglu: act = silu, geglu: act = exact gelu)
     y = act(x[:, :H]) * x[:, H:] * probs[:, None]   (the *_with_probs variants)
 
-``x`` is ``[..., 2H]`` (any leading dims), ``probs`` has one value per row of ``x``. Fusing the
+``x`` is ``[..., 2H]`` (any leading dims), ``probs`` has one value per row of ``x``: shape ``x.shape[:-1]``
+or ``[rows]``, either optionally with a trailing 1 (Megatron's ``[T, 1]``). Fusing the
 router probability into the activation saves one full read+write of the expert activations, which
 is why Megatron-Core's permute-with-probs path applies probs here instead of in unpermute.
 Forward and backward are single Triton kernels (fp32 math, storage dtype preserved); the probs
@@ -36,11 +37,14 @@ def _validate(name: str, x: torch.Tensor, probs: torch.Tensor | None) -> None:
         raise TypeError(
             f"{name}: probs dtype {probs.dtype} not supported; accepted: float32, bfloat16, float16"
         )
-    rows = x.shape[:-1].numel()
-    if probs.numel() != rows:
+    lead, rows = tuple(x.shape[:-1]), x.shape[:-1].numel()
+    # the row layout of x or all rows flat, each with an optional trailing 1 (Megatron's [T, 1]); not any
+    # shape of the right size: probs [S, B] against x [B, S, 2H] would scale the wrong rows
+    accepted = (lead, (*lead, 1), (rows,), (rows, 1))
+    if tuple(probs.shape) not in accepted:
         raise ValueError(
-            f"{name}: probs must hold one value per row of x ({rows} rows, x shape {tuple(x.shape)}), "
-            f"got probs shape {tuple(probs.shape)}"
+            f"{name}: probs must hold one value per row of x ({rows} rows, x shape {tuple(x.shape)}): "
+            f"shape {lead}, {(*lead, 1)}, ({rows},) or ({rows}, 1), got probs shape {tuple(probs.shape)}"
         )
     if probs.device != x.device:
         raise ValueError(f"{name}: probs on {probs.device} but x on {x.device}")

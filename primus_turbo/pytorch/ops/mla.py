@@ -46,11 +46,14 @@ def mla_key_value(kv: torch.Tensor, k_pe: torch.Tensor, nope_dim: int) -> tuple[
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _FLOAT_DTYPES:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"mla_key_value: {name} must be a 4-D float tensor, got {got}")
-    if not 0 < nope_dim < kv.shape[-1]:
-        raise ValueError(f"mla_key_value: nope_dim={nope_dim} must be in (0, {kv.shape[-1]}) (kv's last dim)")
-    if k_pe.shape[:2] != kv.shape[:2] or k_pe.shape[2] != 1:
+    int_like = isinstance(nope_dim, (int, torch.SymInt)) and not isinstance(nope_dim, bool)  # SymInt: traced
+    if not int_like or not 0 < nope_dim < kv.shape[-1]:
         raise ValueError(
-            f"mla_key_value: k_pe must be [B, S, 1, R] with kv's B, S = {tuple(kv.shape[:2])}, "
+            f"mla_key_value: nope_dim={nope_dim!r} must be an int in (0, {kv.shape[-1]}) (kv's last dim)"
+        )
+    if k_pe.shape[:2] != kv.shape[:2] or k_pe.shape[2] != 1 or k_pe.shape[3] < 1:
+        raise ValueError(
+            f"mla_key_value: k_pe must be [B, S, 1, R] with kv's B, S = {tuple(kv.shape[:2])} and R >= 1, "
             f"got {tuple(k_pe.shape)}"
         )
     if k_pe.dtype != kv.dtype or k_pe.device != kv.device:

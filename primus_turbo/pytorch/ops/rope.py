@@ -51,16 +51,18 @@ def clear_rope_cache() -> None:
 
 def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin(freqs) * mscale rounded to ``dtype`` as Megatron's eager RoPE rounds them, as fp32 [S, D]."""
-    compiling = torch.compiler.is_compiling()  # traced: computed in the graph (data_ptr does not trace)
-    key = None if compiling else (id(freqs), freqs.data_ptr(), freqs._version, dtype, mscale)
-    hit = None if compiling else _COS_SIN.get(key)
+    # Not cached: traced (computed in the graph; data_ptr does not trace), or an inference tensor (made under
+    # torch.inference_mode: no version counter, so an in-place write of new angles could not be seen).
+    cached = not torch.compiler.is_compiling() and not freqs.is_inference()
+    key = (id(freqs), freqs.data_ptr(), freqs._version, dtype, mscale) if cached else None
+    hit = _COS_SIN.get(key) if cached else None
     if hit is not None and hit[0] is freqs:
         return hit[1], hit[2]
     seq, dim = freqs.shape[0], freqs.shape[-1]
     f = freqs.reshape(seq, dim)
     cos = (torch.cos(f) * mscale).to(dtype).float().contiguous()
     sin = (torch.sin(f) * mscale).to(dtype).float().contiguous()
-    if not compiling:
+    if cached:
         if len(_COS_SIN) >= 16:
             _COS_SIN.clear()
         _COS_SIN[key] = (freqs, cos, sin)
@@ -92,6 +94,11 @@ def apply_rotary_pos_emb(
             f"apply_rotary_pos_emb: freqs must be [S, 1, 1, D] or [S, D] with S={seq}, D={dim} (t's last "
             f"dim minus nope_dim={nope_dim}; a partial rotary dim with the pass-through part last is not "
             f"supported), got {got}"
+        )
+    if not freqs.is_floating_point():
+        raise ValueError(
+            f"apply_rotary_pos_emb: freqs must be real angles (a floating-point tensor, e.g. float32), got "
+            f"{freqs.dtype}; complex freqs_cis are apply_rotary_emb_complex's input"
         )
     if dim < 2 or dim & (dim - 1):
         raise ValueError(f"apply_rotary_pos_emb: the rotary dim must be a power of two >= 2, got {dim}")
@@ -129,6 +136,8 @@ def apply_rotary_emb_complex(
         raise ValueError(f"apply_rotary_emb_complex: x must be a 4-D [B, S, H, D] float tensor, got {got}")
     dim, seq = x.shape[-1], x.shape[1]
     rope_dim = dim if rope_dim is None else rope_dim
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, (int, torch.SymInt)):  # SymInt: traced
+        raise ValueError(f"apply_rotary_emb_complex: rope_dim must be an int or None, got {rope_dim!r}")
     if rope_dim < 2 or rope_dim % 2 or rope_dim > dim or dim % 2:
         raise ValueError(
             f"apply_rotary_emb_complex: rope_dim={rope_dim} must be even, >= 2 and <= x's last dim {dim} "
