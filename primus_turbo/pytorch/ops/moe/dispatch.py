@@ -109,6 +109,11 @@ def moe_dispatch(x, indices, probs, num_experts, group=None):
         num_experts: global number of experts (a multiple of the group size W).
         group: the EP process group (default: the world).
 
+    Arguments are checked on each rank before any communication; settings that must agree across ranks
+    (num_experts, hidden, topk, dtype, probs, x_scale width) are compared in the first exchange and a mismatch
+    raises on every rank. A bad input on one rank only raises there, and its peers wait in the collective
+    until the process group's timeout (agreeing on validity first would cost a collective per call).
+
     Returns:
         (recv_x [N, H] or (recv_x, recv_scale), recv_indices [N, K] local ids in the dtype of indices
         (-1 elsewhere), recv_probs [N, K] (0 elsewhere) or None, tokens_per_expert [E / W] int32 device
