@@ -150,7 +150,8 @@ def test_power_of_two_scales_must_be_a_bool(value):
 def test_tiny_groups_keep_a_positive_scale_on_the_gpu(tiny):
     """Rows whose amax is so small that 1 / scale is an fp32 denormal: Triton's math flushes denormals to
     zero, which would give scale_inv 0 (and inf where a caller inverts it). The Triton path must agree with
-    the torch path there (audit, session 35: suspected from Triton's compiler options, not yet run)."""
+    the torch path there (audit, session 35: suspected from Triton's compiler options; the sm_90 PTX of the
+    rowwise kernel has div.rn.f32 and no .ftz instruction, so it should; not yet run on a GPU)."""
     x = torch.randn(8, 256, device="cuda")
     x[2] *= tiny
     x[5] *= tiny
