@@ -9,6 +9,8 @@ return :func:`wgrad_placeholder` as the weight's gradient.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from primus_turbo.pytorch.core.utils import triton_can_run_on
@@ -20,7 +22,8 @@ __all__ = [
 
 
 def check_main_grad(weight: torch.Tensor, op: str = "gemm", name: str = "b") -> None:
-    """Raise ValueError unless ``weight.main_grad`` is a tensor of weight's shape on its device."""
+    """Raise ValueError unless ``weight.main_grad`` is a tensor of weight's shape on its device, TypeError
+    unless it is floating-point."""
     main_grad = getattr(weight, "main_grad", None)
     if not isinstance(main_grad, torch.Tensor):
         raise ValueError(
@@ -32,6 +35,8 @@ def check_main_grad(weight: torch.Tensor, op: str = "gemm", name: str = "b") -> 
             f"{op}: {name}.main_grad must match {name}: got {tuple(main_grad.shape)} on {main_grad.device}, "
             f"{name} is {tuple(weight.shape)} on {weight.device}"
         )
+    if not main_grad.is_floating_point():  # else the backward fails naming no argument, or truncates
+        raise TypeError(f"{op}: {name}.main_grad must be floating-point, got {main_grad.dtype}")
 
 
 def wgrad_placeholder(weight: torch.Tensor) -> torch.Tensor | None:
@@ -52,6 +57,8 @@ def wgrad_placeholder(weight: torch.Tensor) -> torch.Tensor | None:
 def wgrad_placeholders(weights) -> list[torch.Tensor | None]:
     """:func:`wgrad_placeholder` for each of G same-shape weights, as slices of one allocation when
     every weight gets an uninitialised one (64 ``empty_like`` calls cost ~0.2 ms of host time)."""
+    if not weights:
+        return []
     if not all(
         hasattr(w, "grad_added_to_main_grad") and not getattr(w, "zero_out_wgrad", False) for w in weights
     ):
@@ -75,8 +82,13 @@ def accumulate_into_main_grads_(weights, grad: torch.Tensor) -> None:
     ``add_`` (DDP's hook) 64 launches 1.57 ms; ``_foreach_add_`` with mixed dtypes falls back to the
     same; casting to fp32 first + ``_foreach_add_`` 19 launches 2.19 ms; one mixed-dtype ``add_`` over
     the block (needs ascending order) 1.30 ms; this kernel 1 launch 0.87 ms.
+    Raises ValueError unless there are G weights and each main_grad has grad[g]'s shape (the kernel adds
+    main_grad's element count from each row of grad: a mismatch would read past grad or skip elements).
     """
     main_grads = [w.main_grad for w in weights]
+    _check_main_grads(main_grads, grad)
+    if not main_grads:
+        return
     grad = grad.contiguous()
     runs = _layout(main_grads) if triton_can_run_on(grad, *main_grads) else None
     if runs is None:
@@ -86,6 +98,22 @@ def accumulate_into_main_grads_(weights, grad: torch.Tensor) -> None:
 
     for start, stop, stride in runs:
         launch_accumulate_grouped(main_grads[start], grad[start:stop], stride)
+
+
+def _check_main_grads(main_grads: list, grad: torch.Tensor) -> None:
+    if len(main_grads) != grad.shape[0]:
+        raise ValueError(
+            f"accumulate_into_main_grads_: {len(main_grads)} weights, grad has G={grad.shape[0]} (dim 0)"
+        )
+    shape = grad.shape[1:]
+    if all(isinstance(m, torch.Tensor) and m.shape == shape for m in main_grads):
+        return
+    for g, m in enumerate(main_grads):
+        if not isinstance(m, torch.Tensor) or m.shape != shape:
+            got = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+            raise ValueError(
+                f"accumulate_into_main_grads_: weights[{g}].main_grad is {got}, grad[{g}] {tuple(shape)}"
+            )
 
 
 def main_grad_block(weights) -> tuple[torch.Tensor, bool] | None:
@@ -123,7 +151,8 @@ def add_into_(dst: torch.Tensor, src: torch.Tensor, reverse_groups: bool = False
         raise ValueError(f"add_into_: dst is {tuple(dst.shape)}, src {tuple(src.shape)}")
     if src.numel() == 0:
         return
-    blocks = dst.dim() >= 2 and dst[0].is_contiguous()  # G contiguous blocks at a stride
+    # G contiguous, non-overlapping blocks at a stride (overlapping ones, e.g. an expanded dst: add_'s error)
+    blocks = dst.dim() >= 2 and dst[0].is_contiguous() and abs(dst.stride(0)) >= dst[0].numel()
     if not ((dst.is_contiguous() or blocks) and triton_can_run_on(dst, src)):
         dst.add_(src.flip(0) if reverse_groups else src)
         return
@@ -159,21 +188,28 @@ def split_for_autograd(grad: torch.Tensor, weights) -> tuple:
     return tuple(part.to(w.dtype) for part, w in zip(parts, weights))
 
 
-# id(first main_grad) -> (the main_grad tensors, their runs or None): DDP's buffers live for the whole run, so
-# the layout is computed once per grouped linear, not on every backward (~65 us of host for 64 experts)
-_LAYOUTS: dict[int, tuple[list[torch.Tensor], list[tuple[int, int, int]] | None]] = {}
+# id(first main_grad) -> (weak references to the main_grad tensors, their addresses, their runs or None):
+# DDP's buffers live for the whole run, so the layout is computed once per grouped linear, not on every
+# backward (64 experts: ~30 us of host to compute, ~8 us to check). Weak references: the cache must not keep
+# a deleted model's buffers alive (strong ones did: a whole gradient buffer per grouped linear). Addresses:
+# a main_grad given new storage in place (``.data = ...``) keeps its identity, and a stale stride would
+# write its gradient into the old memory.
+_LAYOUTS: dict[int, tuple[list[weakref.ref], list[int], list[tuple[int, int, int]] | None]] = {}
 
 
 def _layout(main_grads: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
-    """The equally spaced runs of ``main_grads``, or None when one is not contiguous (cached by identity:
-    the entry holds the tensors, so their ids stay theirs while it exists)."""
+    """The equally spaced runs of ``main_grads``, or None when one is not contiguous (cached: valid while
+    the same tensors, none freed, sit at the same addresses)."""
     hit = _LAYOUTS.get(id(main_grads[0]))
-    if hit is not None and len(hit[0]) == len(main_grads) and all(a is b for a, b in zip(hit[0], main_grads)):
-        return hit[1]
+    if hit is not None and len(hit[0]) == len(main_grads):
+        refs, addresses, runs = hit
+        if all(r() is m and m.data_ptr() == a for r, m, a in zip(refs, main_grads, addresses)):
+            return runs
     runs = list(_equally_spaced_runs(main_grads)) if all(m.is_contiguous() for m in main_grads) else None
     if len(_LAYOUTS) >= 4096:
         _LAYOUTS.clear()
-    _LAYOUTS[id(main_grads[0])] = (list(main_grads), runs)
+    refs = [weakref.ref(m) for m in main_grads]
+    _LAYOUTS[id(main_grads[0])] = (refs, [m.data_ptr() for m in main_grads], runs)
     return runs
 
 
