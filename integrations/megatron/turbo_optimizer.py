@@ -62,7 +62,7 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled
         scale = _clip_factor(max_norm, total_norm, device)
     else:
         clip_coeff = max_norm / (total_norm + 1.0e-6)
-        if clip_coeff >= 1.0:
+        if not clip_coeff < 1.0:  # as Megatron: no clip at or above 1, nor for a NaN norm
             return None
         scale = torch.full((1,), clip_coeff, dtype=torch.float32, device=device)
     owner.set_next_grad_scale(scale)
@@ -71,8 +71,11 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled
 
 def _clip_factor(max_norm: float, total_norm: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``min(1, max_norm / (norm + 1e-6))`` as a one-element fp32 tensor on ``device`` (Megatron clips only
-    below 1; a multiply by exactly 1.0 changes nothing)."""
-    return (max_norm / (total_norm.to(device, torch.float32) + 1.0e-6)).clamp(max=1.0).reshape(1)
+    below 1; a multiply by exactly 1.0 changes nothing). A NaN norm gives 1, as Megatron does not clip then:
+    a NaN factor would spread to every parameter, where stock Megatron leaves the finite gradients as they
+    are."""
+    factor = (max_norm / (total_norm.to(device, torch.float32) + 1.0e-6)).clamp(max=1.0)
+    return torch.nan_to_num(factor, nan=1.0).reshape(1)
 
 
 def _owner_of(params: list[torch.Tensor]) -> TurboAdamW | None:

@@ -68,3 +68,23 @@ def test_clip_below_the_limit_or_without_an_owner_is_megatrons(stock_clip, devic
     turbo_optimizer.clip_grad_by_total_norm_fp32(ours, 1.0, 5.0)  # one parameter not this optimizer's
     turbo_optimizer.clip_grad_by_total_norm_fp32(ours[:1], 1.0, 5.0, True)  # decoupled gradients
     assert [len(call[0]) for call in stock_clip] == [2, 1] and opt._next_grad_scale is None
+
+
+@pytest.mark.parametrize("norm_on_device", [False, True])
+def test_nan_norm_clips_nothing_as_megatron(stock_clip, norm_on_device, device):
+    """Stock Megatron clips only when max_norm / norm < 1, which a NaN norm is not: the finite gradients stay
+    as they are. The turbo factor was NaN and went to every parameter (audit, session 35)."""
+    import weakref
+
+    ours = _params(device)
+    opt = AdamW.adopt(torch.optim.AdamW(ours, **KW))
+    turbo_optimizer._ADOPTED.append(weakref.ref(opt))
+    nan = torch.tensor(float("nan"), device=device)
+    turbo_optimizer.clip_grad_by_total_norm_fp32(ours, 1.0, nan if norm_on_device else float("nan"))
+    scale = opt._next_grad_scale
+    assert scale is None or torch.equal(scale.cpu(), torch.ones(1))
+    turbo_optimizer._ADOPTED.clear()  # no owner: the device factor multiplies the gradients in place
+    grads = [p.grad.clone() for p in ours]
+    if norm_on_device:
+        turbo_optimizer.clip_grad_by_total_norm_fp32(ours, 1.0, nan)
+        assert all(torch.equal(p.grad, g) for p, g in zip(ours, grads))
