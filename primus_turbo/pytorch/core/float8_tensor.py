@@ -11,11 +11,15 @@ forward and backward both find a K-major operand (sm_90 FP8 tensor cores need K-
 
 ``block_size``: None (TENSORWISE/ROWWISE), ``bs`` (1 x bs groups along the last axis, as for
 activations) or ``(bs, bs)`` (2-D tiles, as for weights; ``scale_inv_t`` is ``scale_inv.T``).
+
+``source`` must have data's shape and device. Its version counter is recorded at construction: once
+``source`` is written in place (an optimizer step), the FP8 copies are stale and ``gemm_fp8`` refuses
+them (build a new Float8Tensor per step; ``dataclasses.replace(x8, source=...)`` re-records).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +53,9 @@ class Float8Tensor:
     data_t: torch.Tensor | None = None
     scale_inv_t: torch.Tensor | None = None
     source: torch.Tensor | None = None  # high-precision origin: gradients flow to it
+    # (id(source), source._version) when built; None where the counter cannot be read (inference tensors,
+    # torch.compile tracing)
+    _source_stamp: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.granularity, ScalingGranularity):
@@ -83,6 +90,35 @@ class Float8Tensor:
                     f"{self.data_t.dtype} {tuple(self.data_t.shape)}"
                 )
             self._check_scale("scale_inv_t", self.scale_inv_t, exp_t, self.data_t)
+        self.check_source()
+        if self.source is not None and not torch.compiler.is_compiling() and not self.source.is_inference():
+            self._source_stamp = (id(self.source), self.source._version)
+
+    def check_source(self, name: str = "Float8Tensor") -> None:
+        """Raise unless ``source`` is None or a tensor of data's shape on data's device that was not written
+        in place since this Float8Tensor was built (its FP8 copies would be silently stale)."""
+        src = self.source
+        if src is None:
+            return
+        if (
+            not isinstance(src, torch.Tensor)
+            or src.shape != self.data.shape
+            or src.device != self.data.device
+        ):
+            raise ValueError(
+                f"{name}: Float8Tensor.source must be a tensor of data's shape {tuple(self.data.shape)} on "
+                f"{self.data.device}, got {type(src).__name__} {tuple(getattr(src, 'shape', ()))} on "
+                f"{getattr(src, 'device', None)}"
+            )
+        stamp = self._source_stamp
+        if stamp is None or stamp[0] != id(src) or torch.compiler.is_compiling():
+            return
+        if src._version != stamp[1]:
+            raise ValueError(
+                f"{name}: Float8Tensor.source was written in place after it was quantized (version "
+                f"{stamp[1]} -> {src._version}, e.g. an optimizer step): its FP8 copies are stale; quantize "
+                "the updated tensor again (Float8Tensor.from_tensor)"
+            )
 
     @staticmethod
     def _check_scale(name, scale, expected, data) -> None:

@@ -191,6 +191,7 @@ class _GemmFP8Function(torch.autograd.Function):
 
 def _check_operand(x, name: str, trans: bool, config: Float8QuantConfig, is_b: bool):
     if isinstance(x, Float8Tensor):
+        x.check_source(name)
         if x.granularity is not config.granularity:
             raise ValueError(
                 f"{name}: Float8Tensor is {x.granularity.name}, config asks {config.granularity.name}"
@@ -249,7 +250,7 @@ def gemm_fp8(
             f"a/b: reduction sizes differ: op(a) is {m}x{k}, op(b) is {kb}x{n} "
             f"(trans_a={trans_a}, trans_b={trans_b})"
         )
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device != b.device:
+    if a.device != b.device:  # a Float8Tensor's device is its data's
         raise ValueError(f"a/b: on different devices ({a.device}, {b.device})")
     hp = [x for x in (a, b) if isinstance(x, torch.Tensor)]
     device_type = (hp[0] if hp else a.data).device.type
@@ -264,6 +265,12 @@ def gemm_fp8(
             raise ValueError(
                 "delayed_state: DELAYED scaling needs the DelayedScalingState owned by the calling "
                 f"module (e.g. Float8Linear); got {type(delayed_state).__name__}"
+            )
+        if not delayed_state.matches(config):
+            raise ValueError(
+                f"delayed_state: built for another amax history (length {delayed_state.a.history.numel()}, "
+                f"'{delayed_state.a.algo}'); config asks length {config.amax_history_len}, "
+                f"'{config.amax_compute_algo}': build DelayedScalingState(config)"
             )
     else:
         delayed_state = None

@@ -200,7 +200,7 @@ def _fp8_tiles(
 @configure_autotune_cache  # off: the host TMA configs carry a pre_hook (see autotune_cache)
 @triton.autotune(
     configs=CONFIGS,
-    key=["M", "N", "K", "SCALE_MODE", "USE_TMA"],
+    key=["M", "N", "K", "SCALE_MODE", "SCALE_BLOCK", "USE_TMA"],
     prune_configs_by={"early_config_prune": prune_configs},
 )
 @triton.jit
@@ -237,7 +237,7 @@ def gemm_fp8_persistent_kernel(
 @configure_autotune_cache
 @triton.autotune(
     configs=DEVICE_CONFIGS,
-    key=["M", "N", "K", "SCALE_MODE"],
+    key=["M", "N", "K", "SCALE_MODE", "SCALE_BLOCK"],
     prune_configs_by={"early_config_prune": prune_device_configs},
 )
 @triton.jit
