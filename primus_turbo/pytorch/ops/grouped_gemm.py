@@ -40,6 +40,8 @@ def validate_grouped_gemm_args(
     for name, t in (("a", a), ("b", b), ("group_lens", group_lens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(trans_b, bool):  # a string like "false" would be truthy: b read in the other layout
+        raise TypeError(f"{op}: trans_b must be a bool, got {trans_b!r}")
     if a.dim() != 2:
         raise ValueError(f"{op}: a must be 2-D [sum(M_i), K], got shape {tuple(a.shape)}")
     if b.dim() != 3:

@@ -96,3 +96,12 @@ def test_pinned_cutlass_answers_an_empty_batch(fp8, device):
     assert out.shape == (0, 32)
     out.sum().backward()
     assert a.grad.shape == (0, 64) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("trans_b", ["false", 1, None])
+def test_trans_b_must_be_a_bool(trans_b, device):
+    """A truthy non-bool (the string "false") read b [G, K, N] as [G, N, K] when K == N, silently."""
+    a = torch.randn(8, 16, device=device)
+    b = torch.randn(2, 16, 16, device=device)
+    with pytest.raises(TypeError, match="grouped_gemm: trans_b must be a bool"):
+        turbo.ops.grouped_gemm(a, b, torch.tensor([4, 4], device=device), trans_b=trans_b)
