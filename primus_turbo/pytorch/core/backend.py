@@ -229,7 +229,8 @@ class GlobalBackendManager:
 class KernelBackend:
     """One implementation of an op. Subclasses override both methods as staticmethods/classmethods.
 
-    ``can_handle`` returns False (never raises) for inputs it cannot serve; ``execute`` must not
+    ``can_handle`` returns False (never raises) for inputs it cannot serve, and ``refusal`` may say why;
+    ``execute`` must not
     mutate its inputs (the autotuner runs every candidate on the same inputs).
 
     ``syncs_host``: True for a backend that reads device values on the host (a reference loop over
@@ -243,6 +244,12 @@ class KernelBackend:
     @staticmethod
     def can_handle(**kwargs: Any) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
+
+    @staticmethod
+    def refusal(**kwargs: Any) -> str | None:
+        """Why ``can_handle`` refuses these inputs ("<argument> (accepted: ...)"), for the error a pinned
+        backend raises; None when it serves them or gives no reason."""
+        return None
 
     @staticmethod
     def execute(**kwargs: Any) -> Any:  # pragma: no cover - interface
@@ -331,11 +338,16 @@ class AutoKernelDispatcher:
                     f"available: {', '.join(b.name for b in cls.backends)}"
                 )
             if not impl.can_handle(**kwargs):
-                raise ValueError(
+                msg = (
                     f"{cls.op_name}: backend {pinned.name} (from {source}) cannot handle these inputs "
                     f"({cls.describe(**kwargs)}); backends that can: "
                     f"{', '.join(b.name for b in cls.candidates(**kwargs)) or 'none'}"
                 )
+                reason = impl.refusal(**kwargs)
+                if reason is not None:  # say which argument it refuses and what it accepts
+                    where = f"GlobalBackendManager.set_{cls.op_name}_backend" if source == "code" else source
+                    msg = f"{cls.op_name}: backend {pinned.name} (pinned by {where}) refuses {reason}. {msg}"
+                raise ValueError(msg)
             return pinned
 
         if cls.autotune and GlobalBackendManager.auto_tune_enabled():

@@ -100,6 +100,15 @@ class Float8Tensor:
         src = self.source
         if src is None:
             return
+        stamp = self._source_stamp
+        if stamp is not None and stamp[0] == id(src):  # the tensor checked when built: only its version
+            if not torch.compiler.is_compiling() and src._version != stamp[1]:
+                raise ValueError(
+                    f"{name}: Float8Tensor.source was written in place after it was quantized (version "
+                    f"{stamp[1]} -> {src._version}, e.g. an optimizer step): its FP8 copies are stale; "
+                    "quantize the updated tensor again (Float8Tensor.from_tensor)"
+                )
+            return
         if (
             not isinstance(src, torch.Tensor)
             or src.shape != self.data.shape
@@ -109,15 +118,6 @@ class Float8Tensor:
                 f"{name}: Float8Tensor.source must be a tensor of data's shape {tuple(self.data.shape)} on "
                 f"{self.data.device}, got {type(src).__name__} {tuple(getattr(src, 'shape', ()))} on "
                 f"{getattr(src, 'device', None)}"
-            )
-        stamp = self._source_stamp
-        if stamp is None or stamp[0] != id(src) or torch.compiler.is_compiling():
-            return
-        if src._version != stamp[1]:
-            raise ValueError(
-                f"{name}: Float8Tensor.source was written in place after it was quantized (version "
-                f"{stamp[1]} -> {src._version}, e.g. an optimizer step): its FP8 copies are stale; quantize "
-                "the updated tensor again (Float8Tensor.from_tensor)"
             )
 
     @staticmethod

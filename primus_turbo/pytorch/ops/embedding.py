@@ -78,11 +78,7 @@ def embedding(
     if input.device != weight.device:
         raise ValueError(f"embedding: input is on {input.device} but weight on {weight.device}")
     if accumulate_into_main_grad:
-        check_main_grad(weight, "embedding", "weight")
-        if not weight.main_grad.is_floating_point():
-            raise TypeError(
-                f"embedding: weight.main_grad must be floating-point, got {weight.main_grad.dtype}"
-            )
+        check_main_grad(weight, "embedding", "weight")  # shape, device, floating-point
         if weight.main_grad.stride(-1) != 1:
             raise ValueError(
                 "embedding: weight.main_grad needs unit stride along H (a contiguous [V, H] buffer)"

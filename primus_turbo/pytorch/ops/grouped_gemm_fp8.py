@@ -364,8 +364,6 @@ def grouped_gemm_fp8(
     scales TENSORWISE / ROWWISE, the default forward and dgrad on sm_90), TORCH (reference).
     """
     config = _check_config(config)
-    if not isinstance(trans_b, bool):  # a string like "false" would be truthy
-        raise TypeError(f"grouped_gemm_fp8: trans_b must be a bool, got {trans_b!r}")
     b_fp8 = b if isinstance(b, GroupedFloat8Weight) else None
     if b_fp8 is not None:
         b = _check_prequantized(b_fp8, a, trans_b, config)  # never read: no .contiguous() copy

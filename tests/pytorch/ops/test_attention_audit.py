@@ -113,6 +113,6 @@ def test_triton_refuses_sequences_past_int32_offsets(monkeypatch, varlen):
     assert attention_impl.TritonAttentionBackend.refusal(**fine) is None
     GlobalBackendManager.set_attention_backend("TRITON")
     with pytest.raises(ValueError, match=r"TRITON .*refuses a sequence spanning \d+ elements"):
-        attention_impl.resolve_attention_backend(**huge)
+        attention_impl.AttentionDispatcher.resolve(**huge)
     GlobalBackendManager.set_attention_backend(None)
-    assert attention_impl.resolve_attention_backend(**huge).name != "TRITON"
+    assert attention_impl.AttentionDispatcher.resolve(**huge).name != "TRITON"

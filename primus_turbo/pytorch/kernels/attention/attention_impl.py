@@ -25,12 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from primus_turbo.pytorch.core.backend import (
-    AutoKernelDispatcher,
-    BackendType,
-    GlobalBackendManager,
-    KernelBackend,
-)
+from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
 from primus_turbo.pytorch.core.utils import triton_can_run_on, triton_interpret_enabled
 from primus_turbo.pytorch.kernels.attention.attention_torch_impl import torch_attn_bwd, torch_attn_fwd
 from primus_turbo.pytorch.kernels.attention.attention_triton_impl import (
@@ -444,25 +439,6 @@ class AttentionDispatcher(AutoKernelDispatcher):
         if kw["q"].is_cuda:
             return BackendType.CUDNN if CudnnAttentionBackend.can_handle(**kw) else BackendType.TRITON
         return BackendType.TORCH
-
-
-def resolve_attention_backend(**kw: Any) -> BackendType:
-    """``AttentionDispatcher.resolve``; a pinned backend that refuses the inputs raises a ``ValueError``
-    saying which argument it refuses and what it accepts (the dispatcher's message only lists the inputs)."""
-    try:
-        return AttentionDispatcher.resolve(**kw)
-    except ValueError as err:
-        pinned, source = GlobalBackendManager.user_backend(
-            AttentionDispatcher.op_name, AttentionDispatcher.precision(**kw)
-        )
-        impl = AttentionDispatcher.backends.get(pinned)
-        reason = impl.refusal(**kw) if impl is not None else None
-        if reason is None:
-            raise
-        source = "GlobalBackendManager.set_attention_backend" if source == "code" else source
-        raise ValueError(
-            f"flash_attn: backend {pinned.name} (pinned by {source}) refuses {reason}. {err}"
-        ) from None
 
 
 def _custom_op_fwd(backend: BackendType, **kw: Any):

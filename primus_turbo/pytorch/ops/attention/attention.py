@@ -31,7 +31,6 @@ from primus_turbo.pytorch.kernels.attention.attention_impl import (
     AttentionDispatcher,
     attention_bwd,
     attention_fwd,
-    resolve_attention_backend,
 )
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "attention_with_lse"]
@@ -161,7 +160,7 @@ def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, wi
         sink=sink, softmax_scale=scale, window_left=left, window_right=right, dropout_p=float(dropout_p),
         deterministic=bool(deterministic), return_lse=bool(return_lse),
     )  # fmt: skip
-    backend = resolve_attention_backend(**kw)
+    backend = AttentionDispatcher.resolve(**kw)
     if not torch.compiler.is_compiling():  # torch 2.11's dynamo cannot trace a class-attribute write
         AttentionDispatcher.last_backend = backend
     if backend in SDPA_BACKENDS:

@@ -34,7 +34,6 @@ from primus_turbo.pytorch.kernels.attention.attention_impl import (
     AttentionDispatcher,
     attention_bwd,
     attention_fwd,
-    resolve_attention_backend,
 )
 from primus_turbo.pytorch.ops.attention.attention import _softmax_scale, _validate, flash_attn_func
 
@@ -238,7 +237,7 @@ def _ring_backend(q, k, v, sink, scale, causal, deterministic) -> BackendType:
         sink=sink, softmax_scale=scale, window_left=-1, window_right=0 if causal else -1, dropout_p=0.0,
         deterministic=deterministic, return_lse=True,
     )  # fmt: skip
-    backend = resolve_attention_backend(**kw)
+    backend = AttentionDispatcher.resolve(**kw)
     if backend in SDPA_BACKENDS:  # cannot happen with return_lse=True; keep the invariant loud
         raise ValueError(f"flash_attn_usp: ring attention needs an LSE-returning backend, got {backend.name}")
     if not torch.compiler.is_compiling():
