@@ -277,14 +277,14 @@ class AdamW(torch.optim.AdamW):
     def _torch_step(self, fallback: list[list[torch.Tensor]], grad_scale) -> None:
         """torch's AdamW on the parameters the kernel does not take: a torch AdamW over them with their
         groups' options, sharing this optimizer's state (so state_dict holds every parameter's moments)."""
-        unscaled = []  # (param, its gradient): the step reads scaled copies, the gradients stay as they were
+        swapped = {}  # param -> its gradient: the step reads copies (scaled / laid out), the gradients stay
         if grad_scale is not None:
             with_grad = [p for params in fallback for p in params if p.grad is not None]
             for device_params in _by_device(with_grad).values():
                 grads = [p.grad for p in device_params]
                 scaled = torch._foreach_mul(grads, grad_scale.reshape(()).to(grads[0].device))
                 for param, grad, copy in zip(device_params, grads, scaled):
-                    unscaled.append((param, grad))
+                    swapped[param] = grad
                     param.grad = copy
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": params}
                   for group, params in zip(self.param_groups, fallback) if params]  # fmt: skip
@@ -294,6 +294,12 @@ class AdamW(torch.optim.AdamW):
                     state = self.state.get(p)
                     if state and "step" in state and state["step"].device != p.device:
                         state["step"] = state["step"].to(p.device)  # a kernel step left it on the CPU
+                    grad = p.grad
+                    if group.get("fused") and grad is not None and grad.layout == torch.strided \
+                            and grad.stride() != p.stride():
+                        # torch's fused kernel wants the gradient laid out as the parameter (and its moments)
+                        swapped.setdefault(p, grad)
+                        p.grad = torch.empty_like(p, dtype=grad.dtype).copy_(grad)
         # built on a placeholder, then given the groups: torch's constructor refuses non-leaf parameters,
         # which frameworks step legitimately (Megatron's DistributedOptimizer: views of its fp32 buffer)
         inner = torch.optim.AdamW([torch.zeros(())])
@@ -303,7 +309,7 @@ class AdamW(torch.optim.AdamW):
         try:
             inner.step()
         finally:
-            for param, grad in unscaled:
+            for param, grad in swapped.items():
                 param.grad = grad
 
 

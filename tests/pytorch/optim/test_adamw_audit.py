@@ -110,8 +110,10 @@ def test_deepcopy_of_a_stepped_optimizer_steps_on(device):
 @pytest.mark.gpu
 def test_fused_fallback_after_kernel_steps():
     """With fused=True, a parameter the kernel stepped (its counter on the CPU) whose gradient then turns
-    non-contiguous takes torch's fused step, which reads the counter on the parameter's device; then the
-    kernel again. Matches torch's fused AdamW over the same gradients."""
+    non-contiguous takes torch's fused step, which reads the counter on the parameter's device and wants the
+    gradient laid out as the parameter (torch's own fused AdamW raises on that gradient: the fallback steps a
+    copy and leaves the gradient as it was); then the kernel again. Matches torch's fused AdamW over the same
+    gradients (GPU, session 36: failed with torch's layout error before the copy)."""
     gen = torch.Generator().manual_seed(1)
     ours = torch.nn.Parameter(torch.randn(37, 19, generator=gen).cuda())
     ref = torch.nn.Parameter(ours.detach().clone())
@@ -122,6 +124,7 @@ def test_fused_fallback_after_kernel_steps():
         ref.grad = g.clone()
         opt.step()
         ref_opt.step()
+        assert ours.grad.stride() == ((1, 37) if step == 2 else (19, 1))
     assert opt.turbo_steps == 3
     assert_close(ours, ref, torch.float32)
     assert float(opt.state[ours]["step"]) == 4.0
