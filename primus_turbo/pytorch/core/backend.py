@@ -53,9 +53,9 @@ class BackendType(Enum):
     SYMM_MEM = "SYMM_MEM"  # torch symmetric-memory fused ops
     DEEP_EP = "DEEP_EP"  # the external deep_ep package, when importable
 
-    # Members are singletons compared by identity: hash them by identity too. Enum's own __hash__ is Python
-    # (hash of the name), and every dispatch hashes a member twice (a few us per GEMM on the GPU hosts).
-    __hash__ = object.__hash__
+    # Enum's own __hash__ stays (hash of the name, a Python call): an identity __hash__ (object.__hash__)
+    # saved a few us per dispatch but made Dynamo in torch 2.11 refuse every dispatch under torch.compile
+    # ("user-defined object with overridden __hash__"; fullgraph failed, GPU session 36).
 
     @classmethod
     def parse(cls, value: BackendType | str, *, source: str) -> BackendType:
