@@ -17,7 +17,14 @@ separate cast or 2 for a fused one; the norm's 4 bytes per element are in both r
 bytes). "host ms": the time to issue one step, against "ms" on the GPU. The same rows then run on 426
 tensors of 64K elements (Megatron's parameter count for the deepseek proxy; small: bound by the launches).
 
-    python benchmark/ops/bench_adamw.py [--quick]
+``--recipe``: only turbo's Megatron step (clip and bf16 cast fused, 30 bytes per element) over the real
+parameter list of Megatron ``deepseek_moe_fp8`` on one GPU (426 tensors, 2.25B elements: 384 per-expert
+weights of 5.8M / 2.9M, the embedding and LM head of 210M), once as separate tensors and once with every
+state kind (masters, gradients, moments, bf16 weights) as views of one buffer, then the same elements as 13
+large tensors: whether the kernel's 63% of copy in that recipe's profile (25.3 ms per step, session 36,
+against ~80% in the rows above) comes from the tensor list, the buffer layout or the recipe's GPU state.
+
+    python benchmark/ops/bench_adamw.py [--quick | --recipe]
 """
 
 from __future__ import annotations
@@ -113,8 +120,82 @@ def _rows(shapes, label: str) -> list[dict]:
     return rows
 
 
+def recipe_shapes() -> list[tuple[int, ...]]:
+    """Megatron ``deepseek_moe_fp8``'s parameters on one GPU, in model order: 4 layers (the first dense), MLA
+    without a q LoRA, 64 experts of 1408 (fc1 gated) and two shared ones as one 2816 MLP per MoE layer."""
+    attention = [(2048,), (3072, 2048), (576, 2048), (512,), (4096, 512), (2048, 2048), (2048,)]
+    shapes = [(102400, 2048)]
+    for layer in range(4):
+        shapes += attention
+        if layer == 0:
+            shapes += [(21888, 2048), (2048, 10944)]
+        else:
+            shapes += [(64, 2048)] + [(2816, 2048), (2048, 1408)] * 64 + [(5632, 2048), (2048, 2816)]
+    return shapes + [(2048,), (102400, 2048)]
+
+
+def _turbo_state(shapes, flat: bool, device: str = "cuda"):
+    """Turbo's AdamW with clip + bf16 copies over fresh random state, allocated per tensor or as views of one
+    buffer per kind (Megatron's grad buffer and distributed-optimizer shards are views)."""
+    sizes = [torch.Size(s).numel() for s in shapes]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def tensors(dtype):
+        if not flat:
+            return [torch.randn(s, device=device, generator=gen).to(dtype) for s in shapes]
+        buf = torch.randn(sum(sizes), device=device, generator=gen).to(dtype)
+        return [t.view(s) for t, s in zip(buf.split(sizes), shapes)]
+
+    params = [torch.nn.Parameter(t) for t in tensors(torch.float32)]
+    for p, g in zip(params, tensors(torch.float32)):
+        p.grad = g
+    opt = AdamW(params, **KW)
+    for p, m, v in zip(params, tensors(torch.float32), tensors(torch.float32)):
+        opt.state[p].update(exp_avg=m.abs_(), exp_avg_sq=v.square_(), step=torch.tensor(1.0))
+    opt.set_param_copies(zip(params, tensors(torch.bfloat16)))
+    return params, opt
+
+
+def _recipe_row(label: str, shapes, flat: bool) -> dict:
+    params, opt = _turbo_state(shapes, flat)
+    scale = torch.full((1,), 0.5, device="cuda")
+
+    def step():
+        opt.step(grad_scale=scale)
+
+    step()
+    status = "PASS" if opt.turbo_steps == len(params) else "FAIL (torch fallback)"
+    ms, std = bench_ms(step, warmup_ms=50, rep_ms=300)
+    n = sum(p.numel() for p in params)
+    return {"label": f"turbo AdamW, clip and bf16 cast fused [{label}]", "elements (M)": n / 1e6,
+            "tensors": len(params), "Check": status, "ms": ms, "ms_stddev": std, "host ms": host_ms(step),
+            "GB/s": gbps(n * 30, ms)}  # fmt: skip
+
+
+def _recipe_rows() -> list[dict]:
+    shapes = recipe_shapes()
+    elems = sum(torch.Size(s).numel() for s in shapes)
+    rows = []
+    for label, layout, flat in (
+        ("recipe, separate tensors", shapes, False),
+        ("recipe, views of one buffer", shapes, True),
+        ("same elements, 13 tensors", [(elems // 13,)] * 13, False),
+    ):
+        rows.append(_recipe_row(label, layout, flat))
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+    parser = bench_parser(__doc__.splitlines()[0])
+    parser.add_argument("--recipe", action="store_true", help="only the deepseek_moe_fp8 parameter list rows")
+    args = parser.parse_args()
+    if args.recipe:
+        rows = _recipe_rows()
+        print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {copy_bandwidth():.0f} GB/s")
+        print_table(rows, ["label", "elements (M)", "tensors", "Check", "ms", "host ms", "GB/s"])
+        write_csv(out_dir(args) / "adamw_recipe.csv", rows)
+        return
     rows = _rows(SHAPES[:6] if args.quick else SHAPES, "")
     rows += _rows([(65536,)] * 426, " [426 x 64K]")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {copy_bandwidth():.0f} GB/s")
