@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.core.backend import GlobalBackendManager, precision_of_dtype
 from primus_turbo.pytorch.core.main_grad import (
     accumulate_into_main_grads_,
     main_grad_block,
     split_for_autograd,
 )
-from primus_turbo.pytorch.core.utils import debug_checks_enabled, zero_rows_from
+from primus_turbo.pytorch.core.utils import autocast_enabled_on, debug_checks_enabled, zero_rows_from
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     cutlass_offsets,
     grouped_gemm_impl,
@@ -105,11 +106,18 @@ def _debug_check_values(op, a, group_lens, group_offs) -> None:
 
 
 def check_wgrad_into(op: str, b: torch.Tensor, trans_b: bool, wgrad_into) -> tuple[torch.Tensor, ...]:
-    """``wgrad_into`` as a tuple of weights whose ``.grad`` can take b's gradient split along N (see
-    :func:`grouped_gemm`); () for None. Raises naming the argument and what is accepted."""
+    """``wgrad_into`` (a tensor or a list/tuple of them) as a tuple of weights whose ``.grad`` can take b's
+    gradient split along N (see :func:`grouped_gemm`); () for None. Raises naming the argument and what is
+    accepted."""
     if wgrad_into is None:
         return ()
-    weights = tuple(wgrad_into)
+    if isinstance(wgrad_into, torch.Tensor):  # one weight, as gemm's wgrad_into (not its G slices)
+        weights = (wgrad_into,)
+    elif isinstance(wgrad_into, (list, tuple)):
+        weights = tuple(wgrad_into)
+    else:
+        got = type(wgrad_into).__name__
+        raise TypeError(f"{op}: wgrad_into must be a tensor or a list/tuple of tensors, got {got}")
     if not trans_b:
         raise ValueError(f"{op}: wgrad_into needs trans_b=True (b and the weights are [G, N, K])")
     want = f"[{b.shape[0]}, N_i, {b.shape[2]}] with sum(N_i) = {b.shape[1]}"
@@ -127,6 +135,10 @@ def check_main_grad_into(op: str, b: torch.Tensor, trans_b: bool, main_grad_into
     """``main_grad_into`` as a tuple of G weights ([N, K] each, with an fp32 ``main_grad``); () for None."""
     if main_grad_into is None:
         return ()
+    if not isinstance(main_grad_into, (list, tuple)):  # a tensor: G slices, none with a main_grad
+        raise TypeError(
+            f"{op}: main_grad_into must be a list/tuple of the G weights, got {type(main_grad_into).__name__}"
+        )
     weights = tuple(main_grad_into)
     if wgrad_into is not None:
         raise ValueError(f"{op}: pass wgrad_into or main_grad_into, not both")
@@ -152,12 +164,20 @@ def wgrad_into_main_grads(a, grad_out, group_lens, weights, offs=None) -> None:
     dispatcher (default CUTLASS, then one add launch at the block's stride; TRITON sums inside the GEMM);
     else the gradient, then one add pass per equally spaced run."""
     grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
-    block = main_grad_block(weights)
+    block = main_grad_block(weights) if _one_storage(weights[0].main_grad, weights[-1].main_grad) else None
     if block is None:
         accumulate_into_main_grads_(weights, grouped_wgrad(a, grad, group_lens, True, offs))
         return
     out, reverse = block
     grouped_gemm_variable_k_into_(grad, a, group_lens, out, True, offs, reverse)
+
+
+def _one_storage(first: torch.Tensor, last: torch.Tensor) -> bool:
+    """The first and last main_grad in one storage, so a strided view from either end stays inside it.
+    Separately allocated buffers (a main_grad per weight, not DDP's) can sit equally spaced by chance (the
+    CUDA caching allocator packs same-size blocks): main_grad_block's view over them then failed with
+    'setStorage: ... out of bounds for storage'. Two pointer reads per backward, no sync."""
+    return first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
 
 
 def wgrad_into_weights(a, grad_out, group_lens, weights, offs=None) -> None:
@@ -178,6 +198,26 @@ def wgrad_into_weights(a, grad_out, group_lens, weights, offs=None) -> None:
             w.grad.add_(grouped_gemm_variable_k_impl(x, a, group_lens, offs))
 
 
+def _runs_dense(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One expert runs as a dense GEMM, unless the user pinned a grouped_gemm backend for a's precision: a pin
+    is honoured (and one that cannot serve the inputs raises) as for G > 1. Two dict lookups, only at G == 1;
+    traced calls keep the dense path (Dynamo does not trace the environment lookup)."""
+    if b.shape[0] != 1:
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return GlobalBackendManager.user_backend("grouped_gemm", precision_of_dtype(a.dtype))[0] is None
+
+
+def _dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w in the inputs' dtype, as the grouped kernels compute it: torch.autocast would otherwise round an
+    fp32 G == 1 forward to its dtype (and the backward then failed on a bf16 x fp32 matmul)."""
+    if autocast_enabled_on(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            return x @ w
+    return x @ w
+
+
 def _dense_one_group(out: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
     """One expert's dense GEMM output [M, N] with the rows past group_lens[0] zeroed (a sync-free upper-bound
     buffer, e.g. after TURBO EP dispatch with one local expert: those rows belong to no group and may hold
@@ -192,9 +232,10 @@ class GroupedGemmFunction(torch.autograd.Function):
         ctx.trans_b = trans_b
         ctx.wgrad_into = wgrad_into  # the Parameter objects: their .grad is read and written in backward
         ctx.main_grad_into = main_grad_into  # a tuple, not autograd inputs: no edge to the weights
-        if b.shape[0] == 1:  # one expert: a dense GEMM (cuBLAS); rows past group_lens[0] zeroed
+        ctx.dense = _runs_dense(a, b)
+        if ctx.dense:  # one expert: a dense GEMM (cuBLAS); rows past group_lens[0] zeroed
             ctx.save_for_backward(a, b, group_lens, None)
-            return _dense_one_group(a @ (b[0].t() if trans_b else b[0]), group_lens)
+            return _dense_one_group(_dense(a, b[0].t() if trans_b else b[0]), group_lens)
         # torch._grouped_mm offsets: built once here (a few tiny kernels), reused by dgrad and wgrad
         offs = cutlass_offsets(group_lens, a.shape[0]) if a.is_cuda and a.dtype == torch.bfloat16 else None
         ctx.save_for_backward(a, b, group_lens, offs)
@@ -207,8 +248,8 @@ class GroupedGemmFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()  # no-op (no copy) for the usual contiguous gradient
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            if b.shape[0] == 1:
-                grad_a = _dense_one_group(grad_out @ (b[0] if trans_b else b[0].t()), group_lens)
+            if ctx.dense:
+                grad_a = _dense_one_group(_dense(grad_out, b[0] if trans_b else b[0].t()), group_lens)
             else:  # dA = dC @ B_g^T: the same grouped kernel with b read the other way round
                 grad_a = grouped_gemm_impl(grad_out, b, group_lens, not trans_b, offs)
         if ctx.main_grad_into:  # into Megatron's main_grad buffers; b gets no gradient
@@ -260,12 +301,13 @@ def grouped_gemm(
         group_offs: optional [G + 1] int64 exclusive cumsum of group_lens (AMD-API compatible);
             every backend derives offsets from group_lens on the device, so it is only validated.
         trans_b: see ``b``.
-        wgrad_into: optional weights W_1..W_n ([G, N_i, K] leaves that require grad, sum(N_i) = N; needs
-            trans_b), e.g. fp32 parameters of which ``b`` is the cast copy (w1 and w3 concatenated): b's
-            gradient goes into their ``.grad`` split along N (b itself gets none), in W's dtype: written where
-            ``.grad`` is None, added to it otherwise, summed in fp32 inside the wgrad GEMM (TRITON; CUTLASS /
-            TORCH: the gradient then one add pass; PRIMUS_TURBO_GROUPED_WGRAD_ACCUMULATE_BACKEND). Autograd
-            hands them no gradient (no AccumulateGrad, no hooks fire) except under ``create_graph``.
+        wgrad_into: optional weights W_1..W_n (a list/tuple, or one tensor for n = 1; [G, N_i, K] leaves
+            that require grad, sum(N_i) = N; needs trans_b), e.g. fp32 parameters of which ``b`` is the
+            cast copy (w1 and w3 concatenated): b's gradient goes into their ``.grad`` split along N (b
+            itself gets none), in W's dtype: written where ``.grad`` is None, added to it otherwise, summed
+            in fp32 inside the wgrad GEMM (TRITON; CUTLASS / TORCH: the gradient then one add pass;
+            PRIMUS_TURBO_GROUPED_WGRAD_ACCUMULATE_BACKEND). Autograd hands them no gradient (no
+            AccumulateGrad, no hooks fire) except under ``create_graph``.
         main_grad_into: optional G weights ([N, K] each, needs trans_b; not with wgrad_into), each with
             an fp32 ``main_grad`` (Megatron's gradient_accumulation_fusion): b[g]'s gradient is added into
             ``weights[g].main_grad`` from the backward itself (G buffers laid out as Megatron's DDP does,
@@ -278,10 +320,11 @@ def grouped_gemm(
     a variable-K grouped GEMM; an empty expert's weight gradient is exactly zero).
 
     No host synchronisation on group_lens in forward or backward (CUDA-graph capturable) except
-    with the TORCH backend (the CPU default). G == 1 runs a dense matmul forward and dgrad. Checks: shapes,
-    dtypes, devices and G always (no sync); negative lengths, sum(group_lens) > a.shape[0] and a wrong
-    group_offs only with PRIMUS_TURBO_DEBUG_CHECKS=1 (they need a sync). Without it, inconsistent
-    lengths give wrong values but never out-of-bounds accesses or uninitialised output rows.
+    with the TORCH backend (the CPU default). G == 1 runs a dense matmul forward and dgrad (the pinned
+    backend instead when one is pinned). Checks: shapes, dtypes, devices and G always (no sync); negative
+    lengths, sum(group_lens) > a.shape[0] and a wrong group_offs only with PRIMUS_TURBO_DEBUG_CHECKS=1
+    (they need a sync). Without it, inconsistent lengths give wrong values but never out-of-bounds accesses
+    or uninitialised output rows.
     sum(group_lens) < a.shape[0] is supported (a sync-free upper-bound buffer, e.g. after TURBO EP
     dispatch): rows past the last group belong to no group; their outputs and input gradients are
     zeros, they add nothing to the weight gradient and cost no GEMM time (CUTLASS and TRITON).

@@ -35,6 +35,9 @@ class _MLAKeyValue(torch.autograd.Function):
             b, s, h = like.shape[:3]
             dk = dk if dk is not None else like.new_zeros((b, s, h, ctx.nope + rope))
             dv = dv if dv is not None else like.new_zeros((b, s, h, vd))
+        if dk.shape[2] == 0:  # no head: k_pe's gradient is an empty sum, which the kernel leaves unwritten
+            b, s = dk.shape[:2]
+            return dk.new_empty((b, s, 0, ctx.nope + vd)), dk.new_zeros((b, s, 1, rope)), None
         dk, dv = (g if g.stride(-1) == 1 else g.contiguous() for g in (dk, dv))
         dkv, dpe = mla_kv_bwd(dk, dv, ctx.nope)
         return dkv, dpe, None

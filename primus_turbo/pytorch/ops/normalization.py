@@ -47,6 +47,7 @@ def _validate(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
+    zero_centered_gamma: bool,
     backend: BackendType | str | None,
     op: str,
 ) -> str:
@@ -78,6 +79,9 @@ def _validate(
             raise ValueError(f"{op}: residual is on {residual.device} but x is on {x.device}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < _INF):
         raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
+    if isinstance(zero_centered_gamma, str) or zero_centered_gamma not in (True, False):
+        # a string such as "false" would be truthy: the weight read as gamma - 1
+        raise TypeError(f"{op}: zero_centered_gamma must be a bool, got {zero_centered_gamma!r}")
     if backend is None:
         return ""
     return _backend_name(backend, f"{op}(backend=...)")
@@ -144,7 +148,7 @@ def rmsnorm(
     zero_centered_gamma: the stored weight is gamma - 1 (weight initialised to 0, Megatron's
     ``apply_layernorm_1p`` convention). backend: None (automatic) or 'TURBO' / 'TRITON' / 'TORCH'.
     """
-    name = _validate(x, None, weight, eps, backend, "rmsnorm")
+    name = _validate(x, None, weight, eps, zero_centered_gamma, backend, "rmsnorm")
     return _RMSNormFunction.apply(x, None, weight, eps, bool(zero_centered_gamma), name)
 
 
@@ -161,5 +165,5 @@ def rmsnorm_residual(
     One pass over memory instead of an add kernel and a norm kernel; gradients flow to x and
     residual (both get d(s) = norm backward + the gradient of the returned s) and to weight.
     """
-    name = _validate(x, residual, weight, eps, backend, "rmsnorm_residual")
+    name = _validate(x, residual, weight, eps, zero_centered_gamma, backend, "rmsnorm_residual")
     return _RMSNormFunction.apply(x, residual, weight, eps, bool(zero_centered_gamma), name)
