@@ -118,7 +118,8 @@ def _check_main_grads(main_grads: list, grad: torch.Tensor) -> None:
 
 def main_grad_block(weights) -> tuple[torch.Tensor, bool] | None:
     """The G same-shape weights' ``main_grad`` buffers as one [G, *shape] strided view, or None when they
-    do not sit equally spaced in one buffer (a DDP bucket boundary among them, a non-contiguous buffer).
+    do not sit equally spaced in one buffer (a DDP bucket boundary among them, a non-contiguous buffer,
+    separate allocations that the CUDA caching allocator happened to space equally).
 
     Returns (view, reversed): Megatron's DDP lays the experts out in reverse order (a negative spacing), which
     no torch view can express; the view then starts at the last weight's buffer and view[G-1-g] is
@@ -133,6 +134,8 @@ def main_grad_block(weights) -> tuple[torch.Tensor, bool] | None:
     runs = _layout(main_grads)
     if runs is None or len(runs) != 1:
         return None
+    if first.untyped_storage().data_ptr() != main_grads[-1].untyped_storage().data_ptr():
+        return None  # separate allocations that sit equally spaced by chance: a view would leave the storage
     stride = runs[0][2]
     base = main_grads[-1] if stride < 0 else first
     view = base.as_strided((len(main_grads), *first.shape), (abs(stride) or first.numel(), *first.stride()))

@@ -164,20 +164,12 @@ def wgrad_into_main_grads(a, grad_out, group_lens, weights, offs=None) -> None:
     dispatcher (default CUTLASS, then one add launch at the block's stride; TRITON sums inside the GEMM);
     else the gradient, then one add pass per equally spaced run."""
     grad = grad_out if grad_out.dtype == a.dtype else grad_out.to(a.dtype)
-    block = main_grad_block(weights) if _one_storage(weights[0].main_grad, weights[-1].main_grad) else None
+    block = main_grad_block(weights)
     if block is None:
         accumulate_into_main_grads_(weights, grouped_wgrad(a, grad, group_lens, True, offs))
         return
     out, reverse = block
     grouped_gemm_variable_k_into_(grad, a, group_lens, out, True, offs, reverse)
-
-
-def _one_storage(first: torch.Tensor, last: torch.Tensor) -> bool:
-    """The first and last main_grad in one storage, so a strided view from either end stays inside it.
-    Separately allocated buffers (a main_grad per weight, not DDP's) can sit equally spaced by chance (the
-    CUDA caching allocator packs same-size blocks): main_grad_block's view over them then failed with
-    'setStorage: ... out of bounds for storage'. Two pointer reads per backward, no sync."""
-    return first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
 
 
 def wgrad_into_weights(a, grad_out, group_lens, weights, offs=None) -> None:
