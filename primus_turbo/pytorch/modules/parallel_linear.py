@@ -30,12 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from primus_turbo.pytorch.core.backend import BackendType
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, ScalingStrategy
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import scaled_matmul
 from primus_turbo.pytorch.ops.async_tp import (
     _group_name,
     _quantize_operands,
     _world,
+    check_ranks_agree,
     fused_all_gather_matmul,
     fused_all_gather_scaled_matmul,
     fused_matmul_reduce_scatter,
@@ -187,9 +189,14 @@ class _ParallelLinearBase(nn.Module):
                 "fp8_config: the parallel linears run TENSORWISE or ROWWISE CURRENT scaling, got "
                 f"{fp8_config.granularity.name} {fp8_config.strategy.name}"
             )
+        for name, size in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name}: expected a positive int, got {size!r}")
+        if backend is not None:  # a typo fails here, not at the first sequence-parallel forward
+            BackendType.parse(backend, source="backend")
         if not dist.is_initialized() and tp_group is None:
             raise ValueError("tp_group: torch.distributed is not initialized; init it or pass a group")
-        self.group_name = _group_name(tp_group)
+        self.group_name = _group_name(tp_group, "tp_group")
         self.tp_size = _world(self.group_name)
         self.in_features, self.out_features = in_features, out_features
         full = (out_features, in_features)
@@ -269,6 +276,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
             )
         if x.dtype != self.weight.dtype:
             raise TypeError(f"x: dtype {x.dtype} differs from the weight's {self.weight.dtype}")
+        if self.tp_size > 1:  # PRIMUS_TURBO_DEBUG_CHECKS=1 only: the TP ranks' inputs must agree
+            check_ranks_agree("ColumnParallelLinear", {"x": (tuple(x.shape), x.dtype)}, self.group_name)
         return _ColumnParallelFn.apply(
             x.contiguous(),
             self.weight,
@@ -324,6 +333,8 @@ class RowParallelLinear(_ParallelLinearBase):
             raise ValueError(
                 f"x: sequence length {x.shape[0]} (dim 0) is not divisible by the TP size {self.tp_size}"
             )
+        if self.tp_size > 1:  # PRIMUS_TURBO_DEBUG_CHECKS=1 only: the TP ranks' inputs must agree
+            check_ranks_agree("RowParallelLinear", {"x": (tuple(x.shape), x.dtype)}, self.group_name)
         return _RowParallelFn.apply(
             x.contiguous(),
             self.weight,

@@ -35,7 +35,20 @@ class TokenDispatcher(nn.Module):
         probs_in_experts: bool = False,
     ):
         super().__init__()
-        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None and dist.is_initialized() else 1
+        self.ep_size = 1
+        if ep_group is not None and dist.is_initialized():
+            try:
+                self.ep_size = dist.get_world_size(ep_group)
+            except (AttributeError, TypeError) as err:  # not a group (str, int, list, ...)
+                raise TypeError(
+                    "TokenDispatcher: ep_group must be a ProcessGroup or None (no EP), "
+                    f"got {type(ep_group).__name__}"
+                ) from err
+            if self.ep_size < 1:  # -1: dist.new_group's GroupMember.NON_GROUP_MEMBER, on the ranks left out
+                raise ValueError(
+                    f"TokenDispatcher: ep_group: this rank (global rank {dist.get_rank()}) is not a member "
+                    "of the group"
+                )
         if num_experts < 1 or num_experts % self.ep_size != 0:
             raise ValueError(
                 f"TokenDispatcher: num_experts={num_experts} must be a multiple of the EP size {self.ep_size}"

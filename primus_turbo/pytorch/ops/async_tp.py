@@ -15,7 +15,10 @@ Preconditions (checked, ValueError/TypeError otherwise):
     sequence to a multiple of the TP size, as Megatron's sequence parallel does);
   * same dtype and device for ``a`` and every ``b``; FP8 operands only through the scaled variants;
   * a tensor-wise ``a_scale`` must be the same on every rank (``fp8_config`` guarantees it by an
-    amax all-reduce over the group).
+    amax all-reduce over the group); a scale of ``a``'s row-wise shape [..., 1] is row-wise, also
+    when the shard has one row;
+  * every rank passes the same shapes, dtypes and flags: a mismatch hangs or aborts a rank; with
+    PRIMUS_TURBO_DEBUG_CHECKS=1 every rank raises ValueError instead (one all_gather_object per call).
 A group of size 1 runs a plain GEMM; zero-size problems run the unfused NCCL path.
 
 Backends: ``backend=None`` (dispatcher default on CUDA+NCCL from ~0.2 ms of GEMM per rank: SYMM_MEM,
@@ -36,6 +39,7 @@ from primus_turbo.pytorch.core.low_precision import (
     fp8_max,
     is_fp8_dtype,
 )
+from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
     all_gather_matmul_impl,
     matmul_reduce_scatter_impl,
@@ -44,6 +48,7 @@ from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
 )
 
 __all__ = [
+    "check_ranks_agree",
     "fused_all_gather_matmul",
     "fused_all_gather_scaled_matmul",
     "fused_matmul_reduce_scatter",
@@ -55,14 +60,40 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # -- validation -----------------------------------------------------------------------------------
-def _group_name(group) -> str:
+def _group_name(group, arg: str = "group") -> str:
     if group is None:
         group = dist.group.WORLD
     if isinstance(group, str):
         return group
     if isinstance(group, dist.ProcessGroup):
         return group.group_name
-    raise TypeError(f"group: expected a ProcessGroup, a group name or None, got {type(group).__name__}")
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group returns on the ranks left out
+        raise ValueError(
+            f"{arg}: this rank (global rank {dist.get_rank()}) is not a member of the process group; "
+            f"call the op only on the group's ranks"
+        )
+    raise TypeError(f"{arg}: expected a ProcessGroup, a group name or None, got {type(group).__name__}")
+
+
+def check_ranks_agree(op: str, signature: dict, group) -> None:
+    """PRIMUS_TURBO_DEBUG_CHECKS=1 only (one all_gather_object per call): raise ValueError on every rank of
+    ``group`` when the ranks' ``signature`` (the shapes, dtypes and flags a collective needs equal) differ.
+    Without it such a call hangs (NCCL), aborts one rank (gloo) or reads a peer's bytes as another layout.
+    """
+    if torch.compiler.is_compiling() or not debug_checks_enabled():
+        return
+    if isinstance(group, str):
+        from torch.distributed import distributed_c10d as c10d
+
+        group = c10d._resolve_process_group(group)
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_world_size(group) == 1:
+        return
+    signatures = [None] * dist.get_world_size(group)
+    dist.all_gather_object(signatures, signature, group=group)
+    if any(sig != signatures[0] for sig in signatures):
+        per_rank = "; ".join(f"rank {i}: {sig}" for i, sig in enumerate(signatures))
+        raise ValueError(f"{op}: the ranks of the group were called with different arguments ({per_rank})")
 
 
 def _world(group_name: str) -> int:
@@ -119,6 +150,25 @@ def _to_front_2d(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, list[int]]:
     moved = t.movedim(dim, 0)
     rows = moved.shape[:-1].numel()
     return moved.contiguous().view(rows, t.shape[-1]), list(moved.shape[:-1])
+
+
+def _a_scale_2d(a_scale: torch.Tensor, a: torch.Tensor, dim: int, a_name: str) -> torch.Tensor:
+    """fp32 row-wise [rows, 1] (in ``_to_front_2d(a, dim)``'s row order) or tensor-wise 0-d ``a_scale``.
+
+    A scale of a's row-wise shape [..., 1] is row-wise even with one element: a one-row shard's scale
+    differs per rank and must travel with its row (the kernels tell the two apart by dim).
+    """
+    if not isinstance(a_scale, torch.Tensor):
+        raise TypeError(f"a_scale: expected a tensor, got {type(a_scale).__name__}")
+    rowwise_shape = (*a.shape[:-1], 1)
+    if tuple(a_scale.shape) == rowwise_shape:
+        return a_scale.movedim(dim, 0).contiguous().view(-1, 1).float()
+    if a_scale.numel() != 1:
+        raise ValueError(
+            f"a_scale: expected a scalar or the row-wise shape {rowwise_shape} of {a_name} "
+            f"{tuple(a.shape)}, got {tuple(a_scale.shape)}"
+        )
+    return a_scale.reshape(()).float()
 
 
 def _from_front_2d(t2d: torch.Tensor, lead: list[int], dim: int) -> torch.Tensor:
@@ -185,6 +235,19 @@ def _out_dtype_list(out_dtypes, n: int, default: torch.dtype, rowwise_fp8: bool)
 
 
 # -- all-gather + matmul --------------------------------------------------------------------------
+def _check_ag_ranks_agree(op, a_shard, dim, fp8, return_a, backend, group_name) -> None:
+    if not debug_checks_enabled():  # the signature is built only when it is checked (every call otherwise)
+        return
+    sig = dict(a_shard=(tuple(a_shard.shape), a_shard.dtype), gather_dim=dim, fp8=fp8, return_a=return_a)
+    check_ranks_agree(op, dict(sig, backend=_backend_key(backend)), group_name)
+
+
+def _backend_key(backend) -> str | None:
+    """The pinned backend as the ranks must agree on it ("nccl" and BackendType.NCCL are one choice)."""
+    name = getattr(backend, "name", backend)
+    return name.strip().upper() if isinstance(name, str) and name.strip() else None
+
+
 def _all_gather_matmul_2d(a2d, bs, a_scale, b_scales, group_name, return_a, out_dtypes, backend, num_splits):
     """out_dtypes: one dtype per b (FP8), or None (bf16/fp16/fp32 GEMMs return the input dtype)."""
     world = _world(group_name)
@@ -227,6 +290,8 @@ def fused_all_gather_matmul(
     bs = list(b_list) if isinstance(b_list, (list, tuple)) else [b_list]
     _check_operands(a_shard, bs, "a_shard", scaled=False)
     dim = _check_dim("gather_dim", gather_dim, a_shard)
+    fp8 = getattr(fp8_config, "granularity", None)
+    _check_ag_ranks_agree("fused_all_gather_matmul", a_shard, dim, fp8, return_a, backend, group_name)
     a2d, lead = _to_front_2d(a_shard, dim)
     if fp8_config is None:
         dts = _out_dtype_list(out_dtypes, len(bs), a_shard.dtype, False)
@@ -276,15 +341,10 @@ def fused_all_gather_scaled_matmul(
     if len(b_scales) != len(bs):
         raise ValueError(f"b_scales: expected {len(bs)} scales (one per b), got {len(b_scales)}")
     a2d, lead = _to_front_2d(a_shard, dim)
-    if a_scale.numel() > 1:
-        if tuple(a_scale.shape) != (*a_shard.shape[:-1], 1):
-            raise ValueError(
-                f"a_scale: expected a scalar or row-wise shape {(*a_shard.shape[:-1], 1)}, "
-                f"got {tuple(a_scale.shape)}"
-            )
-        a_scale = a_scale.movedim(dim, 0).contiguous().view(-1, 1)
-    a_scale = a_scale.float()
-    dts = _out_dtype_list(out_dtypes, len(bs), torch.bfloat16, a_scale.numel() > 1 and a_shard.is_cuda)
+    a_scale = _a_scale_2d(a_scale, a_shard, dim, "a_shard")
+    kind = "rowwise" if a_scale.dim() == 2 else "tensorwise"
+    _check_ag_ranks_agree("fused_all_gather_scaled_matmul", a_shard, dim, kind, return_a, backend, group_name)
+    dts = _out_dtype_list(out_dtypes, len(bs), torch.bfloat16, a_scale.dim() == 2 and a_shard.is_cuda)
     a_full, scale_full, outs = _all_gather_matmul_2d(
         a2d, bs, a_scale, [s.float() for s in b_scales], group_name, return_a, dts, backend, num_splits
     )
@@ -292,13 +352,14 @@ def fused_all_gather_scaled_matmul(
     outs = [_from_front_2d(o, full_lead, dim) for o in outs]
     if a_full is not None:
         a_full = _from_front_2d(a_full, full_lead, dim)
-        if scale_full is not None and scale_full.numel() > 1:
+        if scale_full is not None and scale_full.dim() == 2:
             scale_full = _from_front_2d(scale_full, full_lead, dim)
     return a_full, (scale_full if return_a else None), outs
 
 
 # -- matmul + reduce-scatter ----------------------------------------------------------------------
-def _check_reduce_scatter(a, b, reduce_op, scatter_dim, group_name, scaled):
+def _check_reduce_scatter(a, b, reduce_op, scatter_dim, group_name, scaled, op, **flags):
+    """Validate; ``flags`` (fp8 granularity, out dtype, backend) join the ranks' debug-mode comparison."""
     _check_operands(a, [b], "a", scaled=scaled)
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"reduce_op: expected 'sum' or 'avg', got {reduce_op!r}")
@@ -309,7 +370,17 @@ def _check_reduce_scatter(a, b, reduce_op, scatter_dim, group_name, scaled):
             f"scatter_dim={scatter_dim}: size {a.shape[dim]} of a {tuple(a.shape)} is not divisible by the "
             f"group size {world}; pad it to a multiple of {world}"
         )
+    if debug_checks_enabled():
+        sig = dict(a=(tuple(a.shape), a.dtype), n=b.shape[1], scatter_dim=dim, reduce_op=reduce_op)
+        check_ranks_agree(op, dict(sig, **flags), group_name)
     return dim, world
+
+
+def _fp8_out_dtype(out_dtype) -> torch.dtype:
+    """An FP8 GEMM+RS output dtype: the CPU path cast to anything (int32 truncated the sums silently)."""
+    if out_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"out_dtype: FP8 GEMMs return bfloat16, float16 or float32, got {out_dtype}")
+    return out_dtype
 
 
 def _op(op, *tensors: torch.Tensor):
@@ -345,7 +416,11 @@ def fused_matmul_reduce_scatter(
 ) -> torch.Tensor:
     """reduce_scatter(a @ b, reduce_op, scatter_dim) over ``group``, comm overlapped with the GEMM."""
     group_name = _group_name(group)
-    dim, world = _check_reduce_scatter(a, b, reduce_op, scatter_dim, group_name, scaled=False)
+    fp8 = getattr(fp8_config, "granularity", None)
+    dim, world = _check_reduce_scatter(
+        a, b, reduce_op, scatter_dim, group_name, False, "fused_matmul_reduce_scatter",
+        fp8=fp8, out_dtype=out_dtype or a.dtype, backend=_backend_key(backend),
+    )  # fmt: skip
     a2d, lead = _to_front_2d(a, dim)
     if fp8_config is None:
         if out_dtype not in (None, a.dtype):
@@ -354,7 +429,7 @@ def fused_matmul_reduce_scatter(
             )
         out = _matmul_reduce_scatter_2d(a2d, b, None, None, reduce_op, group_name, None, backend, num_splits)
     else:
-        out_dtype = out_dtype or a.dtype
+        out_dtype = _fp8_out_dtype(out_dtype or a.dtype)
         a_q, a_scale, (b_q,), (b_scale,) = _quantize_operands(a2d, [b], fp8_config, None)
         out = _matmul_reduce_scatter_2d(
             a_q, b_q, a_scale, b_scale, reduce_op, group_name, out_dtype, backend, num_splits
@@ -377,16 +452,14 @@ def fused_scaled_matmul_reduce_scatter(
 ) -> torch.Tensor:
     """FP8 ``a`` [..., K] and column-major ``b`` [K, N] with dequant scales (scalar or row-wise)."""
     group_name = _group_name(group)
-    dim, world = _check_reduce_scatter(a, b, reduce_op, scatter_dim, group_name, scaled=True)
+    out_dtype = _fp8_out_dtype(out_dtype)
+    dim, world = _check_reduce_scatter(
+        a, b, reduce_op, scatter_dim, group_name, True, "fused_scaled_matmul_reduce_scatter",
+        out_dtype=out_dtype, backend=_backend_key(backend),
+    )  # fmt: skip
     a2d, lead = _to_front_2d(a, dim)
-    if a_scale.numel() > 1:
-        if tuple(a_scale.shape) != (*a.shape[:-1], 1):
-            raise ValueError(
-                f"a_scale: expected a scalar or row-wise shape {(*a.shape[:-1], 1)}, "
-                f"got {tuple(a_scale.shape)}"
-            )
-        a_scale = a_scale.movedim(dim, 0).contiguous().view(-1, 1)
+    a_scale = _a_scale_2d(a_scale, a, dim, "a")
     out = _matmul_reduce_scatter_2d(
-        a2d, b, a_scale.float(), b_scale.float(), reduce_op, group_name, out_dtype, backend, num_splits
+        a2d, b, a_scale, b_scale.float(), reduce_op, group_name, out_dtype, backend, num_splits
     )
     return _from_front_2d(out, [lead[0] // world, *lead[1:]], dim)

@@ -9,7 +9,7 @@ Entry points (torch.library custom ops with fake twins, called by ``turbo.ops.as
 
 Inputs are already 2-D with the gathered/scattered dim first (the op layer moves it there), FP8
 operands already quantized (``a_scale``/``b_scales`` are the dequantization scales of
-``torch._scaled_mm``: tensor-wise scalars, or row-wise ``[rows, 1]`` / ``[1, N]``). A tensor-wise
+``torch._scaled_mm``: tensor-wise 0-d scalars, or row-wise ``[rows, 1]`` / ``[1, N]``). A tensor-wise
 ``a_scale`` must be equal on every rank (the op layer all-reduces the amax to guarantee it).
 Unused outputs (``a_full`` when ``return_a`` is False, ``a_scale_full`` for bf16 / tensor-wise)
 come back as empty tensors. ``out_dtypes``: one code per b (``OUT_DTYPES`` index; a custom-op schema
@@ -111,7 +111,9 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rowwise(scale: torch.Tensor | None) -> bool:
-    return scale is not None and scale.numel() > 1
+    """Row-wise scales are 2-D [rows, 1], tensor-wise ones 0-d (the op layer normalizes them): told apart
+    by dim, not numel, since a one-row shard's row-wise scale has one element too, and each rank's differs."""
+    return scale is not None and scale.dim() == 2
 
 
 def _out_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
@@ -180,6 +182,9 @@ class _AGSymmMem(KernelBackend):
             and symm_mem_available()
             and _nccl_group(group_name)
             and _fp8_dims_ok(a_scale, a_shard.shape[-1], [b.shape[1] for b in bs])
+            # torch's op takes a one-element A_scale as tensor-wise: a one-row shard's row-wise scale would
+            # then scale every gathered row by this rank's
+            and not (_rowwise(a_scale) and a_scale.numel() == 1)
         )
 
     @staticmethod
@@ -474,7 +479,7 @@ def _run(dispatcher: type[_AsyncTPDispatcher], backend: str, **kw: Any) -> Any:
         raise ValueError(
             f"async_tp: backend {pinned.name} cannot handle these inputs ({dispatcher.describe(**kw)}); "
             f"it needs CUDA tensors, an NCCL process group and torch symmetric memory (SYMM_MEM with FP8: "
-            f"K and every N multiples of 16)"
+            f"K and every N multiples of 16, and row-wise scales over shards of more than one row)"
             if pinned is not BackendType.NCCL
             else f"async_tp: backend NCCL cannot handle ({dispatcher.describe(**kw)})"
         )

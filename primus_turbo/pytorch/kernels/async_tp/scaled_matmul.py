@@ -29,11 +29,12 @@ def scaled_matmul(
         b_deq = b.float() if b_scale is None else b.float() * b_scale.float()
         res = torch.mm(a.float() * a_scale.float(), b_deq).to(out_dtype or torch.bfloat16)
         return res if out is None else out.copy_(res)
-    if a_scale.numel() > 1 and a_scale.data_ptr() % 16:
+    rowwise = a_scale.dim() == 2  # [rows, 1]; a one-row block's scale has one element but is row-wise
+    if rowwise and a_scale.data_ptr() % 16:
         a_scale = a_scale.clone()  # cuBLAS row-wise kernels need 16-byte aligned scales
     n = b.shape[1]
     if a.shape[1] % 16 or n % 16:  # cuBLAS FP8 needs K and N multiples of 16: zero-pad, then slice
-        a, b, b_scale = _pad_fp8_operands(a, b, b_scale)
+        a, b, b_scale = _pad_fp8_operands(a, b, b_scale, rowwise)
         res = torch._scaled_mm(a, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)[:, :n]
         return res.contiguous() if out is None else out.copy_(res)
     kwargs = dict(scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
@@ -42,9 +43,10 @@ def scaled_matmul(
     return torch.ops.aten._scaled_mm.out(a, b, **kwargs, out=out)
 
 
-def _pad_fp8_operands(a, b, b_scale):
+def _pad_fp8_operands(a, b, b_scale, rowwise: bool):
     """Zero-pad K (a's columns, b's rows: zeros add nothing) and N (b's columns, sliced off after) to
-    multiples of 16; b stays column-major, a row-wise b_scale [1, N] is padded with ones."""
+    multiples of 16; b stays column-major, a row-wise b_scale [1, N] is padded with ones (with a row-wise
+    ``a`` a one-element b_scale too: at N = 1 it is [1, N], and cuBLAS wants [1, padded N])."""
     (m, k), n = a.shape, b.shape[1]
     k16, n16 = -(-k // 16) * 16, -(-n // 16) * 16
     if k16 != k:
@@ -53,8 +55,8 @@ def _pad_fp8_operands(a, b, b_scale):
         a = a_pad
     b_pad = torch.zeros(n16, k16, dtype=b.dtype, device=b.device).t()  # column-major, like b
     b_pad[:k, :n] = b
-    if b_scale is not None and b_scale.numel() > 1:
+    if b_scale is not None and (b_scale.numel() > 1 or rowwise):
         scale = torch.ones(1, n16, dtype=b_scale.dtype, device=b_scale.device)
-        scale[:, :n] = b_scale.reshape(1, n)
+        scale[:, :n] = b_scale.reshape(1, -1)  # a one-element scale broadcasts over the N columns
         b_scale = scale
     return a, b_pad, b_scale

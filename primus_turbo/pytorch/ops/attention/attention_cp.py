@@ -20,7 +20,9 @@ shard of the sequence and returns this rank's shard of the output.
   that layout from a full sequence; ``gather_sequence_for_cp`` inverts it.
 
 Not supported under CP (clear errors): dropout, sliding windows, varlen, and causal ring attention
-with seqlen_q != seqlen_k.
+with seqlen_q != seqlen_k. Every rank must pass the same shapes and flags (a mismatch hangs, aborts a
+rank or returns garbage); PRIMUS_TURBO_DEBUG_CHECKS=1 compares them (a collective per call) and makes
+every rank raise instead.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ import torch
 import torch.distributed as dist
 
 from primus_turbo.pytorch.core.backend import BackendType
+from primus_turbo.pytorch.core.utils import debug_checks_enabled
 from primus_turbo.pytorch.kernels.attention.attention_impl import (
     SDPA_BACKENDS,
     AttentionDispatcher,
     attention_bwd,
     attention_fwd,
 )
+from primus_turbo.pytorch.ops.async_tp import check_ranks_agree
 from primus_turbo.pytorch.ops.attention.attention import _softmax_scale, _validate, flash_attn_func
 
 __all__ = ["flash_attn_usp_func", "split_sequence_for_cp", "gather_sequence_for_cp"]
@@ -47,8 +51,24 @@ def _ring_chunk_ids(ring_size: int, ring_rank: int, causal: bool) -> list[int]:
     return [ring_rank, 2 * ring_size - 1 - ring_rank] if causal else [ring_rank]
 
 
+def _check_cp_layout(ring_size, ulysses_size) -> None:
+    for name, size in (("ring_size", ring_size), ("ulysses_size", ulysses_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}={size!r}: expected a positive int")
+
+
 def split_sequence_for_cp(x, seq_dim, ring_size=1, ring_rank=0, ulysses_size=1, ulysses_rank=0, causal=True):
-    """This rank's shard of a full sequence, in the layout ``flash_attn_usp_func`` expects."""
+    """This rank's shard of a full sequence, in the layout ``flash_attn_usp_func`` expects.
+
+    ``ring_rank`` / ``ulysses_rank`` are ranks within the ring / Ulysses group (not global ranks)."""
+    _check_cp_layout(ring_size, ulysses_size)
+    for name, rank, size in (
+        ("ring_rank", ring_rank, ring_size),
+        ("ulysses_rank", ulysses_rank, ulysses_size),
+    ):
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            # a rank past the size picked another rank's zigzag chunks (chunk ids wrap around) silently
+            raise ValueError(f"split_sequence_for_cp: {name}={rank!r} must be an int in [0, {size})")
     n_chunks = 2 * ring_size if causal else ring_size
     if x.shape[seq_dim] % (n_chunks * ulysses_size):
         raise ValueError(
@@ -63,6 +83,12 @@ def split_sequence_for_cp(x, seq_dim, ring_size=1, ring_rank=0, ulysses_size=1, 
 
 def gather_sequence_for_cp(shards, seq_dim, ring_size=1, ulysses_size=1, causal=True):
     """Inverse of ``split_sequence_for_cp``: shards[ring_rank * ulysses_size + ulysses_rank]."""
+    _check_cp_layout(ring_size, ulysses_size)
+    if len(shards) != ring_size * ulysses_size:  # extra shards were ignored silently
+        raise ValueError(
+            f"gather_sequence_for_cp: expected ring_size x ulysses_size = {ring_size * ulysses_size} shards, "
+            f"got {len(shards)}"
+        )
     n_chunks = 2 * ring_size if causal else ring_size
     chunks = [None] * n_chunks
     for r in range(ring_size):
@@ -245,6 +271,41 @@ def _ring_backend(q, k, v, sink, scale, causal, deterministic) -> BackendType:
     return backend
 
 
+def _cp_group_size(arg: str, group) -> int:
+    """The size of a CP group argument (1 for None); a wrong one raises here, not deep in torch."""
+    if group is None:
+        return 1
+    try:
+        size = dist.get_world_size(group)
+    except (AttributeError, TypeError) as err:  # not a group (str, int, list, ...)
+        raise TypeError(
+            f"flash_attn_usp: {arg} must be a ProcessGroup or None, got {type(group).__name__}"
+        ) from err
+    if size < 1:  # -1: dist.new_group's GroupMember.NON_GROUP_MEMBER, on the ranks left out of the group
+        raise ValueError(
+            f"flash_attn_usp: {arg}: this rank (global rank {dist.get_rank()}) is not a member of the group"
+        )
+    return size
+
+
+def _check_cp_ranks_agree(q, k, v, sink, scale, causal, ulysses_group, ring_group, u_size, r_size):
+    """PRIMUS_TURBO_DEBUG_CHECKS=1: every rank raises when the groups overlap beyond this rank or the ranks
+    pass different shapes/flags (without it: a hang, an aborted rank or another rank's rows read wrongly)."""
+    if u_size > 1 and r_size > 1:
+        ranks = dist.get_process_group_ranks
+        shared = set(ranks(ulysses_group)) & set(ranks(ring_group))
+        if shared != {dist.get_rank()}:
+            raise ValueError(
+                f"flash_attn_usp: ulysses_group and ring_group share ranks {sorted(shared)}; they must be "
+                "orthogonal (meet only in this rank)"
+            )
+    sig = dict(q=(tuple(q.shape), q.dtype), k=tuple(k.shape), v=tuple(v.shape), sink=sink is not None,
+               scale=scale, causal=causal, ulysses_size=u_size, ring_size=r_size)  # fmt: skip
+    for group, size in ((ulysses_group, u_size), (ring_group, r_size)):
+        if size > 1:
+            check_ranks_agree("flash_attn_usp", sig, group)
+
+
 def flash_attn_usp_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                         deterministic=False, sink=None, ulysses_group=None, ring_group=None):  # fmt: skip
     """Context-parallel flash_attn_func over this rank's BSHD shard (layout: module docstring)."""
@@ -256,8 +317,14 @@ def flash_attn_usp_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False
             f"flash_attn_usp: window_size must be (-1, -1) under context parallelism, got {window_size}"
         )
     scale = _softmax_scale(softmax_scale, q.shape[-1])
-    u_size = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
-    r_size = dist.get_world_size(ring_group) if ring_group is not None else 1
+    u_size, r_size = _cp_group_size("ulysses_group", ulysses_group), _cp_group_size("ring_group", ring_group)
+    if u_size > 1 and r_size > 1 and ulysses_group is ring_group:
+        raise ValueError(
+            "flash_attn_usp: ulysses_group and ring_group are the same group; they must be orthogonal "
+            "(each rank's Ulysses and ring peers meet only in itself), or pass one of them as None"
+        )
+    if not torch.compiler.is_compiling() and debug_checks_enabled():
+        _check_cp_ranks_agree(q, k, v, sink, scale, causal, ulysses_group, ring_group, u_size, r_size)
     if r_size > 1 and causal and q.shape[1] != k.shape[1]:
         # the zigzag plan pairs query chunk i with key chunk i: right only for a square (diagonal) mask
         raise ValueError(
