@@ -21,6 +21,11 @@ MFU_TARGET = 0.40
 # An FP8 run's MFU is against the FP8 dense peak (integrations/common/metrics.py: 1979 TFLOP/s on H100/H200),
 # twice the bf16 peak (989): the targets line also gives it against the bf16 peak, the other common reading.
 FP8_PEAK_OVER_BF16 = 2.0
+MFU_NOTE = (
+    "- MFU: TFLOP/s/GPU (model FLOPs, integrations/common/metrics.py) over the dense peak of the row's own "
+    "precision: bf16 989, FP8 1979 TFLOP/s (H100/H200); an FP8 row's MFU times "
+    f"{FP8_PEAK_OVER_BF16:.0f} is its share of the bf16 peak"
+)
 # per framework: (speedup target, MFU target or None); TorchTitan's is vs its stock bf16 torch.compile step
 # (issue 9), with no MFU target
 TARGETS = {"megatron": (SPEEDUP_TARGET, MFU_TARGET), "torchtitan": (1.4, None)}
@@ -462,6 +467,7 @@ def write_report(
     lines += [
         f"- step time, tokens/s, TFLOP/s, MFU: medians over the steps after warm-up ({warmup}); "
         "peak memory: max over the run; speedup: stock bf16 step time / this step time (same framework)",
+        MFU_NOTE,
         "",
         markdown_table(TABLE_COLUMNS, table_rows(results, warmup)),
         "",

@@ -20,6 +20,25 @@ from torch.profiler import ProfilerActivity, profile
 
 from primus_turbo.triton.main_grad.accumulate_kernel import launch_accumulate_grouped
 
+# Bytes moved per gradient element by each option (the wgrad GEMM's own output write not counted): the add
+# reads the fp32 main_grad (4) and the gradient (2 bf16 / 4 fp32) and writes main_grad (4); a cast or a flip
+# is one more pass (read its input, write its output).
+BYTES_PER_ELEM = {
+    "per-expert add_ (today: DDP hook)": 10,
+    "_foreach_add_ fp32 += bf16": 10,
+    "cast to fp32 + _foreach_add_": 18,  # cast 2 + 4, add 12
+    "fp32 wgrad given: _foreach_add_": 12,
+    "block add_ fp32 += bf16 (no flip: ascending)": 10,
+    "block add_ fp32 += bf16 (flip)": 14,  # flip 2 + 2, add 10
+    "fp32 wgrad given: block add_ (flip)": 20,  # flip 4 + 4, add 12
+    "triton fused fp32 += bf16": 10,
+}
+
+
+def _ms(fn) -> float:
+    """Median GPU ms of ``fn`` (do_bench's own default is the mean)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+
 
 def _launches(fn) -> int:
     fn()
@@ -48,7 +67,7 @@ def _fp8_wgrad_out_dtype(g, n, k, tokens_per_expert=384) -> None:
         def wgrad(out=out):
             return launch_grouped_gemm_variable_k(grad_t.t(), act_t.t(), out, lens, sx, sy, SCALE_ROWWISE)
 
-        ms = triton.testing.do_bench(wgrad, warmup=5, rep=50)
+        ms = _ms(wgrad)
         print(f"fp8 wgrad (M={m}) out {str(dtype):15s} {ms:8.3f} ms")
 
 
@@ -66,27 +85,24 @@ def main() -> None:
     wgrad32 = wgrad.float()
     block_rev = buffer.view(g, n, k)  # slot j = weight{G-1-j}
     rows = {
-        "per-expert add_ (today: DDP hook)": (lambda: [m.add_(w) for m, w in zip(main_grads, wgrad)], 10),
-        "_foreach_add_ fp32 += bf16": (lambda: torch._foreach_add_(main_grads, list(wgrad.unbind(0))), 10),
-        "cast to fp32 + _foreach_add_": (
-            lambda: torch._foreach_add_(main_grads, list(wgrad.float().unbind(0))),
-            16,
+        "per-expert add_ (today: DDP hook)": lambda: [m.add_(w) for m, w in zip(main_grads, wgrad)],
+        "_foreach_add_ fp32 += bf16": lambda: torch._foreach_add_(main_grads, list(wgrad.unbind(0))),
+        "cast to fp32 + _foreach_add_": lambda: torch._foreach_add_(
+            main_grads, list(wgrad.float().unbind(0))
         ),
-        "fp32 wgrad given: _foreach_add_": (
-            lambda: torch._foreach_add_(main_grads, list(wgrad32.unbind(0))),
-            12,
-        ),
-        "block add_ fp32 += bf16 (no flip: ascending)": (lambda: block_rev.add_(wgrad), 10),
-        "block add_ fp32 += bf16 (flip)": (lambda: block_rev.add_(wgrad.flip(0)), 14),
-        "fp32 wgrad given: block add_ (flip)": (lambda: block_rev.add_(wgrad32.flip(0)), 20),
-        "triton fused fp32 += bf16": (lambda: launch_accumulate_grouped(main_grads[0], wgrad, -n * k), 10),
+        "fp32 wgrad given: _foreach_add_": lambda: torch._foreach_add_(main_grads, list(wgrad32.unbind(0))),
+        "block add_ fp32 += bf16 (no flip: ascending)": lambda: block_rev.add_(wgrad),
+        "block add_ fp32 += bf16 (flip)": lambda: block_rev.add_(wgrad.flip(0)),
+        "fp32 wgrad given: block add_ (flip)": lambda: block_rev.add_(wgrad32.flip(0)),
+        "triton fused fp32 += bf16": lambda: launch_accumulate_grouped(main_grads[0], wgrad, -n * k),
     }
     elems = g * n * k
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"G={g} N={n} K={k}: {elems / 1e6:.1f}M elements")
     print(f"{'option':44s} {'ms':>8s} {'launches':>9s} {'B/elem':>7s} {'GB/s':>8s}")
-    for name, (fn, bytes_per_elem) in rows.items():
-        ms = triton.testing.do_bench(fn, warmup=5, rep=50)
+    for name, fn in rows.items():
+        bytes_per_elem = BYTES_PER_ELEM[name]
+        ms = _ms(fn)
         gbps = elems * bytes_per_elem / ms / 1e6
         print(f"{name:44s} {ms:8.3f} {_launches(fn):9d} {bytes_per_elem:7d} {gbps:8.0f}")
     ref = torch.zeros_like(buffer)

@@ -21,8 +21,16 @@ import time
 import torch
 from primus_turbo.integrations.common.config import moe_layer_pattern
 
-# Dense (non-sparse) peak TFLOP/s per GPU by (device-name substring, precision).
+# Dense (non-sparse) peak TFLOP/s per GPU by (device-name substring, precision), NVIDIA's datasheets (half
+# the "with sparsity" figures). The first substring found wins: the PCIe and NVL cards (lower clocks and
+# power) come before the SXM parts' bare "H100" / "H200".
 PEAK_TFLOPS = {
+    ("H100 PCIe", "bf16"): 756.0,
+    ("H100 PCIe", "fp8"): 1513.0,
+    ("H100 NVL", "bf16"): 835.0,
+    ("H100 NVL", "fp8"): 1671.0,
+    ("H200 NVL", "bf16"): 835.0,
+    ("H200 NVL", "fp8"): 1671.0,
     ("H100", "bf16"): 989.0,
     ("H100", "fp8"): 1979.0,
     ("H200", "bf16"): 989.0,

@@ -184,6 +184,9 @@ def test_peak_table():
     assert peak_tflops("NVIDIA H200", "bf16") == 989.0
     assert peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == 1979.0
     assert peak_tflops(None, "bf16") is None and peak_tflops("NVIDIA A100", "bf16") is None
+    # the PCIe / NVL cards have their own (lower) peaks: the bare "H100" substring gave them the SXM one
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert peak_tflops("NVIDIA H100 NVL", "fp8") == 1671.0 and peak_tflops("NVIDIA H200 NVL", "bf16") == 835.0
 
 
 def test_non_finite_loss_stops_with_the_step():
