@@ -20,10 +20,9 @@ uses it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from primus_turbo.env import parse_bool_env
+from primus_turbo.env import parse_bool_env, triton_interpret_env
 
 __all__ = ["ENV_AUTOTUNE_CACHE", "configure", "disk_cacheable", "cache_enabled"]
 
@@ -47,6 +46,6 @@ def configure(autotuned: Any, enabled: bool | None = None) -> Any:
         return autotuned
     if enabled is None:
         enabled = cache_enabled()
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = triton_interpret_env()
     autotuned.cache_results = bool(enabled) and disk_cacheable(autotuned) and not interpret
     return autotuned

@@ -122,6 +122,8 @@ def parse_backend_spec(value: str, *, source: str) -> dict[str, BackendType]:
             raise ValueError(
                 f"{source}: unknown precision {precision!r}; accepted: {', '.join(PRECISION_KEYS)}"
             )
+        if precision in spec:  # 'fp8:TRITON,fp8:CUBLAS': which one was meant is a guess
+            raise ValueError(f"{source}: precision {precision!r} is given twice in {value!r}")
         spec[precision] = BackendType.parse(backend, source=source)
     return spec
 
@@ -144,19 +146,27 @@ class GlobalBackendManager:
     # -- setters --------------------------------------------------------------------------------
     @classmethod
     def _set(cls, op: str, backend: BackendType | str | None, precision: str | None) -> None:
+        """Pin ``backend`` for ``precision`` (None: every precision, replacing the per-precision pins made
+        before, so the last call wins); ``backend=None`` removes that pin."""
+        where = f"GlobalBackendManager.set_{op}_backend"
         if precision is not None:
-            precision = precision.lower()
+            if not isinstance(precision, str):
+                accepted = ", ".join(PRECISION_KEYS)
+                raise TypeError(f"{where}: precision must be a str ({accepted}) or None, got {precision!r}")
+            precision = precision.strip().lower()
             if precision not in PRECISION_KEYS:
-                raise ValueError(f"precision: unknown {precision!r}; accepted: {', '.join(PRECISION_KEYS)}")
-        key = precision or "*"
-        table = cls._code.setdefault(op, {})
-        if backend is None:
-            if precision is None:
-                table.clear()
-            else:
-                table.pop(key, None)
-            return
-        table[key] = BackendType.parse(backend, source=f"set_{op}_backend(backend=...)")
+                raise ValueError(
+                    f"{where}: unknown precision {precision!r}; accepted: {', '.join(PRECISION_KEYS)}"
+                )
+        parsed = None if backend is None else BackendType.parse(backend, source=f"{where}(backend=...)")
+        # a new table rather than edits of the live one: a dispatch on another thread (autograd's backward)
+        # sees the old pins or the new ones, never a half-cleared table
+        table = {} if precision is None else dict(cls._code.get(op, {}))
+        if parsed is not None:
+            table[precision or "*"] = parsed
+        elif precision is not None:
+            table.pop(precision, None)
+        cls._code = {**cls._code, op: table}
 
     @classmethod
     def set_gemm_backend(cls, backend: BackendType | str | None, precision: str | None = None) -> None:
@@ -190,6 +200,11 @@ class GlobalBackendManager:
 
     @classmethod
     def set_auto_tune(cls, enabled: bool | None) -> None:
+        """True/False override PRIMUS_TURBO_AUTO_TUNE; None defers to it again."""
+        if enabled is not None and not isinstance(enabled, bool):  # "false" or "0" would be truthy
+            raise TypeError(
+                f"GlobalBackendManager.set_auto_tune: enabled must be a bool or None, got {enabled!r}"
+            )
         cls._auto_tune = enabled
 
     @classmethod
@@ -352,18 +367,26 @@ class AutoKernelDispatcher:
 
         if cls.autotune and GlobalBackendManager.auto_tune_enabled():
             key = (precision,) + tuple(cls.make_key(**kwargs))
-            with cls._lock:
-                hit = cls._cache.get(key)
-                if hit is not None:
-                    cls._cache.move_to_end(key)
-                    return hit  # also under CUDA-graph capture: a choice made earlier launches no timing
-            best = None if _is_capturing() else cls._autotune(**kwargs)
-            if best is not None:
-                with cls._lock:
-                    cls._cache[key] = best
-                    while len(cls._cache) > cls.cache_size:
-                        cls._cache.popitem(last=False)
-                return best
+            # A hit takes no lock (OrderedDict's get/move_to_end are atomic under the GIL, and Dynamo cannot
+            # enter a lock: fullgraph failed) and is used under CUDA-graph capture and torch.compile too.
+            hit = cls._cache.get(key)
+            if hit is not None:
+                if not torch.compiler.is_compiling():  # no LRU bookkeeping in a traced graph
+                    try:
+                        cls._cache.move_to_end(key)
+                    except KeyError:  # evicted by another thread since the get
+                        pass
+                return hit
+            # A miss is timed eagerly, never while Dynamo traces (fake tensors) or a CUDA graph is captured
+            # (the candidates' launches would be captured): the default below runs then, untimed.
+            if not torch.compiler.is_compiling():
+                best = None if _is_capturing() else cls._autotune(**kwargs)
+                if best is not None:
+                    with cls._lock:
+                        cls._cache[key] = best
+                        while len(cls._cache) > cls.cache_size:
+                            cls._cache.popitem(last=False)
+                    return best
 
         if not cls.cache_default:
             return cls._automatic(**kwargs)

@@ -17,18 +17,19 @@ each candidate plus two small all-reduces. Never under CUDA-graph capture or whi
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from primus_turbo.env import parse_bool_env
 from primus_turbo.pytorch.core.backend import BackendType
 
 
 def measuring_enabled(env: str) -> bool:
-    """False when the user set ``env`` to 0 (then the dispatcher's heuristic decides)."""
-    return os.environ.get(env, "1") not in ("0", "false", "False")
+    """False when the user set ``env`` to 0/false/off/no, any case (then the dispatcher's heuristic decides);
+    unset or empty: True; another value is an error naming ``env`` (``OFF`` used to keep measuring)."""
+    return parse_bool_env(env, default=True)
 
 
 def can_measure(group: Any, kwargs: dict[str, Any]) -> bool:

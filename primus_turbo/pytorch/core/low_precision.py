@@ -88,14 +88,28 @@ class Float8QuantConfig:
         for name in ("high_precision_wgrad", "power_of_two_scales"):  # a string like "false" would be truthy
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Float8QuantConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.format, Format):
-            raise TypeError(f"Float8QuantConfig.format must be a Format, got {self.format!r}")
-        if not isinstance(self.granularity, ScalingGranularity):
-            raise TypeError(
-                f"Float8QuantConfig.granularity must be a ScalingGranularity, got {self.granularity!r}"
+        for name, enum in (
+            ("format", Format),
+            ("granularity", ScalingGranularity),
+            ("strategy", ScalingStrategy),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, enum):  # a string would never compare equal to a member
+                members = ", ".join(f"{enum.__name__}.{m}" for m in enum.__members__)
+                raise TypeError(
+                    f"Float8QuantConfig.{name} must be a {enum.__name__} ({members}), got {value!r}"
+                )
+        # checked whatever the strategy: a bad value must not wait for dataclasses.replace(strategy=DELAYED)
+        length = self.amax_history_len
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:  # True is not a length
+            raise ValueError(
+                f"Float8QuantConfig.amax_history_len must be an int >= 1, got {self.amax_history_len!r}"
             )
-        if not isinstance(self.strategy, ScalingStrategy):
-            raise TypeError(f"Float8QuantConfig.strategy must be a ScalingStrategy, got {self.strategy!r}")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"Float8QuantConfig.amax_compute_algo must be 'max' or 'most_recent', "
+                f"got {self.amax_compute_algo!r}"
+            )
         if self.granularity is ScalingGranularity.BLOCKWISE:
             if self.block_size is None:
                 object.__setattr__(self, "block_size", 128)
@@ -113,18 +127,8 @@ class Float8QuantConfig:
                 f"Float8QuantConfig.block_size is only used by BLOCKWISE granularity, "
                 f"got block_size={self.block_size} with {self.granularity.name}"
             )
-        if self.strategy is ScalingStrategy.DELAYED:
-            if self.granularity is not ScalingGranularity.TENSORWISE:
-                raise ValueError(
-                    f"Float8QuantConfig: DELAYED scaling supports TENSORWISE granularity only, "
-                    f"got {self.granularity.name}"
-                )
-            if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
-                raise ValueError(
-                    f"Float8QuantConfig.amax_history_len must be an int >= 1, got {self.amax_history_len!r}"
-                )
-            if self.amax_compute_algo not in ("max", "most_recent"):
-                raise ValueError(
-                    f"Float8QuantConfig.amax_compute_algo must be 'max' or 'most_recent', "
-                    f"got {self.amax_compute_algo!r}"
-                )
+        if self.strategy is ScalingStrategy.DELAYED and self.granularity is not ScalingGranularity.TENSORWISE:
+            raise ValueError(
+                f"Float8QuantConfig: DELAYED scaling supports TENSORWISE granularity only, "
+                f"got {self.granularity.name}"
+            )

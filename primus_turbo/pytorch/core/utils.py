@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+import torch.distributed as dist
+
+from primus_turbo.env import parse_bool_env, triton_interpret_env
 
 
 def triton_interpret_enabled() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1), as Triton reads it."""
+    return triton_interpret_env()  # "false" / "off" / "no" read as on before
 
 
 def triton_can_run_on(*tensors: torch.Tensor) -> bool:
@@ -55,8 +57,30 @@ ENV_DEBUG_CHECKS = "PRIMUS_TURBO_DEBUG_CHECKS"
 
 
 def debug_checks_enabled() -> bool:
-    """PRIMUS_TURBO_DEBUG_CHECKS=1 turns on value checks that need a host sync on CUDA tensors."""
-    return os.environ.get(ENV_DEBUG_CHECKS, "0").strip().lower() in ("1", "true", "on", "yes")
+    """PRIMUS_TURBO_DEBUG_CHECKS=1 turns on value checks that need a host sync on CUDA tensors; a value
+    other than 1/0/true/false/on/off/yes/no is an error naming the variable (``enable`` checked nothing)."""
+    return parse_bool_env(ENV_DEBUG_CHECKS)
+
+
+def check_ranks_agree(op: str, signature: dict, group) -> None:
+    """PRIMUS_TURBO_DEBUG_CHECKS=1 only (one all_gather_object per call): raise ValueError on every rank of
+    ``group`` when the ranks' ``signature`` (the shapes, dtypes and flags a collective needs equal) differ.
+    Without it such a call hangs (NCCL), aborts one rank (gloo) or reads a peer's bytes as another layout.
+    """
+    if torch.compiler.is_compiling() or not debug_checks_enabled():
+        return
+    if isinstance(group, str):
+        from torch.distributed import distributed_c10d as c10d
+
+        group = c10d._resolve_process_group(group)
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_world_size(group) == 1:
+        return
+    signatures = [None] * dist.get_world_size(group)
+    dist.all_gather_object(signatures, signature, group=group)
+    if any(sig != signatures[0] for sig in signatures):
+        per_rank = "; ".join(f"rank {i}: {sig}" for i, sig in enumerate(signatures))
+        raise ValueError(f"{op}: the ranks of the group were called with different arguments ({per_rank})")
 
 
 def eager_direct(op):
@@ -68,10 +92,12 @@ def eager_direct(op):
     op, whose dispatch unwraps them: the body's kernels need real storage.
     ``register_fake`` and ``custom_op`` (the op itself) stay reachable on the wrapper."""
     body = op._init_fn
+    # decided once per op: ops without tensor lists keep the flat check (this runs on every eager call)
+    plain_tensors = _plain_tensors_in_lists if _takes_tensor_lists(op) else _plain_tensors
 
     @functools.wraps(body)
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling() or not _plain_tensors(args, kwargs):
+        if torch.compiler.is_compiling() or not plain_tensors(args, kwargs):
             return op(*args, **kwargs)
         return body(*args, **kwargs)
 
@@ -86,6 +112,33 @@ def _plain_tensors(args, kwargs) -> bool:
         if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
             return False
     return True
+
+
+def _plain_tensors_in_lists(args, kwargs) -> bool:
+    """``_plain_tensors`` that also looks inside list/tuple arguments (a ``Tensor[]`` of the op's schema: a
+    DTensor among all_gather_matmul's weights reached the body directly)."""
+    for a in (*args, *kwargs.values()):
+        for t in a if type(a) is list or type(a) is tuple else (a,):
+            if (
+                isinstance(t, torch.Tensor)
+                and type(t) is not torch.Tensor
+                and type(t) is not torch.nn.Parameter
+            ):
+                return False
+    return True
+
+
+def _takes_tensor_lists(op) -> bool:
+    """Whether the custom op's schema has a ``Tensor[]`` (or ``Tensor?[]``, optional or not) argument (True
+    when the schema cannot be read: the list-aware check is the safe one)."""
+    schema = getattr(getattr(op, "_opoverload", None), "_schema", None)
+    if schema is None:
+        return True
+    for arg in schema.arguments:
+        kind = arg.type.getElementType() if isinstance(arg.type, torch.OptionalType) else arg.type
+        if isinstance(kind, torch.ListType) and "Tensor" in str(kind.getElementType()):
+            return True
+    return False
 
 
 def zero_rows_from(out: torch.Tensor, probs: torch.Tensor | None, start: torch.Tensor) -> None:

@@ -32,12 +32,12 @@ from torch import nn
 
 from primus_turbo.pytorch.core.backend import BackendType
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, ScalingStrategy
+from primus_turbo.pytorch.core.utils import check_ranks_agree
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import scaled_matmul
 from primus_turbo.pytorch.ops.async_tp import (
     _group_name,
     _quantize_operands,
     _world,
-    check_ranks_agree,
     fused_all_gather_matmul,
     fused_all_gather_scaled_matmul,
     fused_matmul_reduce_scatter,

@@ -39,7 +39,7 @@ from primus_turbo.pytorch.core.low_precision import (
     fp8_max,
     is_fp8_dtype,
 )
-from primus_turbo.pytorch.core.utils import debug_checks_enabled
+from primus_turbo.pytorch.core.utils import check_ranks_agree, debug_checks_enabled
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
     all_gather_matmul_impl,
     matmul_reduce_scatter_impl,
@@ -48,7 +48,6 @@ from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
 )
 
 __all__ = [
-    "check_ranks_agree",
     "fused_all_gather_matmul",
     "fused_all_gather_scaled_matmul",
     "fused_matmul_reduce_scatter",
@@ -73,27 +72,6 @@ def _group_name(group, arg: str = "group") -> str:
             f"call the op only on the group's ranks"
         )
     raise TypeError(f"{arg}: expected a ProcessGroup, a group name or None, got {type(group).__name__}")
-
-
-def check_ranks_agree(op: str, signature: dict, group) -> None:
-    """PRIMUS_TURBO_DEBUG_CHECKS=1 only (one all_gather_object per call): raise ValueError on every rank of
-    ``group`` when the ranks' ``signature`` (the shapes, dtypes and flags a collective needs equal) differ.
-    Without it such a call hangs (NCCL), aborts one rank (gloo) or reads a peer's bytes as another layout.
-    """
-    if torch.compiler.is_compiling() or not debug_checks_enabled():
-        return
-    if isinstance(group, str):
-        from torch.distributed import distributed_c10d as c10d
-
-        group = c10d._resolve_process_group(group)
-    group = group if group is not None else dist.group.WORLD
-    if dist.get_world_size(group) == 1:
-        return
-    signatures = [None] * dist.get_world_size(group)
-    dist.all_gather_object(signatures, signature, group=group)
-    if any(sig != signatures[0] for sig in signatures):
-        per_rank = "; ".join(f"rank {i}: {sig}" for i, sig in enumerate(signatures))
-        raise ValueError(f"{op}: the ranks of the group were called with different arguments ({per_rank})")
 
 
 def _world(group_name: str) -> int:

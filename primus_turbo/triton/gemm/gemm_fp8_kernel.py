@@ -31,12 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.env import triton_interpret_env
 from primus_turbo.triton.autotune_cache import configure as configure_autotune_cache
 from primus_turbo.triton.gemm.gemm_kernel import ensure_scratch_allocator, num_programs_cap, persistent_grid
 from primus_turbo.triton.launch import launch_autotuned
 
 # The CPU interpreter's fp8 tl.dot multiplies raw bits: upcast there (compiled kernels use fp8 wgmma).
-_INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+_INTERPRET: tl.constexpr = tl.constexpr(triton_interpret_env())
 
 SCALE_TENSORWISE, SCALE_ROWWISE, SCALE_BLOCK_1x128_128x128, SCALE_BLOCK_1x128_1x128 = 0, 1, 2, 3
 

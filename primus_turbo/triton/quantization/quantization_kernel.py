@@ -15,17 +15,17 @@ program moves 16-64 KB, enough bytes in flight to saturate HBM on H100/H200.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from primus_turbo.env import triton_interpret_env
 
 FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 MAX_PARTIALS = 512  # programs of the tensorwise amax pass (~4/SM); each cast program re-reads them (2 KB)
 # The CPU interpreter's fp32->fp8 conversion drops the carry when rounding crosses a power of two
 # (127.9 -> 64) and mishandles NaN; under it we round to the fp8 grid ourselves (exact RNE), so the
 # conversion only ever sees representable values. Compiled kernels use the hardware cvt.rn.satfinite.
-_INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+_INTERPRET: tl.constexpr = tl.constexpr(triton_interpret_env())
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import triton
 
 from primus_turbo.pytorch.core.backend import BackendType
-from primus_turbo.pytorch.core.utils import debug_checks_enabled
+from primus_turbo.pytorch.core.utils import debug_checks_enabled, triton_interpret_enabled
 from primus_turbo.pytorch.kernels.moe.dispatch_impl import DispatchHandle
 from primus_turbo.pytorch.kernels.moe.permute_impl import moe_unpermute_fwd
 
@@ -55,7 +55,7 @@ def turbo_can_handle(**kw) -> bool:
     x, group = kw.get("x"), kw.get("group")
     if kw.get("kind") != "dispatch" or not isinstance(x, torch.Tensor) or not x.is_cuda:
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if triton_interpret_enabled():
         return False
     group = group if group is not None else dist.group.WORLD
     ok = _group_ok.get(group)

@@ -31,14 +31,13 @@ import torch
 import torch.distributed as dist
 
 from primus_turbo.pytorch.core.backend import BackendType
-from primus_turbo.pytorch.core.utils import debug_checks_enabled
+from primus_turbo.pytorch.core.utils import check_ranks_agree, debug_checks_enabled
 from primus_turbo.pytorch.kernels.attention.attention_impl import (
     SDPA_BACKENDS,
     AttentionDispatcher,
     attention_bwd,
     attention_fwd,
 )
-from primus_turbo.pytorch.ops.async_tp import check_ranks_agree
 from primus_turbo.pytorch.ops.attention.attention import _softmax_scale, _validate, flash_attn_func
 
 __all__ = ["flash_attn_usp_func", "split_sequence_for_cp", "gather_sequence_for_cp"]
