@@ -337,3 +337,15 @@ def test_float8_config_builds_inside_a_compiled_graph():
 
     x = torch.randn(3)
     torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="eager")(x), x * 16)
+
+
+def test_rmsnorm_autotune_key_holds_every_pointers_alignment():
+    """TURBO's widest hidden size depends on every row tensor's alignment (and the weight's): the key held
+    only x's, so an autotuned TURBO choice for aligned tensors was reused for a misaligned residual."""
+    from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import RMSNormDispatcher
+
+    x, w = torch.randn(4, 64), torch.randn(64)
+    res = torch.randn(4 * 64 + 1)[1:].view(4, 64)  # 4-byte offset: misaligned
+    aligned = RMSNormDispatcher.make_key(stage="fwd", x=x, weight=w, residual=torch.randn(4, 64))
+    misaligned = RMSNormDispatcher.make_key(stage="fwd", x=x, weight=w, residual=res)
+    assert aligned != misaligned

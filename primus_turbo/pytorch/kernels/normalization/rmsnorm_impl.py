@@ -129,16 +129,12 @@ class RMSNormDispatcher(AutoKernelDispatcher):
     }
 
     @classmethod
-    def make_key(cls, stage, x, residual=None, dsum=None, zero_centered_gamma=False, **_) -> tuple:
-        return (
-            stage,
-            x.shape[0],
-            x.shape[-1],
-            x.dtype,
-            x.device.type,
-            residual is not None or dsum is not None,
-            x.data_ptr() % 16 == 0,
-        )
+    def make_key(cls, stage, x, weight=None, residual=None, dy=None, dsum=None, **_) -> tuple:
+        # every pointer's alignment: TURBO's widest hidden size depends on all of them (an autotuned choice
+        # made for aligned tensors must not be reused for a misaligned residual / dy / dsum / weight)
+        aligned = all(t.data_ptr() % 16 == 0 for t in (x, weight, residual, dy, dsum) if t is not None)
+        extra = residual is not None or dsum is not None
+        return (stage, x.shape[0], x.shape[-1], x.dtype, x.device.type, extra, aligned)
 
     @classmethod
     def default_backend(cls, stage, x, **_) -> BackendType | None:
