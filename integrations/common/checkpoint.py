@@ -2,9 +2,10 @@
 
 Layout: ``<ckpt_dir>/step_<N>/`` (a DCP directory) and ``<ckpt_dir>/latest`` (text: N). Every rank saves under
 its own ``rank<r>/`` key prefix: tensor- and expert-parallel shards of one parameter share a name in the
-module's state_dict, and DCP would otherwise treat them as replicas and keep one. A resume must use
+module's state_dict, and DCP would otherwise treat them as replicas and keep one. ``shared`` entries are keyed
+by the caller outside those prefixes (a key saved by several ranks is written once). A resume must use
 the same world size and parallel layout (checked at load). Tensors are written by DCP's tensor path and loaded
-in place; optimizer/scheduler/RNG state travel as DCP objects.
+in place; scheduler/RNG state travel as DCP objects.
 """
 
 from __future__ import annotations
@@ -29,15 +30,22 @@ def latest_step(ckpt_dir: str) -> int | None:
         return int(f.read().strip())
 
 
-def _namespaced(rank: int, tensors: dict, objects: dict) -> dict:
-    return {f"rank{rank}": {"tensors": tensors, "objects": objects}}
+def _namespaced(rank: int, tensors: dict, objects: dict, shared: dict | None = None) -> dict:
+    state = {f"rank{rank}": {"tensors": tensors, "objects": objects}}
+    clash = [k for k in shared or {} if k.split(".")[0].startswith("rank")]
+    if clash:
+        raise ValueError(f"shared checkpoint keys may not start with 'rank': {clash[:3]}")
+    state.update(shared or {})
+    return state
 
 
-def save_checkpoint(ckpt_dir: str, step: int, tensors: dict, objects: dict) -> str:
+def save_checkpoint(
+    ckpt_dir: str, step: int, tensors: dict, objects: dict, shared: dict | None = None
+) -> str:
     """Collective: every rank calls it. Returns the step directory."""
     rank = dist.get_rank()
     path = step_dir(ckpt_dir, step)
-    dcp.save(_namespaced(rank, tensors, objects), checkpoint_id=path)
+    dcp.save(_namespaced(rank, tensors, objects, shared), checkpoint_id=path)
     dist.barrier()
     if rank == 0:
         tmp = os.path.join(ckpt_dir, "latest.tmp")
@@ -48,11 +56,13 @@ def save_checkpoint(ckpt_dir: str, step: int, tensors: dict, objects: dict) -> s
     return path
 
 
-def load_checkpoint(ckpt_dir: str, step: int, tensors: dict, objects: dict) -> dict:
-    """Collective: loads this rank's tensors in place into ``tensors``; returns the loaded ``objects``."""
+def load_checkpoint(
+    ckpt_dir: str, step: int, tensors: dict, objects: dict, shared: dict | None = None
+) -> dict:
+    """Collective: loads this rank's tensors (and ``shared``) in place; returns the loaded ``objects``."""
     rank = dist.get_rank()
     path = step_dir(ckpt_dir, step)
-    state = _namespaced(rank, tensors, objects)
+    state = _namespaced(rank, tensors, objects, shared)
     try:
         dcp.load(state, checkpoint_id=path)
     except Exception as err:

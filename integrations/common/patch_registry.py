@@ -88,10 +88,20 @@ def patch_attr(obj, name: str, value) -> None:
     setattr(obj, name, value)
 
 
-def restore_patched_attrs() -> int:
-    """Undo every ``patch_attr`` (newest first); returns how many attributes it restored."""
-    count = len(_ORIGINALS)
-    while _ORIGINALS:
+def replace_attr(obj, name: str, value) -> None:
+    """``patch_attr`` for a name the framework must already define: a turbo entry that would otherwise add a
+    dead attribute (the framework moved or renamed it, so nothing reads the new one) while the report says
+    'active' fails instead, as an apply error the registry reports (strict: stops the run)."""
+    if not hasattr(obj, name):
+        owner = getattr(obj, "__name__", type(obj).__name__)
+        raise AttributeError(f"{owner} has no attribute {name!r} to replace in this framework version")
+    patch_attr(obj, name, value)
+
+
+def restore_patched_attrs(keep: int = 0) -> int:
+    """Undo every ``patch_attr`` after the first ``keep`` (newest first); returns how many it restored."""
+    count = max(len(_ORIGINALS) - keep, 0)
+    while len(_ORIGINALS) > keep:
         obj, name, original = _ORIGINALS.pop()
         if original is _MISSING:
             delattr(obj, name)
@@ -129,18 +139,29 @@ def apply_patches(registry: PatchRegistry, ctx, turbo_cfg, framework_version: st
         if not requested:
             rows.append(ReportRow(patch.name, OFF, patch.target))
             continue
-        reason = patch.condition(ctx)
+        problem = None
+        try:  # condition and probe read framework attributes too: one that moved is a failure to report
+            reason = patch.condition(ctx)
+        except Exception as err:  # noqa: BLE001
+            reason, problem = None, f"condition failed: {type(err).__name__}: {err}"
         if reason:
             rows.append(ReportRow(patch.name, NOT_APPLICABLE, patch.target, reason))
             continue
-        problem = None if target_exists(patch.target) else f"target {patch.target} not found"
-        problem = problem or patch.probe(ctx)
+        if problem is None and not target_exists(patch.target):
+            problem = f"target {patch.target} not found"
+        if problem is None:
+            try:
+                problem = patch.probe(ctx)
+            except Exception as err:  # noqa: BLE001
+                problem = f"probe failed: {type(err).__name__}: {err}"
         detail = ""
         if problem is None:
+            mark = len(_ORIGINALS)
             try:
                 detail = patch.apply(ctx)
             except Exception as err:  # noqa: BLE001 - any failure is reported with the patch name
                 problem = f"apply failed: {type(err).__name__}: {err}"
+                restore_patched_attrs(keep=mark)  # no half-applied patch under a 'stock' row
         if problem is not None:
             flag = f"turbo.{patch.feature}" if patch.feature else "(framework gap fix)"
             if turbo_cfg.strict:

@@ -38,12 +38,12 @@ def install() -> None:
     and install ``turbo_optimizer``'s clip, which takes a device norm."""
     global _STOCK_NORM
     from megatron.core.optimizer import optimizer
-    from primus_turbo.integrations.common.patch_registry import patch_attr
+    from primus_turbo.integrations.common.patch_registry import replace_attr
     from primus_turbo.integrations.megatron import turbo_optimizer
 
     if _STOCK_NORM is None:
         _STOCK_NORM = optimizer.get_grad_norm_fp32
-    patch_attr(optimizer, "get_grad_norm_fp32", grad_norm_on_device)
+    replace_attr(optimizer, "get_grad_norm_fp32", grad_norm_on_device)
     turbo_optimizer.install_clip()
 
 

@@ -25,7 +25,7 @@ from primus_turbo.integrations.common.metrics import (
     model_flops_per_token,
 )
 from primus_turbo.integrations.common.patch_registry import PatchError, format_report
-from primus_turbo.integrations.megatron import sync_free, turbo_optimizer
+from primus_turbo.integrations.megatron import checkpointing, sync_free, turbo_optimizer
 from primus_turbo.integrations.megatron.turbo_optimizer import sub_optimizers
 
 
@@ -266,7 +266,9 @@ def use_fused_adam(optimizer) -> int:
     return switched
 
 
-def _checkpoint_state(run: Run) -> tuple[dict, dict]:
+def _legacy_checkpoint_state(run: Run) -> tuple[dict, dict]:
+    """The load template of a format-1 checkpoint (module names, optimizer state by index): it loads only
+    into the module layout that wrote it. Saves write format 2 (``checkpointing``)."""
     tensors = {k: v for k, v in run.model.module.state_dict().items() if isinstance(v, torch.Tensor)}
     inner_states = []
     for o, sub in enumerate(sub_optimizers(run.optimizer)):
@@ -286,9 +288,7 @@ def _checkpoint_state(run: Run) -> tuple[dict, dict]:
 
 
 def save(run: Run, step: int) -> None:
-    tensors, objects = _checkpoint_state(run)
-    objects["step"] = step
-    path = ckpt.save_checkpoint(run.cfg.train.ckpt_dir, step, tensors, objects)
+    path = checkpointing.save(run, step, _init_optimizer_state)
     log0(f"checkpoint: saved step {step} to {path}")
 
 
@@ -311,6 +311,28 @@ def _init_optimizer_state(run: Run) -> None:
                     state["step"] = torch.tensor(0.0)
 
 
+def _load_legacy(run: Run, step: int, metadata: dict) -> dict:
+    _init_optimizer_state(run)  # DCP loads only the entries the template holds: give it every moment
+    tensors, objects = _legacy_checkpoint_state(run)
+    path = ckpt.step_dir(run.cfg.train.ckpt_dir, step)
+    problem = checkpointing.model_tensor_problem(path, metadata, f"rank{dist.get_rank()}.tensors.", tensors)
+    saved = {k.split(".")[3] for k in metadata if k.startswith(f"rank{dist.get_rank()}.objects.inner_")}
+    if problem is None and len(saved) != len(objects["inner_optimizers"]):
+        problem = (
+            f"cannot resume from {path}: a format-1 checkpoint with {len(saved)} optimizer(s), this run "
+            f"has {len(objects['inner_optimizers'])}"
+        )
+    if problem is not None:
+        problem += " (an earlier version's format-1 checkpoint loads only with the turbo flags that saved it)"
+    checkpointing.agree(problem, run.device)
+    objects = ckpt.load_checkpoint(run.cfg.train.ckpt_dir, step, tensors, objects)
+    model = {k: v for k, v in tensors.items() if not k.startswith("main_param.")}
+    run.model.module.load_state_dict(model, strict=False)
+    for sub, state in zip(sub_optimizers(run.optimizer), objects["inner_optimizers"], strict=True):
+        sub.optimizer.load_state_dict(state)
+    return objects
+
+
 def maybe_resume(run: Run) -> None:
     if not run.cfg.resume:
         return
@@ -318,18 +340,18 @@ def maybe_resume(run: Run) -> None:
     if step is None:
         log0(f"resume: no checkpoint in {run.cfg.train.ckpt_dir}; starting from step 0")
         return
-    _init_optimizer_state(run)  # DCP loads only the entries the template holds: give it every moment
-    tensors, objects = _checkpoint_state(run)
-    objects = ckpt.load_checkpoint(run.cfg.train.ckpt_dir, step, tensors, objects)
+    path = ckpt.step_dir(run.cfg.train.ckpt_dir, step)
+    metadata = checkpointing.read_metadata(path)
+    if checkpointing.saved_format(path, metadata) == 1:
+        objects = _load_legacy(run, step, metadata)
+    else:
+        objects = checkpointing.load(run, step, metadata, _init_optimizer_state)
     if objects["world_size"] != dist.get_world_size():
         raise RuntimeError(f"checkpoint world size {objects['world_size']} != {dist.get_world_size()}")
-    run.model.module.load_state_dict(tensors, strict=False)
-    for sub, state in zip(sub_optimizers(run.optimizer), objects["inner_optimizers"], strict=True):
-        sub.optimizer.load_state_dict(state)
     run.scheduler.load_state_dict(objects["scheduler"])
     torch.set_rng_state(objects["rng_cpu"])
     run.start_step = objects["step"]
-    log0(f"resume: loaded step {step} from {ckpt.step_dir(run.cfg.train.ckpt_dir, step)}")
+    log0(f"resume: loaded step {step} from {path}")
 
 
 def backends_used() -> str:
@@ -353,7 +375,12 @@ def train(cfg: DictConfig) -> dict:
         log0(f"train.py: {err}")
         dist.destroy_process_group()
         raise SystemExit(3) from None
-    maybe_resume(run)
+    try:
+        maybe_resume(run)
+    except checkpointing.CheckpointMismatch as err:
+        print(f"train.py: {err}", flush=True)
+        dist.destroy_process_group()
+        raise SystemExit(4) from None
     t = cfg.train
     precision = "fp8" if cfg.fp8.enabled else "bf16"
     flops = model_flops_per_token(cfg.model)

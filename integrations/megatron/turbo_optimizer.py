@@ -34,11 +34,11 @@ def install_clip() -> None:
     """Replace the name Megatron's optimizers call (``megatron.core.optimizer.optimizer``) once."""
     global _STOCK_CLIP
     from megatron.core.optimizer import optimizer
-    from primus_turbo.integrations.common.patch_registry import patch_attr
+    from primus_turbo.integrations.common.patch_registry import replace_attr
 
     if _STOCK_CLIP is None:
         _STOCK_CLIP = optimizer.clip_grad_by_total_norm_fp32
-    patch_attr(optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+    replace_attr(optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
 
 
 def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad: bool = False):

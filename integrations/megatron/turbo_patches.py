@@ -10,7 +10,7 @@ import os
 
 import torch
 from primus_turbo.integrations.common.config import fp8_current_config, fp8_expert_recipe, fp8_format_name
-from primus_turbo.integrations.common.patch_registry import patch_attr
+from primus_turbo.integrations.common.patch_registry import replace_attr
 from primus_turbo.integrations.megatron import turbo_layers, turbo_moe, turbo_ops
 from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_moe, _needs_op
 
@@ -20,9 +20,9 @@ from primus_turbo.integrations.megatron.patches import REGISTRY, TESTED, _needs_
 @REGISTRY.register("turbo.gemm", "megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
                    TESTED, feature="gemm", probe=_needs_op("ops.gemm"))  # fmt: skip
 def _gemm(ctx) -> str:
-    ctx.spec.linear = True
     if ctx.cfg.model.mla is not None:
-        _accept_turbo_linear_in_mla()
+        _accept_turbo_linear_in_mla()  # first: if it raises, the stock linears stay (the row says so)
+    ctx.spec.linear = True
     return "Column/RowParallelLinear -> TurboColumn/RowParallelLinear (turbo.ops.gemm, main_grad fusion)"
 
 
@@ -40,7 +40,7 @@ def _accept_turbo_linear_in_mla() -> None:
         )
     except ImportError:
         pass
-    patch_attr(mla, "TEColumnParallelLinear", turbo_layers.TurboColumnParallelLinear)
+    replace_attr(mla, "TEColumnParallelLinear", turbo_layers.TurboColumnParallelLinear)
 
 
 @REGISTRY.register("turbo.rmsnorm", "megatron.core.transformer.torch_norm.WrappedTorchNorm", TESTED,
@@ -104,7 +104,7 @@ def _router(ctx) -> str:
             expert_bias=expert_bias, norm_topk=score_function == "sigmoid" and topk > 1,  # Megatron's rule
         )  # fmt: skip
 
-    patch_attr(router, "topk_routing_with_score_function", turbo_topk_routing)
+    replace_attr(router, "topk_routing_with_score_function", turbo_topk_routing)
     return "TopKRouter top-k (incl. group-limited) -> turbo.ops.fused_topk_routing"
 
 
@@ -131,8 +131,8 @@ def _permute(ctx) -> str:
         out = token_unpermute(permuted_tokens, sorted_indices, merging_probs=probs)
         return out.view(restore_shape)
 
-    patch_attr(token_dispatcher, "permute", permute)
-    patch_attr(token_dispatcher, "unpermute", unpermute)
+    replace_attr(token_dispatcher, "permute", permute)
+    replace_attr(token_dispatcher, "unpermute", unpermute)
     return "token_dispatcher.permute/unpermute -> turbo token_permute/token_unpermute"
 
 
@@ -171,12 +171,12 @@ def _dispatch(ctx) -> str:
     from megatron.core.transformer.moe import moe_layer
 
     if _local_dispatch(ctx):
-        patch_attr(moe_layer, "MoEAlltoAllTokenDispatcher", turbo_moe.TurboLocalTokenDispatcher)
+        replace_attr(moe_layer, "MoEAlltoAllTokenDispatcher", turbo_moe.TurboLocalTokenDispatcher)
         return (
             "MoEAlltoAllTokenDispatcher -> TurboLocalTokenDispatcher (ep=1: turbo permute/unpermute, token "
             "counts stay on the GPU: no host sync, no identity re-sort)"
         )
-    patch_attr(moe_layer, "MoEAlltoAllTokenDispatcher", turbo_layers.TurboTokenDispatcher)
+    replace_attr(moe_layer, "MoEAlltoAllTokenDispatcher", turbo_layers.TurboTokenDispatcher)
     return "MoEAlltoAllTokenDispatcher -> TurboTokenDispatcher (turbo moe_dispatch/moe_combine + permute)" + (
         _size_turbo_ep_buffers(ctx.cfg)
     )
@@ -212,7 +212,7 @@ def _install_turbo_deep_ep() -> str:
     if not fused_a2a.HAVE_DEEP_EP:
         raise RuntimeError("megatron fused_a2a still cannot import deep_ep after installing the turbo Buffer")
     for name in ("fused_dispatch", "fused_combine", "set_deepep_num_sms"):
-        patch_attr(token_dispatcher, name, getattr(fused_a2a, name))
+        replace_attr(token_dispatcher, name, getattr(fused_a2a, name))
     return "MoEFlexTokenDispatcher (deepep backend) -> primus_turbo.pytorch.deep_ep.Buffer"
 
 
@@ -257,7 +257,7 @@ def _cross_entropy(ctx) -> str:
         loss = cross_entropy(logits, labels, tp_group=tp if tp.size() > 1 else None)
         return loss.transpose(0, 1).contiguous()
 
-    patch_attr(LanguageModule, "compute_language_model_loss", compute_language_model_loss)
+    replace_attr(LanguageModule, "compute_language_model_loss", compute_language_model_loss)
     return "LanguageModule.compute_language_model_loss -> turbo.ops.cross_entropy (vocab-parallel)"
 
 
@@ -268,7 +268,7 @@ def _embedding(ctx) -> str:
     with the weight gradient added into DDP's fp32 main_grad, where the weight has one (under DDP)."""
     from megatron.core.tensor_parallel import layers
 
-    patch_attr(layers, "F", _FunctionalWithTurboEmbedding(turbo_ops.get("ops.embedding")))
+    replace_attr(layers, "F", _FunctionalWithTurboEmbedding(turbo_ops.get("ops.embedding")))
     return "VocabParallelEmbedding: F.embedding -> turbo.ops.embedding (weight gradient into main_grad)"
 
 
@@ -312,8 +312,8 @@ def _rope(ctx) -> str:
             return stock(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         return turbo_rope(t, freqs, interleaved_input=bool(config.multi_latent_attention), mscale=mscale)
 
-    patch_attr(attention, "apply_rotary_pos_emb", apply_rotary_pos_emb)
-    patch_attr(mla, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+    replace_attr(attention, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+    replace_attr(mla, "apply_rotary_pos_emb", apply_rotary_pos_emb)
     return "attention/MLA apply_rotary_pos_emb -> turbo.ops.apply_rotary_pos_emb (full-dim bshd RoPE)"
 
 

@@ -150,6 +150,17 @@ def _needs_moe(ctx) -> str | None:
     return None if ctx.modules_of(GroupedExperts, exact=False) else "dense model (no GroupedExperts)"
 
 
+def _all(*conditions):
+    """The first reason any of ``conditions`` gives (None: all hold)."""
+    return lambda ctx: next((r for c in conditions if (r := c(ctx))), None)
+
+
+def _has(cls, what: str, exact: bool = True):
+    """Condition: the model holds a ``cls`` to swap. A swap over none (a model, or a TorchTitan version,
+    without that class) is 'n/a' with the reason, not an 'active' row over 0 modules."""
+    return lambda ctx: None if ctx.modules_of(cls, exact) else f"no {what} in the model"
+
+
 # ---- FP8 (first: the linear and expert swaps read ctx.fp8_config) ---------------------------------------
 
 
@@ -194,7 +205,8 @@ def _fp8_linear_ok(linear: nn.Linear) -> bool:
 
 
 @REGISTRY.register("turbo.gemm", "torch.nn.Linear", TESTED, feature="gemm",
-                   condition=_tp_condition("nn.Linear"), probe=_needs("ops.gemm"))  # fmt: skip
+                   condition=_all(_tp_condition("nn.Linear"), _has(nn.Linear, "nn.Linear")),
+                   probe=_needs("ops.gemm"))  # fmt: skip
 def _gemm(ctx) -> str:
     swapped, kept = 0, []
     for parent, name, linear in ctx.modules_of(nn.Linear):
@@ -277,7 +289,8 @@ def _rope(ctx) -> str:
 
 
 @REGISTRY.register("turbo.rmsnorm", "torch.nn.RMSNorm", TESTED, feature="rmsnorm",
-                   condition=_tp_condition("the norms (SequenceParallel)"),
+                   condition=_all(_tp_condition("the norms (SequenceParallel)"),
+                                  _has(nn.RMSNorm, "nn.RMSNorm")),
                    probe=_needs("modules.RMSNorm"))  # fmt: skip
 def _rmsnorm(ctx) -> str:
     norms = ctx.modules_of(nn.RMSNorm)
@@ -307,7 +320,8 @@ def _router_probe(ctx) -> str | None:
 
 
 @REGISTRY.register("turbo.router", "torchtitan.models.moe.moe.TokenChoiceTopKRouter", TESTED,
-                   feature="router", condition=_needs_moe, probe=_router_probe)  # fmt: skip
+                   feature="router", probe=_router_probe,
+                   condition=_all(_needs_moe, _has(TokenChoiceTopKRouter, "router")))  # fmt: skip
 def _router(ctx) -> str:
     routers = ctx.modules_of(TokenChoiceTopKRouter)
     for _, _, module in routers:
@@ -318,7 +332,7 @@ def _router(ctx) -> str:
 def _permute_condition(ctx) -> str | None:
     if ctx.options.tp > 1 and ctx.options.ep > 1:  # TorchTitan borrows TP for EP: a TP plan on the reorderer
         return "tp > 1 with ep > 1: TorchTitan splits the token reorder over TP ranks; stock MoE.forward runs"
-    return _needs_moe(ctx)
+    return _needs_moe(ctx) or _has(MoE, "MoE")(ctx)
 
 
 @REGISTRY.register("turbo.permute", "torchtitan.models.moe.moe.MoE.forward", TESTED, feature="permute",
@@ -337,7 +351,7 @@ def _dispatch_condition(ctx) -> str | None:
         return "ep=1: no EP communication"
     if ctx.options.tp > 1:  # ReordererSequenceParallel / ExpertTensorParallel split the tokens over TP ranks
         return "tp > 1 with ep > 1: TorchTitan splits the EP tokens over TP ranks; its all-to-all runs"
-    return _needs_moe(ctx)
+    return _needs_moe(ctx) or _has(MoE, "MoE", exact=False)(ctx)
 
 
 def _dispatch_probe(ctx) -> str | None:
