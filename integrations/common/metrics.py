@@ -101,7 +101,10 @@ class StepMetrics:
         self.tensorboard = None
         if is_writer and cfg.train.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.train.metrics_file)), exist_ok=True)
-            self.jsonl = open(cfg.train.metrics_file, "a", encoding="utf-8")
+            # a new run starts the file (appending mixed two runs' rows: compare.py and parity_spread.py read
+            # every row as this run's); a resumed run continues it
+            mode = "a" if getattr(cfg, "resume", False) else "w"
+            self.jsonl = open(cfg.train.metrics_file, mode, encoding="utf-8")
         if is_writer and cfg.train.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter

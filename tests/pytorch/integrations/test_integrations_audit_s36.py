@@ -207,3 +207,20 @@ def test_torchtitan_swap_that_finds_nothing_is_not_reported_active():
     assert rows["turbo.gemm"].status == ACTIVE and "1 nn.Linear" in rows["turbo.gemm"].detail
     empty = {r.name: r.status for r in conv.convert_model(nn.Sequential(), conv.TurboOptions())}
     assert ACTIVE not in empty.values(), empty  # nothing to swap: nothing active
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_metrics_file_starts_fresh_unless_resuming(tmp_path, resume):
+    """A second run to the same train.metrics_file appended its rows to the first run's (8 rows for two
+    4-step runs); the readers take every row as this run's. A resumed run continues the file."""
+    from types import SimpleNamespace
+
+    from primus_turbo.integrations.common.metrics import StepMetrics
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "loss": 9.0}\n')  # an earlier run's row
+    train = SimpleNamespace(steps=1, progress=False, metrics_file=str(path), tensorboard_dir=None)
+    metrics = StepMetrics(SimpleNamespace(train=train, resume=resume), 1, 1e9, "bf16", is_writer=True)
+    metrics.record(1, 2.0, 0.5, 1024, 1e-3, 1.0)
+    metrics.close()
+    assert len(path.read_text().splitlines()) == (2 if resume else 1)
