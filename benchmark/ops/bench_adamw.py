@@ -21,7 +21,8 @@ tensors of 64K elements (Megatron's parameter count for the deepseek proxy; smal
 parameter list of Megatron ``deepseek_moe_fp8`` on one GPU (426 tensors, 2.25B elements: 384 per-expert
 weights of 5.8M / 2.9M, the embedding and LM head of 210M), once as separate tensors and once with every
 state kind (masters, gradients, moments, bf16 weights) as views of one buffer, then the same elements as 13
-large tensors: whether the kernel's 63% of copy in that recipe's profile (25.3 ms per step, session 36,
+large tensors, and torch's Megatron step (fused AdamW, clip, one cast per parameter) over the recipe's list as
+the baseline: whether the kernel's 63% of copy in that recipe's profile (25.3 ms per step, session 36,
 against ~80% in the rows above) comes from the tensor list, the buffer layout or the recipe's GPU state.
 
     python benchmark/ops/bench_adamw.py [--quick | --recipe]
@@ -134,9 +135,10 @@ def recipe_shapes() -> list[tuple[int, ...]]:
     return shapes + [(2048,), (102400, 2048)]
 
 
-def _turbo_state(shapes, flat: bool, device: str = "cuda"):
+def _turbo_state(shapes, flat: bool, device: str = "cuda", turbo: bool = True):
     """Turbo's AdamW with clip + bf16 copies over fresh random state, allocated per tensor or as views of one
-    buffer per kind (Megatron's grad buffer and distributed-optimizer shards are views)."""
+    buffer per kind (Megatron's grad buffer and distributed-optimizer shards are views). ``turbo=False``:
+    torch's fused AdamW over the same state, the bf16 copies returned for the caller's cast (the baseline)."""
     sizes = [torch.Size(s).numel() for s in shapes]
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -149,11 +151,34 @@ def _turbo_state(shapes, flat: bool, device: str = "cuda"):
     params = [torch.nn.Parameter(t) for t in tensors(torch.float32)]
     for p, g in zip(params, tensors(torch.float32)):
         p.grad = g
-    opt = AdamW(params, **KW)
+    opt = AdamW(params, **KW) if turbo else torch.optim.AdamW(params, fused=True, **KW)
+    step = torch.tensor(1.0, device="cpu" if turbo else device)  # torch's fused step reads it on the device
     for p, m, v in zip(params, tensors(torch.float32), tensors(torch.float32)):
-        opt.state[p].update(exp_avg=m.abs_(), exp_avg_sq=v.square_(), step=torch.tensor(1.0))
-    opt.set_param_copies(zip(params, tensors(torch.bfloat16)))
-    return params, opt
+        opt.state[p].update(exp_avg=m.abs_(), exp_avg_sq=v.square_(), step=step.clone())
+    copies = tensors(torch.bfloat16)
+    if turbo:
+        opt.set_param_copies(zip(params, copies))
+        return params, opt
+    return params, opt, copies
+
+
+def _torch_recipe_row(shapes) -> dict:
+    """The baseline in the same run: Megatron's step as torch does it (norm, clip's foreach multiply, fused
+    AdamW, one bf16 copy_ per parameter), 42 bytes per element as in the rows above."""
+    params, opt, copies = _turbo_state(shapes, False, turbo=False)
+
+    def step():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, norm, foreach=True)
+        opt.step()
+        for copy, master in zip(copies, params):
+            copy.copy_(master)
+
+    ms, std = bench_ms(step, warmup_ms=50, rep_ms=300)
+    n = sum(p.numel() for p in params)
+    return {"label": "torch fused AdamW + clip + bf16 cast (Megatron) [recipe, separate tensors]",
+            "elements (M)": n / 1e6, "tensors": len(params), "Check": "", "ms": ms, "ms_stddev": std,
+            "host ms": host_ms(step), "GB/s": gbps(n * 42, ms)}  # fmt: skip
 
 
 def _recipe_row(label: str, shapes, flat: bool) -> dict:
@@ -183,6 +208,7 @@ def _recipe_rows() -> list[dict]:
     ):
         rows.append(_recipe_row(label, layout, flat))
         torch.cuda.empty_cache()
+    rows.append(_torch_recipe_row(shapes))  # state allocated after turbo's is freed: ~50 GB at a time
     return rows
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from primus_turbo.pytorch.core.backend import BackendType
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, ScalingStrategy
-from primus_turbo.pytorch.core.utils import check_ranks_agree
+from primus_turbo.pytorch.core.utils import check_ranks_agree, debug_checks_enabled
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import scaled_matmul
 from primus_turbo.pytorch.ops.async_tp import (
     _group_name,
@@ -276,7 +276,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
             )
         if x.dtype != self.weight.dtype:
             raise TypeError(f"x: dtype {x.dtype} differs from the weight's {self.weight.dtype}")
-        if self.tp_size > 1:  # PRIMUS_TURBO_DEBUG_CHECKS=1 only: the TP ranks' inputs must agree
+        if self.tp_size > 1 and debug_checks_enabled():  # the TP ranks' inputs must agree
             check_ranks_agree("ColumnParallelLinear", {"x": (tuple(x.shape), x.dtype)}, self.group_name)
         return _ColumnParallelFn.apply(
             x.contiguous(),
@@ -333,7 +333,7 @@ class RowParallelLinear(_ParallelLinearBase):
             raise ValueError(
                 f"x: sequence length {x.shape[0]} (dim 0) is not divisible by the TP size {self.tp_size}"
             )
-        if self.tp_size > 1:  # PRIMUS_TURBO_DEBUG_CHECKS=1 only: the TP ranks' inputs must agree
+        if self.tp_size > 1 and debug_checks_enabled():  # the TP ranks' inputs must agree
             check_ranks_agree("RowParallelLinear", {"x": (tuple(x.shape), x.dtype)}, self.group_name)
         return _RowParallelFn.apply(
             x.contiguous(),

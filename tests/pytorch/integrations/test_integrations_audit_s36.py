@@ -18,18 +18,12 @@ import types
 
 import pytest
 from dist_utils import run_on_free_port
+from torchtitan_models import TINY_MLA
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 pytest.importorskip("megatron.core")
 pytest.importorskip("hydra")
 
-TINY_MLA = [
-    "recipe=deepseek_moe_bf16", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
-    "model.num_attention_heads=2", "model.vocab_size=128", "model.seq_length=32", "model.mla.kv_lora_rank=32",
-    "model.mla.qk_head_dim=32", "model.mla.qk_pos_emb_head_dim=16", "model.mla.v_head_dim=32",
-    "model.moe.num_experts=8", "model.moe.topk=4", "model.moe.num_groups=4", "model.moe.group_topk=2",
-    "model.moe.ffn_hidden_size=32", "model.moe.shared_expert_ffn_hidden_size=64",
-]  # fmt: skip
 
 
 def torchrun(*overrides, nproc=1, timeout=240):

@@ -23,6 +23,16 @@ def _grouped_ref(a, b, lens, trans_b):
     return out
 
 
+def _check_fp64(out, grad, a, b, lens, trans_b):
+    """out and the gradients grad gave a and b against the fp64 grouped reference."""
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = _grouped_ref(a64, b64, lens, trans_b)
+    ref.backward(grad.double())
+    assert_close(out, ref, torch.float32, "out")
+    assert_close(a.grad, a64.grad, torch.float32, "dgrad")
+    assert_close(b.grad, b64.grad, torch.float32, "wgrad")
+
+
 @pytest.mark.parametrize("trans_b", [False, True])
 def test_grouped_gemm_one_group_keeps_fp32_under_autocast(trans_b, device):
     """G == 1 (the dense fast path) under torch.autocast: a's dtype out, as G > 1 and the docstring say.
@@ -37,12 +47,7 @@ def test_grouped_gemm_one_group_keeps_fp32_under_autocast(trans_b, device):
     assert out.dtype == torch.float32
     grad = torch.randn_like(out)
     out.backward(grad)
-    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-    ref = _grouped_ref(a64, b64, lens, trans_b)
-    ref.backward(grad.double())
-    assert_close(out, ref, torch.float32, "out")
-    assert_close(a.grad, a64.grad, torch.float32, "dgrad")
-    assert_close(b.grad, b64.grad, torch.float32, "wgrad")
+    _check_fp64(out, grad, a, b, lens, trans_b)
 
 
 def test_grouped_gemm_one_group_honours_a_pinned_backend(device):
@@ -63,12 +68,7 @@ def test_grouped_gemm_one_group_honours_a_pinned_backend(device):
     GroupedGemmDispatcher.last_backend = None
     out.backward(grad)
     assert GroupedGemmDispatcher.last_backend is BackendType.TRITON  # the dgrad
-    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-    ref = _grouped_ref(a64, b64, lens, True)
-    ref.backward(grad.double())
-    assert_close(out, ref, torch.float32, "out")
-    assert_close(a.grad, a64.grad, torch.float32, "dgrad")
-    assert_close(b.grad, b64.grad, torch.float32, "wgrad")
+    _check_fp64(out, grad, a, b, lens, True)
 
 
 @pytest.mark.parametrize("backend", ["TORCH", "TRITON", "CUTLASS"])
