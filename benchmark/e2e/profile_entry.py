@@ -7,9 +7,12 @@ top kernels (CUDA), the top host ops by self CPU time (both devices; on CPU runs
 blocking CUDA calls per step by the op that made them (``E2E_PROFILE_STACKS=1`` adds their Python callers).
 ``gpu_idle``: the GPU's idle time per step (gaps between kernels, streams merged) by the host op whose launch
 ended each gap (with E2E_PROFILE_STACKS=1, its Python callers): where the GPU waits for the host.
-``E2E_PROFILE_TOP=N`` sets the rows per table (default 25). ``E2E_PROFILE_CENSUS=1`` adds ``census``: the
-aten ops issued from Python per step and the Python sites issuing them (``op_census``; on a CPU-only
-machine too, e.g. the deepseek model at small dims).
+``E2E_PROFILE_KERNEL=substr``: ``kernel_calls``, every profiled launch of the kernels whose name holds
+``substr``, in launch order with its GPU time (which of a step's launches is slow), and ``adamw_launches``:
+what each turbo AdamW's kept plans launch per step (``AdamW.launches()``: tensors, elements, dtypes,
+alignment), so the two lists line up. ``E2E_PROFILE_TOP=N`` sets the rows per table (default 25).
+``E2E_PROFILE_CENSUS=1`` adds ``census``: the aten ops issued from Python per step and the Python sites
+issuing them (``op_census``; on a CPU-only machine too, e.g. the deepseek model at small dims).
 ``E2E_PROFILE_PY=1``: cProfile instead of torch.profiler over the same steps (where the host's Python time
 goes: Megatron, turbo, torch); writes the top functions by own and by cumulative time to
 ``$E2E_PROFILE_OUT`` with ``.py.txt`` appended. cProfile slows Python calls, so read shares, not wall time.
@@ -40,6 +43,7 @@ from primus_turbo.integrations.hydra_main import RECIPES_DIR, run  # noqa: E402
 WAIT = int(os.environ.get("E2E_PROFILE_WAIT", "5"))  # steps before the profiler warm-up step
 ACTIVE = int(os.environ.get("E2E_PROFILE_STEPS", "3"))
 CENSUS = os.environ.get("E2E_PROFILE_CENSUS", "0") == "1"
+KERNEL = os.environ.get("E2E_PROFILE_KERNEL", "")
 TOP = int(os.environ.get("E2E_PROFILE_TOP", "25"))  # rows per table
 
 
@@ -202,6 +206,22 @@ def gpu_idle(prof, steps: int, min_gap_us: float = 20.0) -> dict:
     }
 
 
+def kernel_calls(prof, substr: str) -> list[dict]:
+    """E2E_PROFILE_KERNEL: each GPU launch of a kernel whose name holds ``substr``, in start order."""
+    calls = [e for e in prof.events() if _is_kernel(e) and substr in e.name and e.time_range is not None]
+    calls.sort(key=lambda e: e.time_range.start)
+    return [{"kernel": _short_kernel(e.name), "us": round(e.time_range.elapsed_us(), 1)} for e in calls]
+
+
+def adamw_launches() -> list[list[dict]]:
+    """``launches()`` of every live turbo AdamW (the trainer holds it; found by the garbage collector)."""
+    import gc
+
+    from primus_turbo.pytorch.optim import AdamW
+
+    return [obj.launches() for obj in gc.get_objects() if isinstance(obj, AdamW)]
+
+
 def summarize(prof, steps: int, wall_ms: list[float] | None = None) -> dict:
     """Per profiled step: on CUDA, the top GPU kernels by time (``top``, shares of the summed kernel
     time), the summed kernel time against the wall time (the rest is the GPU waiting on the host, or
@@ -310,6 +330,9 @@ def _entry(cfg) -> None:
             summary = summarize(prof, active, wall)
             if CENSUS:
                 summary["census"] = op_census(prof, active)
+            if KERNEL:
+                summary["kernel_calls"] = kernel_calls(prof, KERNEL)
+                summary["adamw_launches"] = adamw_launches()
         except (AssertionError, RuntimeError) as err:  # the run ended before the profiled steps
             summary = {"error": f"no profile: {err or type(err).__name__}"}
         with open(out, "w") as f:

@@ -24,12 +24,16 @@ state kind (masters, gradients, moments, bf16 weights) as views of one buffer, t
 large tensors, and torch's Megatron step (fused AdamW, clip, one cast per parameter) over the recipe's list as
 the baseline: whether the kernel's 63% of copy in that recipe's profile (25.3 ms per step, session 36,
 against ~80% in the rows above) comes from the tensor list, the buffer layout or the recipe's GPU state.
+Then the kernel alone over the separate-tensor state, per variant: how each program finds its tensor (binary
+search of the launch table, or a per-block index: ``block_map``) and elements per program (2048 / 4096 /
+8192), and the optimizer with PRIMUS_TURBO_ADAMW_BLOCK_MAP=1.
 
     python benchmark/ops/bench_adamw.py [--quick | --recipe]
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +52,7 @@ from bench_utils import (  # noqa: E402
 )
 
 from primus_turbo.pytorch.optim import AdamW  # noqa: E402
+from primus_turbo.triton.optim import adamw_kernel as ak  # noqa: E402
 
 # one MoE layer's experts (w1, w2, w3), attention and shared-expert weights, the embedding, norms
 SHAPES = [(64, 1408, 2048), (64, 2048, 1408), (64, 1408, 2048), (102400, 2048), (3072, 2048), (2048, 2048),
@@ -197,6 +202,39 @@ def _recipe_row(label: str, shapes, flat: bool) -> dict:
             "GB/s": gbps(n * 30, ms)}  # fmt: skip
 
 
+def _kernel_variant_rows(shapes) -> list[dict]:
+    """``launch_adamw`` alone over the recipe's state (separate tensors, with clip factor and bf16 copies):
+    the launch table searched vs a block map, at three block sizes; bitwise the same update, so each variant
+    steps the same state in turn (the numbers move; the bytes do not)."""
+    params, opt = _turbo_state(shapes, False)
+    scale = torch.full((1,), 0.5, device="cuda")
+    states = [opt.state[p] for p in params]
+    copies = [opt._copies[p] for p in params]
+    grads = [p.grad for p in params]
+    n = sum(p.numel() for p in params)
+    dtypes = (torch.float32, torch.float32, torch.float32, torch.bfloat16)
+    rows = []
+    for block in (4096, 2048, 8192):
+        moments = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        table_rows, blocks, aligned = ak.adamw_table(params, grads, *moments, copies, block=block)
+        table = torch.tensor(table_rows, dtype=torch.int64, device="cuda")
+        for mapped in (False, True):
+            if block != 4096 and not mapped:
+                continue
+            block_map = ak.adamw_block_map(table_rows, blocks, "cuda") if mapped else None
+
+            def step(table=table, blocks=blocks, aligned=aligned, block=block, block_map=block_map):
+                ak.launch_adamw(table, len(params), blocks, dtypes, scale, **KW, step=10, aligned=aligned,
+                                block=block, block_map=block_map)  # fmt: skip
+
+            ms, std = bench_ms(step, warmup_ms=50, rep_ms=300)
+            how = "block map" if mapped else "table search"
+            rows.append({"label": f"kernel only, {how}, {block} per program [recipe, separate tensors]",
+                         "elements (M)": n / 1e6, "tensors": len(params), "Check": "", "ms": ms,
+                         "ms_stddev": std, "host ms": host_ms(step), "GB/s": gbps(n * 30, ms)})  # fmt: skip
+    return rows
+
+
 def _recipe_rows() -> list[dict]:
     shapes = recipe_shapes()
     elems = sum(torch.Size(s).numel() for s in shapes)
@@ -208,6 +246,14 @@ def _recipe_rows() -> list[dict]:
     ):
         rows.append(_recipe_row(label, layout, flat))
         torch.cuda.empty_cache()
+    os.environ["PRIMUS_TURBO_ADAMW_BLOCK_MAP"] = "1"
+    try:
+        rows.append(_recipe_row("recipe, separate tensors, PRIMUS_TURBO_ADAMW_BLOCK_MAP=1", shapes, False))
+    finally:
+        os.environ.pop("PRIMUS_TURBO_ADAMW_BLOCK_MAP")
+    torch.cuda.empty_cache()
+    rows += _kernel_variant_rows(shapes)
+    torch.cuda.empty_cache()
     rows.append(_torch_recipe_row(shapes))  # state allocated after turbo's is freed: ~50 GB at a time
     return rows
 
