@@ -316,9 +316,16 @@ def _entry(cfg) -> None:
         with_stack=os.environ.get("E2E_PROFILE_STACKS", "0") == "1" or CENSUS,
     )
     stamps: list[float] = []  # wall clock at the end of every step
+    launches: list = []  # E2E_PROFILE_KERNEL: the optimizers' launches at the last profiled step
+
+    def on_step(done: int) -> None:
+        prof.step()
+        if KERNEL and done == WAIT + 1 + active:
+            launches.append(adamw_launches())
+
     prof.start()
     try:
-        stamps = _run_with_step_hook(cfg, lambda done: prof.step())
+        stamps = _run_with_step_hook(cfg, on_step)
     finally:
         prof.stop()
     out = os.environ.get("E2E_PROFILE_OUT")
@@ -332,7 +339,7 @@ def _entry(cfg) -> None:
                 summary["census"] = op_census(prof, active)
             if KERNEL:
                 summary["kernel_calls"] = kernel_calls(prof, KERNEL)
-                summary["adamw_launches"] = adamw_launches()
+                summary["adamw_launches"] = launches[0] if launches else []
         except (AssertionError, RuntimeError) as err:  # the run ended before the profiled steps
             summary = {"error": f"no profile: {err or type(err).__name__}"}
         with open(out, "w") as f:

@@ -202,29 +202,31 @@ def _recipe_row(label: str, shapes, flat: bool) -> dict:
             "GB/s": gbps(n * 30, ms)}  # fmt: skip
 
 
-def _kernel_variant_rows(shapes) -> list[dict]:
+def _kernel_variant_rows(shapes, device: str = "cuda") -> list[dict]:
     """``launch_adamw`` alone over the recipe's state (separate tensors, with clip factor and bf16 copies):
     the launch table searched vs a block map, at three block sizes; bitwise the same update, so each variant
     steps the same state in turn (the numbers move; the bytes do not)."""
-    params, opt = _turbo_state(shapes, False)
-    scale = torch.full((1,), 0.5, device="cuda")
+    params, opt = _turbo_state(shapes, False, device)
+    scale = torch.full((1,), 0.5, device=device)
     states = [opt.state[p] for p in params]
     copies = [opt._copies[p] for p in params]
     grads = [p.grad for p in params]
     n = sum(p.numel() for p in params)
     dtypes = (torch.float32, torch.float32, torch.float32, torch.bfloat16)
+    hyper = {"lr": KW["lr"], "beta1": KW["betas"][0], "beta2": KW["betas"][1], "eps": KW["eps"],
+             "weight_decay": KW["weight_decay"]}  # fmt: skip
     rows = []
     for block in (4096, 2048, 8192):
         moments = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
         table_rows, blocks, aligned = ak.adamw_table(params, grads, *moments, copies, block=block)
-        table = torch.tensor(table_rows, dtype=torch.int64, device="cuda")
+        table = torch.tensor(table_rows, dtype=torch.int64, device=device)
         for mapped in (False, True):
             if block != 4096 and not mapped:
                 continue
-            block_map = ak.adamw_block_map(table_rows, blocks, "cuda") if mapped else None
+            block_map = ak.adamw_block_map(table_rows, blocks, device) if mapped else None
 
             def step(table=table, blocks=blocks, aligned=aligned, block=block, block_map=block_map):
-                ak.launch_adamw(table, len(params), blocks, dtypes, scale, **KW, step=10, aligned=aligned,
+                ak.launch_adamw(table, len(params), blocks, dtypes, scale, **hyper, step=10, aligned=aligned,
                                 block=block, block_map=block_map)  # fmt: skip
 
             ms, std = bench_ms(step, warmup_ms=50, rep_ms=300)
