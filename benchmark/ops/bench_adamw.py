@@ -28,7 +28,7 @@ Then the kernel alone over the separate-tensor state, per variant: how each prog
 search of the launch table, or a per-block index: ``block_map``) and elements per program (2048 / 4096 /
 8192), and the optimizer with PRIMUS_TURBO_ADAMW_BLOCK_MAP=1.
 
-    python benchmark/ops/bench_adamw.py [--quick | --recipe]
+    python benchmark/ops/bench_adamw.py [--quick | --recipe | --variants ROUNDS]
 """
 
 from __future__ import annotations
@@ -202,10 +202,15 @@ def _recipe_row(label: str, shapes, flat: bool) -> dict:
             "GB/s": gbps(n * 30, ms)}  # fmt: skip
 
 
-def _kernel_variant_rows(shapes, device: str = "cuda") -> list[dict]:
+# (elements per program, block map)
+VARIANTS = ((4096, False), (4096, True), (2048, False), (2048, True), (8192, True))
+
+
+def _kernel_variant_rows(shapes, device: str = "cuda", rounds: int = 1) -> list[dict]:
     """``launch_adamw`` alone over the recipe's state (separate tensors, with clip factor and bf16 copies):
     the launch table searched vs a block map, at three block sizes; bitwise the same update, so each variant
-    steps the same state in turn (the numbers move; the bytes do not)."""
+    steps the same state in turn (the numbers move; the bytes do not). ``rounds``: the variants run in turn
+    that many times (one row each per round: the spread between rounds is the clock's)."""
     params, opt = _turbo_state(shapes, False, device)
     scale = torch.full((1,), 0.5, device=device)
     states = [opt.state[p] for p in params]
@@ -215,25 +220,28 @@ def _kernel_variant_rows(shapes, device: str = "cuda") -> list[dict]:
     dtypes = (torch.float32, torch.float32, torch.float32, torch.bfloat16)
     hyper = {"lr": KW["lr"], "beta1": KW["betas"][0], "beta2": KW["betas"][1], "eps": KW["eps"],
              "weight_decay": KW["weight_decay"]}  # fmt: skip
-    rows = []
-    for block in (4096, 2048, 8192):
+    steps = []
+    for block, mapped in VARIANTS:
         moments = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
         table_rows, blocks, aligned = ak.adamw_table(params, grads, *moments, copies, block=block)
         table = torch.tensor(table_rows, dtype=torch.int64, device=device)
-        for mapped in (False, True):
-            if block != 4096 and not mapped:
-                continue
-            block_map = ak.adamw_block_map(table_rows, blocks, device) if mapped else None
+        block_map = ak.adamw_block_map(table_rows, blocks, device) if mapped else None
 
-            def step(table=table, blocks=blocks, aligned=aligned, block=block, block_map=block_map):
-                ak.launch_adamw(table, len(params), blocks, dtypes, scale, **hyper, step=10, aligned=aligned,
-                                block=block, block_map=block_map)  # fmt: skip
+        def step(table=table, blocks=blocks, aligned=aligned, block=block, block_map=block_map):
+            ak.launch_adamw(table, len(params), blocks, dtypes, scale, **hyper, step=10, aligned=aligned,
+                            block=block, block_map=block_map)  # fmt: skip
 
+        how = "block map" if mapped else "table search"
+        steps.append((f"kernel only, {how}, {block} per program [recipe, separate tensors]", step))
+    rows = []
+    for round_ in range(rounds):
+        for label, step in steps:
             ms, std = bench_ms(step, warmup_ms=50, rep_ms=300)
-            how = "block map" if mapped else "table search"
-            rows.append({"label": f"kernel only, {how}, {block} per program [recipe, separate tensors]",
-                         "elements (M)": n / 1e6, "tensors": len(params), "Check": "", "ms": ms,
-                         "ms_stddev": std, "host ms": host_ms(step), "GB/s": gbps(n * 30, ms)})  # fmt: skip
+            suffix = f" round {round_ + 1}" if rounds > 1 else ""
+            rows.append({"label": label + suffix, "elements (M)": n / 1e6, "tensors": len(params),
+                         "Check": "",
+                         "ms": ms, "ms_stddev": std, "host ms": host_ms(step),
+                         "GB/s": gbps(n * 30, ms)})  # fmt: skip
     return rows
 
 
@@ -263,7 +271,15 @@ def _recipe_rows() -> list[dict]:
 def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0])
     parser.add_argument("--recipe", action="store_true", help="only the deepseek_moe_fp8 parameter list rows")
+    parser.add_argument("--variants", type=int, default=0, metavar="ROUNDS",
+                        help="only the kernel variants over the recipe's tensors, ROUNDS times in turn")
     args = parser.parse_args()
+    if args.variants:
+        rows = _kernel_variant_rows(recipe_shapes(), rounds=args.variants)
+        print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {copy_bandwidth():.0f} GB/s")
+        print_table(rows, ["label", "ms", "host ms", "GB/s"])
+        write_csv(out_dir(args) / "adamw_variants.csv", rows)
+        return
     if args.recipe:
         rows = _recipe_rows()
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {copy_bandwidth():.0f} GB/s")
