@@ -24,16 +24,15 @@ state kind (masters, gradients, moments, bf16 weights) as views of one buffer, t
 large tensors, and torch's Megatron step (fused AdamW, clip, one cast per parameter) over the recipe's list as
 the baseline: whether the kernel's 63% of copy in that recipe's profile (25.3 ms per step, session 36,
 against ~80% in the rows above) comes from the tensor list, the buffer layout or the recipe's GPU state.
-Then the kernel alone over the separate-tensor state, per variant: how each program finds its tensor (binary
-search of the launch table, or a per-block index: ``block_map``) and elements per program (2048 / 4096 /
-8192), and the optimizer with PRIMUS_TURBO_ADAMW_BLOCK_MAP=1.
+Then the kernel alone over the separate-tensor state at 2048 / 4096 / 8192 elements per program.
+``--variants ROUNDS``: only those kernel rows, ROUNDS times in turn (session 37 chose 2048 with them; a
+per-block tensor index in place of the table search, measured then too, was 2-4% slower and is gone).
 
     python benchmark/ops/bench_adamw.py [--quick | --recipe | --variants ROUNDS]
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -202,13 +201,12 @@ def _recipe_row(label: str, shapes, flat: bool) -> dict:
             "GB/s": gbps(n * 30, ms)}  # fmt: skip
 
 
-# (elements per program, block map)
-VARIANTS = ((4096, False), (4096, True), (2048, False), (2048, True), (8192, True))
+BLOCKS = (2048, 4096, 8192)  # elements per program
 
 
 def _kernel_variant_rows(shapes, device: str = "cuda", rounds: int = 1) -> list[dict]:
     """``launch_adamw`` alone over the recipe's state (separate tensors, with clip factor and bf16 copies):
-    the launch table searched vs a block map, at three block sizes; bitwise the same update, so each variant
+    at three block sizes; bitwise the same update, so each variant
     steps the same state in turn (the numbers move; the bytes do not). ``rounds``: the variants run in turn
     that many times (one row each per round: the spread between rounds is the clock's)."""
     params, opt = _turbo_state(shapes, False, device)
@@ -221,18 +219,16 @@ def _kernel_variant_rows(shapes, device: str = "cuda", rounds: int = 1) -> list[
     hyper = {"lr": KW["lr"], "beta1": KW["betas"][0], "beta2": KW["betas"][1], "eps": KW["eps"],
              "weight_decay": KW["weight_decay"]}  # fmt: skip
     steps = []
-    for block, mapped in VARIANTS:
+    for block in BLOCKS:
         moments = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
         table_rows, blocks, aligned = ak.adamw_table(params, grads, *moments, copies, block=block)
         table = torch.tensor(table_rows, dtype=torch.int64, device=device)
-        block_map = ak.adamw_block_map(table_rows, blocks, device) if mapped else None
 
-        def step(table=table, blocks=blocks, aligned=aligned, block=block, block_map=block_map):
+        def step(table=table, blocks=blocks, aligned=aligned, block=block):
             ak.launch_adamw(table, len(params), blocks, dtypes, scale, **hyper, step=10, aligned=aligned,
-                            block=block, block_map=block_map)  # fmt: skip
+                            block=block)  # fmt: skip
 
-        how = "block map" if mapped else "table search"
-        steps.append((f"kernel only, {how}, {block} per program [recipe, separate tensors]", step))
+        steps.append((f"kernel only, {block} per program [recipe, separate tensors]", step))
     rows = []
     for round_ in range(rounds):
         for label, step in steps:
@@ -256,12 +252,6 @@ def _recipe_rows() -> list[dict]:
     ):
         rows.append(_recipe_row(label, layout, flat))
         torch.cuda.empty_cache()
-    os.environ["PRIMUS_TURBO_ADAMW_BLOCK_MAP"] = "1"
-    try:
-        rows.append(_recipe_row("recipe, separate tensors, PRIMUS_TURBO_ADAMW_BLOCK_MAP=1", shapes, False))
-    finally:
-        os.environ.pop("PRIMUS_TURBO_ADAMW_BLOCK_MAP")
-    torch.cuda.empty_cache()
     rows += _kernel_variant_rows(shapes)
     torch.cuda.empty_cache()
     rows.append(_torch_recipe_row(shapes))  # state allocated after turbo's is freed: ~50 GB at a time

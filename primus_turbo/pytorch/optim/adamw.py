@@ -29,10 +29,7 @@ Host cost: the first step of a group sets up its state, buckets and device table
 stepped through the kernel, later steps reuse that plan after a few attribute reads per parameter (the same
 parameters, gradients at the same addresses in the same dtype and layout, the same state entries and copies,
 step counters unchanged by anyone else), else rebuild it. The step counters of a plan are views of one CPU
-tensor per launch (``state_dict`` hands out copies). ``launches()`` lists what the last step launched.
-
-``PRIMUS_TURBO_ADAMW_BLOCK_MAP=1``: each program reads its tensor from a per-block index (built with the plan,
-4 bytes per 4096 elements) instead of a binary search over the launch table (an A/B switch, read per plan).
+tensor per launch (``state_dict`` hands out copies). ``launches()`` lists what the kept plans launch.
 """
 
 from __future__ import annotations
@@ -40,7 +37,6 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from primus_turbo.env import parse_bool_env
 from primus_turbo.pytorch.core.utils import triton_can_run_on, triton_interpret_enabled
 
 __all__ = ["AdamW"]
@@ -83,7 +79,7 @@ class AdamW(torch.optim.AdamW):
         self._next_grad_scale: torch.Tensor | None = None
         self._copies: dict[torch.Tensor, torch.Tensor] = {}
         self._copies_fresh = False
-        self._tables: dict[tuple, tuple] = {}  # launch tables (rows, table, block map) by group and bucket
+        self._tables: dict[tuple, tuple[list[int], torch.Tensor]] = {}  # launch tables by group and bucket
         self._plans: dict[int, _Plan] = {}  # per group index: its launches, reused while they hold
 
     def __setstate__(self, state: dict) -> None:
@@ -151,13 +147,13 @@ class AdamW(torch.optim.AdamW):
 
     def launches(self) -> list[dict]:
         """What the kept plans launch per step, one dict per kernel launch (diagnostics): the group index,
-        tensors, elements, blocks, (param, grad, moments, copy) dtypes, whether every address is 16-byte
-        aligned and whether the programs read a block map."""
+        tensors, elements, blocks, (param, grad, moments, copy) dtypes and whether every address is 16-byte
+        aligned."""
         return [
             {"group": index, "tensors": launch.num_tensors, "elements": launch.elements,
              "blocks": launch.blocks,
              "dtypes": tuple(str(d).replace("torch.", "") if d else None for d in launch.dtypes),
-             "aligned": launch.aligned, "block_map": launch.block_map is not None}
+             "aligned": launch.aligned}
             for index, plan in sorted(self._plans.items()) for launch in plan.launches
         ]  # fmt: skip
 
@@ -259,9 +255,8 @@ class AdamW(torch.optim.AdamW):
                 [s["exp_avg_sq"] for s in bucket_states], None if dtypes[3] is None else copies,
             )  # fmt: skip
             device = bucket_params[0].device
-            table, block_map = self._device_table((index, *key[:-1], rank), rows, blocks, device)
+            table = self._device_table((index, *key[:-1], rank), rows, device)
             launch = _Launch(len(items), blocks, tuple(dtypes), device, aligned, table, steps, int(count))
-            launch.block_map = block_map
             launch.elements = sum(p.numel() for p in bucket_params)
             launches.append(launch)
         return _Plan(self.state, self._copies, params, states, launches)
@@ -278,25 +273,19 @@ class AdamW(torch.optim.AdamW):
                 launch.table, launch.num_tensors, launch.blocks, launch.dtypes, scale,
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), step=launch.count, aligned=launch.aligned,
-                block_map=launch.block_map,
             )  # fmt: skip
             self.turbo_steps += launch.num_tensors
         torch.autograd.graph.increment_version(plan.written)
 
-    def _device_table(self, key, rows: list[int], blocks: int, device: torch.device):
-        """The launch table on ``device`` and its block map (None unless PRIMUS_TURBO_ADAMW_BLOCK_MAP=1),
-        copied there only when the table changes (steady state: never; the host list is compared, the device
-        copies kept)."""
-        from primus_turbo.triton.optim.adamw_kernel import adamw_block_map
-
-        mapped = parse_bool_env("PRIMUS_TURBO_ADAMW_BLOCK_MAP")
+    def _device_table(self, key, rows: list[int], device: torch.device) -> torch.Tensor:
+        """The launch table on ``device``, copied there only when its addresses change (steady state: never;
+        the host list is compared, the device copy kept)."""
         cached = self._tables.get(key)
-        if cached is not None and cached[0] == rows and (cached[2] is not None) == mapped:
-            return cached[1], cached[2]
+        if cached is not None and cached[0] == rows:
+            return cached[1]
         table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        block_map = adamw_block_map(rows, blocks, device) if mapped else None
-        self._tables[key] = (rows, table, block_map)
-        return table, block_map
+        self._tables[key] = (rows, table)
+        return table
 
     def _torch_step(self, fallback: list[list[torch.Tensor]], grad_scale) -> None:
         """torch's AdamW on the parameters the kernel does not take: a torch AdamW over them with their
@@ -342,12 +331,12 @@ class _Launch:
     step counters are the elements of ``steps`` (CPU), all equal to ``count``."""
 
     __slots__ = ("num_tensors", "blocks", "dtypes", "device", "aligned", "table", "steps", "count",
-                 "block_map", "elements")  # fmt: skip
+                 "elements")  # fmt: skip
 
     def __init__(self, num_tensors, blocks, dtypes, device, aligned, table, steps, count):
         self.num_tensors, self.blocks, self.dtypes, self.device = num_tensors, blocks, dtypes, device
         self.aligned, self.table, self.steps, self.count = aligned, table, steps, count
-        self.block_map, self.elements = None, 0
+        self.elements = 0
 
 
 class _Plan:

@@ -16,10 +16,10 @@ dtype: 2 more bytes per element for bf16, where a separate cast pass reads p aga
 
 One launch serves any number of parameters (as torch's multi-tensor apply): a device table holds, per tensor,
 the addresses of p, grad, exp_avg, exp_avg_sq and copy, its size and its first block; each program finds its
-tensor by a binary search over the first blocks, or (``block_map``) reads it from a per-block tensor index.
-A model's hundreds of parameters cost one launch per dtype combination instead of one per parameter
-(Megatron's DeepSeek proxy: 426 Python launches, ~27 ms of host time per step under the profiler, against
-18 ms of optimizer GPU time).
+tensor by a binary search over the first blocks (a per-block tensor index read instead measured 2-4% slower:
+session 37, ``bench_adamw --variants``). A model's hundreds of parameters cost one launch per dtype
+combination instead of one per parameter (Megatron's DeepSeek proxy: 426 Python launches, ~27 ms of host
+time per step under the profiler, against 18 ms of optimizer GPU time).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096
+# elements per program: 2048 moves the deepseek_moe_fp8 recipe's 2.25B elements at 97% of copy (16.58 ms)
+# where 4096 reached 89% (17.96) and 8192 83% (H200, bench_adamw --variants, 3 rounds each, session 37)
+BLOCK = 2048
 ROW = 7  # table columns: p, grad, exp_avg, exp_avg_sq, copy (addresses), numel, first block
 
 
@@ -63,22 +65,19 @@ def _adamw_block(
 
 @triton.jit
 def adamw_kernel(
-    table_ptr, map_ptr, num_tensors, search_steps, scale_ptr, lr, beta1, beta2, eps, weight_decay,
-    bias_correction1, bias_correction2_sqrt, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-    M_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr, MAPPED: tl.constexpr,
+    table_ptr, num_tensors, search_steps, scale_ptr, lr, beta1, beta2, eps, weight_decay, bias_correction1,
+    bias_correction2_sqrt, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr,
+    COPY_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr, ROW: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
-    if MAPPED:  # one load: the block's tensor
-        lo = tl.load(map_ptr + pid).to(tl.int64)
-    else:
-        lo = tl.zeros((), tl.int64)  # the last tensor whose first block is <= pid (empty ones own none)
-        hi = lo + num_tensors  # (num_tensors == 1 arrives as a constant)
-        for _ in range(search_steps):
-            mid = (lo + hi) // 2
-            go = tl.load(table_ptr + mid * ROW + 6) <= pid
-            lo = tl.where(go, mid, lo)
-            hi = tl.where(go, hi, mid)
+    lo = tl.zeros((), tl.int64)  # the last tensor whose first block is <= pid (empty tensors own no block)
+    hi = lo + num_tensors  # (num_tensors == 1 arrives as a constant)
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        go = tl.load(table_ptr + mid * ROW + 6) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
     row = table_ptr + lo * ROW
     p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
@@ -129,27 +128,16 @@ def adamw_table(
     return rows, first, bits % 16 == 0
 
 
-def adamw_block_map(rows: list[int], num_blocks: int, device) -> torch.Tensor:
-    """Per block of an ``adamw_table`` (its ``rows`` and block count), the index of the tensor it updates
-    (int32 on ``device``): the kernel's ``block_map``, one load in place of the binary search."""
-    firsts = torch.tensor(rows[6::ROW], dtype=torch.int64)
-    counts = torch.diff(firsts, append=torch.tensor([num_blocks]))
-    index = torch.repeat_interleave(torch.arange(len(firsts), dtype=torch.int32), counts)
-    return index.to(device, non_blocking=True)
-
-
 def launch_adamw(
     table: torch.Tensor, num_tensors: int, num_blocks: int, dtypes, scale, *, lr: float, beta1: float,
     beta2: float, eps: float, weight_decay: float, step: int, aligned: bool = False, block: int = BLOCK,
-    block_map: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """AdamW in place over the ``num_tensors`` tensors of ``table`` (from ``adamw_table``, on their device):
     contiguous same-size p, exp_avg, exp_avg_sq, grad (and copy; an empty tensor owns no block); ``dtypes``:
     (p, grad, moments, copy or None) torch dtypes, the same for every tensor; ``scale``: a one-element tensor
     the gradients are multiplied by, or None; ``step``: the count after this update, the same for all;
     ``aligned``: every address in the table is a multiple of 16 bytes (``adamw_table`` says); ``block``: the
-    table's elements per program; ``block_map``: None (each program searches the table) or
-    ``adamw_block_map``'s tensor for this table."""
+    table's elements per program (``adamw_table``'s)."""
     if num_tensors == 0 or num_blocks == 0:
         return
     p_dtype, g_dtype, m_dtype, copy_dtype = dtypes
@@ -158,11 +146,9 @@ def launch_adamw(
     on_device = torch.cuda.device(table.device) if table.is_cuda else contextlib.nullcontext()
     with on_device:  # Triton launches on the current device: the tensors' one
         adamw_kernel[(num_blocks,)](
-            table, block_map if block_map is not None else table, num_tensors,
-            max(num_tensors - 1, 0).bit_length(), scale if scale is not None else table,
+            table, num_tensors, max(num_tensors - 1, 0).bit_length(), scale if scale is not None else table,
             lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
             P_DTYPE=_TL[p_dtype], G_DTYPE=_TL[g_dtype], M_DTYPE=_TL[m_dtype],
             COPY_DTYPE=_TL[copy_dtype or p_dtype], HAS_SCALE=scale is not None,
-            HAS_COPY=copy_dtype is not None, ALIGNED=aligned, BLOCK=block, ROW=ROW,
-            MAPPED=block_map is not None, num_warps=8,
+            HAS_COPY=copy_dtype is not None, ALIGNED=aligned, BLOCK=block, ROW=ROW, num_warps=8,
         )  # fmt: skip

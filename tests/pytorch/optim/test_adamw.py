@@ -118,15 +118,11 @@ def test_bad_grad_scale_is_refused(device):
         AdamW([p], **KW).step(grad_scale=0.5)
 
 
-@pytest.mark.parametrize("block_map", [False, True], ids=["search", "block_map"])
-def test_many_parameters_in_one_launch_per_dtype_and_step_count(device, monkeypatch, block_map):
+def test_many_parameters_in_one_launch_per_dtype_and_step_count(device, monkeypatch):
     """One launch per (dtypes, step count): 43 fp32 parameters of 0 to 3 blocks + 3 bf16 ones, some with a
     bf16 copy, two joining after the first step (their own step count). Every tensor against torch's
-    AdamW, and the launch table: kept while the addresses stay, rebuilt when a gradient is a new tensor.
-    ``block_map``: the programs find their tensor through PRIMUS_TURBO_ADAMW_BLOCK_MAP's per-block index."""
+    AdamW, and the launch table: kept while the addresses stay, rebuilt when a gradient is a new tensor."""
     from primus_turbo.triton.optim import adamw_kernel
-
-    monkeypatch.setenv("PRIMUS_TURBO_ADAMW_BLOCK_MAP", "1" if block_map else "0")
 
     launches = []
     launch = adamw_kernel.launch_adamw
@@ -163,24 +159,9 @@ def test_many_parameters_in_one_launch_per_dtype_and_step_count(device, monkeypa
         tables = {k: v[1] for k, v in opt._tables.items()}
     opt.step()  # the same gradient tensors: every device table reused
     assert all(tables[k] is v[1] for k, v in opt._tables.items()) and len(tables) == 5
-    assert [launch["block_map"] for launch in opt.launches()] == [block_map] * 5
+    assert len(opt.launches()) == 5
     assert sum(launch["tensors"] for launch in opt.launches()) == len(ours)
     assert sum(launch["elements"] for launch in opt.launches()) == sum(p.numel() for p in ours)
-
-
-def test_block_map_names_each_blocks_tensor():
-    """The per-block index: tensors of 0, 1, 3 blocks and a partial one, then one of exactly one block."""
-    from primus_turbo.triton.optim.adamw_kernel import BLOCK, ROW, adamw_block_map
-
-    blocks_per_tensor = [0, 1, 3, 2, 1]
-    rows, first = [], 0
-    for n in blocks_per_tensor:
-        rows += [0] * 5 + [n * BLOCK, first]
-        first += n
-    assert len(rows) == ROW * len(blocks_per_tensor)
-    index = adamw_block_map(rows, first, "cpu")
-    assert index.dtype == torch.int32
-    assert index.tolist() == [1, 2, 2, 2, 3, 3, 4]
 
 
 def _flat_views(params, dtype, device):
@@ -320,17 +301,17 @@ def _compile_all() -> None:
     from primus_turbo.triton.optim import adamw_kernel as ak
 
     sig = {
-        "table_ptr": "*i64", "map_ptr": "*i32", "num_tensors": "i32", "search_steps": "i32", "scale_ptr": "*fp32", "lr": "fp32",
+        "table_ptr": "*i64", "num_tensors": "i32", "search_steps": "i32", "scale_ptr": "*fp32", "lr": "fp32",
         "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32", "bias_correction1": "fp32",
         "bias_correction2_sqrt": "fp32", "P_DTYPE": "constexpr", "G_DTYPE": "constexpr",
         "M_DTYPE": "constexpr", "COPY_DTYPE": "constexpr", "HAS_SCALE": "constexpr", "HAS_COPY": "constexpr",
-        "ALIGNED": "constexpr", "BLOCK": "constexpr", "ROW": "constexpr", "MAPPED": "constexpr",
+        "ALIGNED": "constexpr", "BLOCK": "constexpr", "ROW": "constexpr",
     }  # fmt: skip
     variants = ((tl.float32, True, True), (tl.float32, False, False), (tl.bfloat16, True, False))
     for dtype, has_scale, has_copy in variants:
         consts = {"P_DTYPE": dtype, "G_DTYPE": dtype, "M_DTYPE": dtype, "COPY_DTYPE": tl.bfloat16,
                   "HAS_SCALE": has_scale, "HAS_COPY": has_copy, "ALIGNED": has_scale, "BLOCK": ak.BLOCK,
-                  "ROW": ak.ROW, "MAPPED": has_copy}  # fmt: skip
+                  "ROW": ak.ROW}  # fmt: skip
         compiled = compile_for_sm90(ak.adamw_kernel, sig, consts, num_warps=8)
         if has_scale:  # aligned addresses: whole blocks move in 16-byte vectors
             assert "ld.global.v4" in compiled.asm["ptx"], "no vector loads in the aligned variant"
