@@ -5,7 +5,9 @@ its own ``rank<r>/`` key prefix: tensor- and expert-parallel shards of one param
 module's state_dict, and DCP would otherwise treat them as replicas and keep one. ``shared`` entries are keyed
 by the caller outside those prefixes (a key saved by several ranks is written once). A resume must use
 the same world size and parallel layout (checked at load). Tensors are written by DCP's tensor path and loaded
-in place; scheduler/RNG state travel as DCP objects.
+in place; scheduler/RNG state travel as DCP objects. Each rank writes its share through several threads
+(``writer_threads``), where DCP's default is one: a 2.25B-parameter Megatron save (31 GB with the Adam state)
+took tens of seconds on an H200 host with one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ def latest_step(ckpt_dir: str) -> int | None:
         return int(f.read().strip())
 
 
+def writer_threads(cpu_count: int | None = None, local_ranks: int | None = None) -> int:
+    """Files each rank writes in parallel: the host's cores shared by this node's ranks (LOCAL_WORLD_SIZE),
+    between 2 and 8. On a 2-core CPU host a 3 GB save took 2.4-9.2 s with one thread, 1.6-2.0 s with two
+    and 1.3-1.4 s with four (session 37)."""
+    cpu_count = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    local_ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(2, min(8, cpu_count // max(local_ranks, 1)))
+
+
 def _namespaced(rank: int, tensors: dict, objects: dict, shared: dict | None = None) -> dict:
     state = {f"rank{rank}": {"tensors": tensors, "objects": objects}}
     clash = [k for k in shared or {} if k.split(".")[0].startswith("rank")]
@@ -45,7 +56,8 @@ def save_checkpoint(
     """Collective: every rank calls it. Returns the step directory."""
     rank = dist.get_rank()
     path = step_dir(ckpt_dir, step)
-    dcp.save(_namespaced(rank, tensors, objects, shared), checkpoint_id=path)
+    writer = dcp.FileSystemWriter(path, thread_count=writer_threads())
+    dcp.save(_namespaced(rank, tensors, objects, shared), storage_writer=writer)
     dist.barrier()
     if rank == 0:
         tmp = os.path.join(ckpt_dir, "latest.tmp")
