@@ -32,6 +32,15 @@ def latest_step(ckpt_dir: str) -> int | None:
         return int(f.read().strip())
 
 
+def dir_gb(path: str) -> float:
+    """Size of the files under ``path`` as this host sees them, in GB (a save's size on a shared file system;
+    on node-local storage, this node's part)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total / 1e9
+
+
 def writer_threads(cpu_count: int | None = None, local_ranks: int | None = None) -> int:
     """Files each rank writes in parallel: the host's cores shared by this node's ranks (LOCAL_WORLD_SIZE),
     between 2 and 8. On a 2-core CPU host a 3 GB save took 2.4-9.2 s with one thread, 1.6-2.0 s with two

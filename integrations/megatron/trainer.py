@@ -288,8 +288,10 @@ def _legacy_checkpoint_state(run: Run) -> tuple[dict, dict]:
 
 
 def save(run: Run, step: int) -> None:
+    start = time.perf_counter()
     path = checkpointing.save(run, step, _init_optimizer_state)
-    log0(f"checkpoint: saved step {step} to {path}")
+    seconds = time.perf_counter() - start
+    log0(f"checkpoint: saved step {step} to {path} in {seconds:.1f} s ({ckpt.dir_gb(path):.2f} GB here)")
 
 
 def _init_optimizer_state(run: Run) -> None:

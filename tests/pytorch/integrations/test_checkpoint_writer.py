@@ -34,6 +34,7 @@ def _body_round_trip(rank, world, device, ckpt_dir):
     files = [f for f in os.listdir(path) if f.endswith(".distcp")]
     assert len(files) > world, files  # more than one file per rank
     assert ckpt.latest_step(ckpt_dir) == 3
+    assert ckpt.dir_gb(path) * 1e9 >= world * sum(t.numel() * 4 for t in tensors.values())  # all ranks
     loaded = {k: torch.zeros_like(v) for k, v in tensors.items()}
     loaded_shared = {"replicated.step": torch.tensor(0.0)}
     got = ckpt.load_checkpoint(ckpt_dir, 3, loaded, {"step": None, "rank": None}, shared=loaded_shared)

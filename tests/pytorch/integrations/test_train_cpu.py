@@ -223,6 +223,8 @@ def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
     # only ckpt_dir set: the last step is saved (save_at_end defaults to true)
     rc, out, _ = torchrun("train.steps=2", f"train.ckpt_dir={tmp_path / 'end'}")
     assert rc == 0 and (tmp_path / "end" / "latest").read_text().strip() == "2", out[-3000:]
+    # the save line says how long it took and how much it wrote
+    assert re.search(r"checkpoint: saved step 2 to \S+ in \d+\.\d s \(\d+\.\d\d GB here\)", out), out[-3000:]
 
 
 @pytest.mark.parametrize("sync_free", ["true", "false"])
