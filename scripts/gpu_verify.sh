@@ -35,10 +35,25 @@ OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpu_verify.XXXX)
 pack() { tar czf "$OUT/results.tgz.tmp" -C "$WORK" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; }
 T0=$SECONDS
+gpu_stragglers() {  # after a timed-out step: processes still on a GPU that no background parity run started
+  local pid up p keep
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2> /dev/null); do
+    keep=0; up=$pid
+    while [ -n "$up" ] && [ "$up" -gt 1 ]; do  # walk up: a parity run's trainer is a descendant of its pid
+      for p in "${PARITY_PIDS[@]:-}"; do [ "$up" = "$p" ] && keep=1; done
+      up=$(ps -o ppid= -p "$up" 2> /dev/null | tr -d ' ')
+    done
+    [ $keep = 0 ] && kill -9 "$pid" 2> /dev/null && echo "   killed straggler pid $pid"
+  done
+}
 step() {
-  local t=$1 name=$2; shift 2; local t0=$SECONDS
-  timeout "$t" "$@" > "$WORK/$name.log" 2>&1
-  echo "== $name rc=$? $((SECONDS - t0)) s (call $((SECONDS - T0)) s)"; pack
+  local t=$1 name=$2; shift 2; local t0=$SECONDS rc
+  timeout "$t" "$@" > "$WORK/$name.log" 2>&1; rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0)) s (call $((SECONDS - T0)) s)"
+  # a timed-out pytest can leave xdist workers on the GPU (xdist restarts workers that die while its main
+  # process lives), which can skew the next step's timing
+  [ $rc = 124 ] && gpu_stragglers
+  pack
 }
 OUT=$WORK bash scripts/gpu_suite.sh setup > "$WORK/setup.log" 2>&1; tail -3 "$WORK/setup.log"; pack
 export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
