@@ -25,7 +25,8 @@ large tensors, and torch's Megatron step (fused AdamW, clip, one cast per parame
 the baseline: whether the kernel's 63% of copy in that recipe's profile (25.3 ms per step, session 36,
 against ~80% in the rows above) comes from the tensor list, the buffer layout or the recipe's GPU state.
 Then the kernel alone over the separate-tensor state at 2048 / 4096 / 8192 elements per program.
-``--variants ROUNDS``: only those kernel rows, ROUNDS times in turn (session 37 chose 2048 with them; a
+``--variants ROUNDS``: only those kernel rows, ROUNDS times in turn, and torch's Megatron step as the baseline
+(session 37 chose 2048 with them; a
 per-block tensor index in place of the table search, measured then too, was 2-4% slower and is gone).
 
     python benchmark/ops/bench_adamw.py [--quick | --recipe | --variants ROUNDS]
@@ -205,10 +206,10 @@ BLOCKS = (2048, 4096, 8192)  # elements per program
 
 
 def _kernel_variant_rows(shapes, device: str = "cuda", rounds: int = 1) -> list[dict]:
-    """``launch_adamw`` alone over the recipe's state (separate tensors, with clip factor and bf16 copies):
-    at three block sizes; bitwise the same update, so each variant
-    steps the same state in turn (the numbers move; the bytes do not). ``rounds``: the variants run in turn
-    that many times (one row each per round: the spread between rounds is the clock's)."""
+    """``launch_adamw`` alone over the recipe's state (separate tensors, with clip factor and bf16 copies) at
+    each of ``BLOCKS`` elements per program; the variants step the same state in turn (the numbers move, the
+    bytes do not). ``rounds``: the variants run in turn that many times (one row each per round: the spread
+    between rounds is the clock's)."""
     params, opt = _turbo_state(shapes, False, device)
     scale = torch.full((1,), 0.5, device=device)
     states = [opt.state[p] for p in params]
@@ -235,8 +236,7 @@ def _kernel_variant_rows(shapes, device: str = "cuda", rounds: int = 1) -> list[
             ms, std = bench_ms(step, warmup_ms=50, rep_ms=300)
             suffix = f" round {round_ + 1}" if rounds > 1 else ""
             rows.append({"label": label + suffix, "elements (M)": n / 1e6, "tensors": len(params),
-                         "Check": "",
-                         "ms": ms, "ms_stddev": std, "host ms": host_ms(step),
+                         "Check": "", "ms": ms, "ms_stddev": std, "host ms": host_ms(step),
                          "GB/s": gbps(n * 30, ms)})  # fmt: skip
     return rows
 
@@ -266,6 +266,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.variants:
         rows = _kernel_variant_rows(recipe_shapes(), rounds=args.variants)
+        torch.cuda.empty_cache()
+        rows.append(_torch_recipe_row(recipe_shapes()))  # the same-run baseline
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {copy_bandwidth():.0f} GB/s")
         print_table(rows, ["label", "ms", "host ms", "GB/s"])
         write_csv(out_dir(args) / "adamw_variants.csv", rows)

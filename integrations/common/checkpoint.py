@@ -6,8 +6,7 @@ module's state_dict, and DCP would otherwise treat them as replicas and keep one
 by the caller outside those prefixes (a key saved by several ranks is written once). A resume must use
 the same world size and parallel layout (checked at load). Tensors are written by DCP's tensor path and loaded
 in place; scheduler/RNG state travel as DCP objects. Each rank writes its share through several threads
-(``writer_threads``), where DCP's default is one: a 2.25B-parameter Megatron save (31 GB with the Adam state)
-took tens of seconds on an H200 host with one.
+(``writer_threads``), where DCP's default is one.
 """
 
 from __future__ import annotations

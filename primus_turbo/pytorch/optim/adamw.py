@@ -256,9 +256,9 @@ class AdamW(torch.optim.AdamW):
             )  # fmt: skip
             device = bucket_params[0].device
             table = self._device_table((index, *key[:-1], rank), rows, device)
-            launch = _Launch(len(items), blocks, tuple(dtypes), device, aligned, table, steps, int(count))
-            launch.elements = sum(p.numel() for p in bucket_params)
-            launches.append(launch)
+            elements = sum(p.numel() for p in bucket_params)
+            launches.append(_Launch(len(items), blocks, tuple(dtypes), device, aligned, table, steps,
+                                    int(count), elements))  # fmt: skip
         return _Plan(self.state, self._copies, params, states, launches)
 
     def _run(self, plan: _Plan, group: dict, grad_scale) -> None:
@@ -333,10 +333,10 @@ class _Launch:
     __slots__ = ("num_tensors", "blocks", "dtypes", "device", "aligned", "table", "steps", "count",
                  "elements")  # fmt: skip
 
-    def __init__(self, num_tensors, blocks, dtypes, device, aligned, table, steps, count):
+    def __init__(self, num_tensors, blocks, dtypes, device, aligned, table, steps, count, elements):
         self.num_tensors, self.blocks, self.dtypes, self.device = num_tensors, blocks, dtypes, device
         self.aligned, self.table, self.steps, self.count = aligned, table, steps, count
-        self.elements = 0
+        self.elements = elements
 
 
 class _Plan:
